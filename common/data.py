@@ -1,0 +1,155 @@
+"""Data sets: the embedded digits (offline, default), CIFAR-10, MNIST, Fashion-MNIST,
+any ImageFolder tree and FakeData.
+
+Downloads happen once: rank 0 downloads while the others wait at a barrier, or ahead
+of time with `python -m common.prepare` on a login node (compute nodes are often
+offline). A missing data set is a DataError that names the command that prepares it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset, TensorDataset
+
+from common.errors import DataError
+
+DOWNLOADABLE = ("cifar10", "mnist", "fashion_mnist")
+FAKE_TRAIN_SIZE, FAKE_TEST_SIZE = 2048, 512
+DIGITS_TEST_FRACTION = 0.2
+
+_STATS = {  # per-channel mean and std of the training sets
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "mnist": ((0.1307,), (0.3081,)),
+    "fashion_mnist": ((0.2860,), (0.3530,)),
+    "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+}
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    test: Dataset
+    num_classes: int
+    in_channels: int
+    image_size: int
+
+
+def digits(image_size: int = 0) -> DataBundle:
+    """scikit-learn's bundled 1,797 real 8x8 handwritten digits: no download, ever."""
+    from sklearn.datasets import load_digits
+
+    raw = load_digits()
+    images = torch.tensor(raw.images, dtype=torch.float32).unsqueeze(1) / 16.0  # pixels are 0..16
+    images = (images - 0.5) / 0.5
+    labels = torch.tensor(raw.target, dtype=torch.long)
+    if image_size:
+        images = torch.nn.functional.interpolate(images, size=image_size, mode="bilinear", align_corners=False)
+    # A fixed permutation (not the global RNG), so every rank and every run splits alike.
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))
+    n_test = int(len(labels) * DIGITS_TEST_FRACTION)
+    test_idx, train_idx = order[:n_test], order[n_test:]
+    return DataBundle(TensorDataset(images[train_idx], labels[train_idx]),
+                      TensorDataset(images[test_idx], labels[test_idx]),
+                      num_classes=10, in_channels=1, image_size=images.shape[-1])
+
+
+def _torchvision_set(name: str, root: Path, train: bool, download: bool, transform):
+    from torchvision import datasets
+
+    cls = {"cifar10": datasets.CIFAR10, "mnist": datasets.MNIST, "fashion_mnist": datasets.FashionMNIST}[name]
+    return cls(root=str(root), train=train, download=download, transform=transform)
+
+
+def dataset_root(name: str, data_dir: str | Path) -> Path:
+    return Path(data_dir) / name
+
+
+def prepare_command(name: str, data_dir: str | Path) -> str:
+    return f"python -m common.prepare --dataset {name} --data-dir {data_dir}"
+
+
+def _transforms(name: str, image_size: int):
+    from torchvision import transforms as T
+
+    mean, std = _STATS["imagenet" if name in ("imagefolder", "fake") else name]
+    if name == "imagefolder":
+        size = image_size or 224
+        train = [T.RandomResizedCrop(size), T.RandomHorizontalFlip()]
+        test = [T.Resize(int(size * 256 / 224)), T.CenterCrop(size)]
+    else:
+        resize = [T.Resize(image_size)] if image_size else []
+        train, test = list(resize), list(resize)
+        if name == "cifar10":  # the standard CIFAR augmentation
+            size = image_size or 32
+            train += [T.RandomCrop(size, padding=size // 8), T.RandomHorizontalFlip()]
+    tail = [T.ToTensor(), T.Normalize(mean, std)]
+    return T.Compose(train + tail), T.Compose(test + tail)
+
+
+def build_datasets(name: str, data_dir: str | Path = "data", image_size: int = 0,
+                   download: bool = False) -> DataBundle:
+    """Open a data set that is already on disk (or download it when `download`).
+
+    In a process group use `load_datasets`, which downloads on rank 0 only.
+    """
+    if name == "digits":
+        return digits(image_size)
+    if name == "fake":
+        from torchvision import datasets
+
+        size = image_size or 32
+        train_tf, test_tf = _transforms(name, image_size)
+        # Different offsets keep train and test images apart; each index always gives the same image.
+        return DataBundle(
+            datasets.FakeData(FAKE_TRAIN_SIZE, (3, size, size), 10, transform=train_tf, random_offset=0),
+            datasets.FakeData(FAKE_TEST_SIZE, (3, size, size), 10, transform=test_tf, random_offset=FAKE_TRAIN_SIZE),
+            num_classes=10, in_channels=3, image_size=size)
+    train_tf, test_tf = _transforms(name, image_size)
+    if name == "imagefolder":
+        from torchvision import datasets
+
+        root = Path(data_dir)
+        if not (root / "train").is_dir() or not (root / "val").is_dir():
+            raise DataError(f"no ImageFolder tree at {root}: expected {root}/train/<class>/<image> "
+                            f"and {root}/val/<class>/<image> (set --data-dir)")
+        try:
+            train = datasets.ImageFolder(str(root / "train"), transform=train_tf)
+            test = datasets.ImageFolder(str(root / "val"), transform=test_tf)
+        except (FileNotFoundError, RuntimeError) as exc:
+            raise DataError(f"ImageFolder at {root}: {str(exc).splitlines()[0]}") from None
+        if train.classes != test.classes:
+            raise DataError(f"ImageFolder at {root}: train/ and val/ have different class folders")
+        return DataBundle(train, test, len(train.classes), 3, image_size or 224)
+    if name not in DOWNLOADABLE:
+        raise DataError(f"unknown data set {name!r}")
+    root = dataset_root(name, data_dir)
+    try:
+        train = _torchvision_set(name, root, True, download, train_tf)
+        test = _torchvision_set(name, root, False, download, test_tf)
+    except RuntimeError as exc:  # torchvision: "Dataset not found or corrupted"
+        if download:
+            raise DataError(f"{name}: download into {root} failed: {str(exc).splitlines()[0]}") from None
+        raise DataError(f"{name} not found in {root}; prepare it where there is internet with "
+                        f"`{prepare_command(name, data_dir)}` or pass --download") from None
+    except OSError as exc:  # no network, proxy, DNS, ...
+        raise DataError(f"{name}: download into {root} failed ({exc}); on an offline node, "
+                        f"run `{prepare_command(name, data_dir)}` on a login node first") from None
+    sample, _ = train[0]
+    return DataBundle(train, test, 10, sample.shape[0], sample.shape[-1])
+
+
+def load_datasets(name: str, data_dir: str | Path, image_size: int, download: bool, rank: int) -> DataBundle:
+    """Rank 0 downloads (if asked) while the others wait at a barrier; then every rank opens the files."""
+    if download and name in DOWNLOADABLE:
+        if rank == 0:
+            try:
+                build_datasets(name, data_dir, image_size, download=True)
+            finally:
+                dist.barrier()  # release the others even when the download failed; they then fail alike
+        else:
+            dist.barrier()
+    return build_datasets(name, data_dir, image_size, download=False)
