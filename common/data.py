@@ -132,7 +132,8 @@ def build_datasets(name: str, data_dir: str | Path = "data", image_size: int = 0
         test = _torchvision_set(name, root, False, download, test_tf)
     except RuntimeError as exc:  # torchvision: "Dataset not found or corrupted"
         if download:
-            raise DataError(f"{name}: download into {root} failed: {str(exc).splitlines()[0]}") from None
+            raise DataError(f"{name}: download into {root} failed ({str(exc).splitlines()[0].rstrip(': ')}); "
+                            f"without internet access here, prepare it elsewhere and copy {root}") from None
         raise DataError(f"{name} not found in {root}; prepare it where there is internet with "
                         f"`{prepare_command(name, data_dir)}` or pass --download") from None
     except OSError as exc:  # no network, proxy, DNS, ...

@@ -98,9 +98,11 @@ def setup_distributed(backend: str = "auto", timeout_s: float = 60.0, device: st
     if timeout_s <= 0:
         raise ConfigError(f"timeout_s: must be positive, got {timeout_s}")
 
-    # env:// rendezvous reads these; other launchers do not set them.
-    os.environ["MASTER_ADDR"] = info.master_addr
-    os.environ["MASTER_PORT"] = str(info.master_port)
+    # env:// rendezvous reads MASTER_*; the rest are exported as torchrun does, for any
+    # library (and our error reporting) that looks for them, whatever the launcher.
+    os.environ.update(MASTER_ADDR=info.master_addr, MASTER_PORT=str(info.master_port),
+                      RANK=str(info.rank), LOCAL_RANK=str(info.local_rank),
+                      WORLD_SIZE=str(info.world_size), LOCAL_WORLD_SIZE=str(info.local_world_size))
     if dev.type == "cpu" and "OMP_NUM_THREADS" not in env:
         # N processes on one CPU: share the cores instead of each taking all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))

@@ -1,0 +1,27 @@
+"""Download a data set once, ahead of training (on a login node: compute nodes are often offline).
+
+    python -m common.prepare --dataset cifar10 --data-dir data
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.data import DOWNLOADABLE, build_datasets, dataset_root
+from common.entry import run
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", required=True, choices=DOWNLOADABLE)
+    parser.add_argument("--data-dir", default="data")
+    args = parser.parse_args()
+    data = build_datasets(args.dataset, args.data_dir, download=True)
+    print(f"{args.dataset}: {len(data.train)} training and {len(data.test)} test images "
+          f"in {dataset_root(args.dataset, args.data_dir)}")
+
+
+if __name__ == "__main__":
+    run(main)

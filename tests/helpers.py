@@ -1,0 +1,85 @@
+"""Run real launchers as subprocesses, bounded by a timeout, in a clean environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+# Variables of launchers and schedulers: a test that runs inside a Slurm job, under mpiexec or
+# torchrun must not hand them to the processes it starts.
+_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "PALS_", "PBS_", "MPI_", "HYDRA_", "I_MPI_",
+                      "TORCHELASTIC_")
+_LAUNCHER_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                   "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_LAUNCHER_PREFIXES) and k not in _LAUNCHER_NAMES}
+    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Result(subprocess.CompletedProcess):
+    @property
+    def output(self) -> str:
+        return (self.stdout or "") + (self.stderr or "")
+
+
+def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO,
+        check: bool = False) -> Result:
+    """Run `cmd` in its own process group; on timeout kill the whole group and fail the test.
+
+    A hang (a missed collective, a rendezvous that never completes) thus fails one test
+    within `timeout` seconds instead of stalling the suite.
+    """
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or clean_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n--- stdout\n{out[-4000:]}"
+                    f"\n--- stderr\n{err[-4000:]}", pytrace=False)
+    result = Result(proc.args, proc.returncode, out, err)
+    if check and result.returncode != 0:
+        pytest.fail(f"exit code {result.returncode}: {' '.join(map(str, cmd))}\n--- stdout\n{out[-4000:]}"
+                    f"\n--- stderr\n{err[-4000:]}", pytrace=False)
+    return result
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 120,
+             env: dict[str, str] | None = None, check: bool = True, launcher_args: tuple[str, ...] = ()) -> Result:
+    """`torchrun --standalone --nproc_per_node=N script args` (standalone picks a free loopback port)."""
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           *launcher_args, REPO / script, *args]
+    return run(cmd, timeout, env=env, check=check)
+
+
+def read_summary(output_dir: Path) -> dict:
+    return json.loads((Path(output_dir) / "summary.json").read_text())
