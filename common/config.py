@@ -181,3 +181,18 @@ class TrainConfig:
     timeout_s: float = field(60.0, "seconds a collective may wait for the other ranks", min=1.0)
     output_dir: str = field("runs/latest", "where summary.json, model.pt and TensorBoard logs go")
     log_every: int = field(10, "print a progress line every N steps", min=1)
+    # Performance knobs (see the top-level README, "Performance knobs"); defaults are the plain, safe choice.
+    precision: str = field("fp32", "autocast: fp32 (off), bf16, or fp16 (with a GradScaler)",
+                           choices=("fp32", "bf16", "fp16"))
+    channels_last: bool = field(False, "channels_last memory format for model and inputs")
+    compile: bool = field(False, "torch.compile the model (before the DDP wrap)")
+    bucket_cap_mb: float = field(25.0, "DDP gradient bucket size in MiB", min=0.0)
+    gradient_as_bucket_view: bool = field(False, "DDP: gradients are views into the buckets (saves a copy)")
+    static_graph: bool = field(False, "DDP: the graph is the same every step (enables optimizations)")
+    find_unused_parameters: bool = field(False, "DDP: allow parameters that get no gradient (costs a graph walk)")
+    comm_hook: str = field("none", "DDP communication hook compressing gradients",
+                           choices=("none", "bf16_compress", "fp16_compress"))
+    no_ddp: bool = field(False, "baseline: same loop without gradient communication (each rank trains alone)")
+    pin_memory: bool = field(True, "pinned host memory for faster copies to the GPU (GPU only)")
+    persistent_workers: bool = field(True, "keep DataLoader workers alive between epochs (num_workers > 0)")
+    prefetch_factor: int = field(2, "batches each DataLoader worker loads ahead (num_workers > 0)", min=1)
