@@ -36,14 +36,16 @@ class LaunchInfo:
     job_id: str = ""
 
 
-# (launcher name, rank, local rank, world size, local world size); None = not provided.
+# (launcher name, variables whose presence means this launcher, rank, local rank, world size,
+# local world size).
 _MPI_LIKE = [
-    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("openmpi", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), "OMPI_COMM_WORLD_RANK",
+     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
     # HPE PALS (PBS Pro on Cray/HPE systems) also sets PMI_RANK/PMI_SIZE: check it before MPICH.
-    ("pals", "PALS_RANKID", "PALS_LOCAL_RANKID", "PMI_SIZE", "PALS_LOCAL_SIZE"),
+    ("pals", ("PALS_RANKID", "PALS_LOCAL_RANKID"), "PALS_RANKID", "PALS_LOCAL_RANKID", "PMI_SIZE",
+     "PALS_LOCAL_SIZE"),
     # MPICH's Hydra and Intel MPI (also Hydra) share these names.
-    ("mpich", "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE", "MPI_LOCALNRANKS"),
+    ("mpich", ("PMI_RANK", "PMI_SIZE"), "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE", "MPI_LOCALNRANKS"),
 ]
 
 
@@ -201,8 +203,8 @@ def _find(env, rank, world_size):
         # Set by hand or by another launcher that follows torchrun's convention.
         return ("env", _int(env, "RANK"), _int(env, "LOCAL_RANK"),
                 _int(env, "WORLD_SIZE"), _int(env, "LOCAL_WORLD_SIZE"))
-    for name, r, lr, ws, lws in _MPI_LIKE:
-        if env.get(r) is not None or env.get(ws) is not None:
+    for name, markers, r, lr, ws, lws in _MPI_LIKE:
+        if any(env.get(m) is not None for m in markers):
             if name == "mpich" and env.get("I_MPI_ROOT"):
                 name = "intel-mpi"
             return name, _int(env, r), _int(env, lr), _int(env, ws), _int(env, lws)

@@ -1,0 +1,149 @@
+"""01_basic_ddp under real launchers: it trains, DDP equals one big batch, replicas stay identical."""
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import PYTHON, REPO, clean_env, read_summary, run, torchrun
+
+SCRIPT = "01_basic_ddp/train.py"
+
+
+def load_params(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def checksum(state_dict):
+    """The same SHA-256 the script computes over model.parameters() (here: the state_dict, which
+    for SmallCNN holds exactly the parameters, in the same order)."""
+    digest = hashlib.sha256()
+    for tensor in state_dict.values():
+        digest.update(tensor.float().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def assert_same_params(a, b, rtol=1e-5):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=1e-7, msg=name)
+
+
+@pytest.fixture(scope="module")
+def quick_start(tmp_path_factory):
+    """The README's quick-start command, as written, with only the output folder moved."""
+    out = tmp_path_factory.mktemp("quick_start")
+    result = torchrun(SCRIPT, "--output-dir", out, nproc=2, timeout=180)
+    return result, out
+
+
+def test_quick_start_trains_to_95_percent(quick_start):
+    result, out = quick_start
+    summary = read_summary(out)
+    assert summary["eval_accuracy"] >= 0.95
+    assert summary["eval_samples"] == 359  # every test image counted once, none twice
+    assert (summary["world_size"], summary["launcher"], summary["backend"]) == (2, "torchrun", "gloo")
+    assert summary["global_batch_size"] == 2 * summary["local_batch_size"]
+    assert f"eval accuracy {summary['eval_accuracy']:.4f}" in result.stdout
+    assert summary["images_per_second"] > 0 and 0 <= summary["data_wait_fraction"] < 1
+
+
+def test_banner_and_progress_come_from_rank_0_only(quick_start):
+    result, _ = quick_start
+    assert result.stdout.count("launcher ") == 1
+    assert result.stdout.count("world size ") == 1
+    assert result.stdout.count("epoch 12 done") == 1
+    assert "Traceback" not in result.output
+
+
+def test_every_rank_ends_with_identical_parameters(quick_start):
+    _, out = quick_start
+    summary = read_summary(out)
+    checksums = summary["replica_checksums"]
+    assert len(checksums) == 2 and summary["replicas_identical"] is True
+    assert checksums[0] == checksums[1] == checksum(load_params(out / "model.pt"))
+
+
+def test_saved_model_has_no_module_prefix(quick_start):
+    _, out = quick_start
+    assert not any(k.startswith("module.") for k in load_params(out / "model.pt"))
+
+
+def test_two_ranks_equal_one_process_with_twice_the_batch(tmp_path):
+    """DDP averages gradients, so 2 ranks x batch b == 1 process x batch 2b on the same samples."""
+    steps = ["--max-steps", "8", "--lr", "0.05"]
+    torchrun(SCRIPT, "--batch-size", "16", *steps, "--output-dir", tmp_path / "ddp", nproc=2)
+    torchrun(SCRIPT, "--batch-size", "32", *steps, "--output-dir", tmp_path / "one", nproc=1)
+    ddp, one = load_params(tmp_path / "ddp" / "model.pt"), load_params(tmp_path / "one" / "model.pt")
+    assert_same_params(ddp, one)
+    # The comparison is sensitive: one process with the local batch (16) ends elsewhere.
+    torchrun(SCRIPT, "--batch-size", "16", *steps, "--output-dir", tmp_path / "small", nproc=1)
+    small = load_params(tmp_path / "small" / "model.pt")
+    assert max((small[k] - one[k]).abs().max().item() for k in one) > 1e-3
+
+
+def test_mp_spawn_variant_matches_torchrun(tmp_path):
+    args = ["--max-steps", "5", "--batch-size", "16"]
+    torchrun(SCRIPT, *args, "--output-dir", tmp_path / "torchrun", nproc=2)
+    result = run([PYTHON, REPO / "01_basic_ddp/train_spawn.py", "--nprocs", "2", *args,
+                  "--output-dir", tmp_path / "spawn"], timeout=120, check=True)
+    assert read_summary(tmp_path / "spawn")["launcher"] == "mp.spawn"
+    assert result.stdout.count("launcher ") == 1
+    assert_same_params(load_params(tmp_path / "spawn" / "model.pt"), load_params(tmp_path / "torchrun" / "model.pt"),
+                       rtol=0)
+
+
+def test_single_process_without_launcher(tmp_path):
+    run([PYTHON, REPO / SCRIPT, "--max-steps", "3", "--output-dir", tmp_path], timeout=120, check=True)
+    summary = read_summary(tmp_path)
+    assert (summary["launcher"], summary["world_size"], summary["steps"]) == ("single", 1, 3)
+
+
+# --- bad input: one line, exit code 2, no traceback wall, no hang ------------------------------
+
+def error_lines(result):
+    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize("args,env,message", [
+    (["--bach-size", "3"], {}, "unrecognized arguments: --bach-size"),
+    (["--config", "{yaml}"], {}, "unknown config key 'bach_size'"),
+    (["--batch-size", "three"], {}, "'batch_size' must be int"),
+    (["--dataset", "cifar10", "--data-dir", "{tmp}/missing"], {}, "python -m common.prepare --dataset cifar10"),
+    ([], {"RANK": "3", "WORLD_SIZE": "2"}, "rank 3 is outside the world size 2"),
+    ([], {"WORLD_SIZE": "2"}, "rank is not set"),
+    (["--backend", "nccl"], {}, "nccl does not support cpu"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, env, message):
+    (tmp_path / "bad.yaml").write_text("bach_size: 3\n")
+    args = [a.format(yaml=tmp_path / "bad.yaml", tmp=tmp_path) for a in args]
+    started = time.monotonic()
+    result = run([PYTHON, REPO / SCRIPT, *args, "--output-dir", tmp_path / "out"], timeout=60,
+                 env=clean_env(**env))
+    assert result.returncode == 2, result.output
+    assert time.monotonic() - started < 30
+    assert len(error_lines(result)) == 1 and message in error_lines(result)[0], result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_bad_input_under_torchrun_is_reported_once(tmp_path):
+    result = torchrun(SCRIPT, "--batch-size", "-1", "--output-dir", tmp_path, nproc=2, check=False, timeout=60)
+    assert result.returncode != 0
+    assert len(error_lines(result)) == 1 and "'batch_size' must be >= 1" in error_lines(result)[0]
+
+
+def test_a_hanging_launch_fails_within_its_timeout(tmp_path):
+    """tests/helpers.run kills the whole process group of a hung command and fails the test."""
+    pid_file = tmp_path / "grandchild.pid"
+    hang = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '120']); "
+            "open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(120)")
+    started = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="timed out after 3s"):
+        run([PYTHON, "-c", hang, pid_file], timeout=3)
+    assert time.monotonic() - started < 15
+    # The grandchild was killed with the group (gone, or a zombie waiting to be reaped).
+    status = Path(f"/proc/{pid_file.read_text()}/status")
+    assert not status.exists() or "State:\tZ" in status.read_text()

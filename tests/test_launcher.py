@@ -1,0 +1,135 @@
+"""Launcher detection and host-list parsing, table-driven with plain environment dicts."""
+
+import pytest
+
+from common.errors import LauncherError
+from common.launcher import DEFAULT_PORT, PORT_BASE, PORT_SPAN, detect_launcher, expand_hostlist, master_port
+
+# (id, environment, expected (launcher, rank, local_rank, world_size, local_world_size, master_addr))
+CASES = [
+    ("single", {}, ("single", 0, 0, 1, 1, "127.0.0.1")),
+    ("torchrun", {"TORCHELASTIC_RUN_ID": "x", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
+                  "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node7", "MASTER_PORT": "29400"},
+     ("torchrun", 3, 1, 4, 2, "node7")),
+    ("torchrun inside a Slurm job: torchrun wins",
+     {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+      "MASTER_ADDR": "127.0.0.1", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
+      "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "a[1-2]"},
+     ("torchrun", 1, 1, 2, 2, "127.0.0.1")),
+    ("env set by hand", {"RANK": "1", "WORLD_SIZE": "2"}, ("env", 1, 1, 2, 2, "127.0.0.1")),
+    ("openmpi", {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_SIZE": "8",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "PMIX_RANK": "5"},
+     ("openmpi", 5, 1, 8, 4, "127.0.0.1")),
+    ("mpich hydra", {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"},
+     ("mpich", 2, 0, 4, 2, "127.0.0.1")),
+    ("intel mpi", {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
+                   "I_MPI_ROOT": "/opt/intel/mpi"},
+     ("intel-mpi", 1, 1, 2, 2, "127.0.0.1")),
+    ("pals under PBS", {"PALS_RANKID": "6", "PALS_LOCAL_RANKID": "2", "PALS_LOCAL_SIZE": "4", "PMI_RANK": "6",
+                        "PMI_SIZE": "8", "PBS_JOBID": "4321.pbs01", "MASTER_ADDR": "x3001c0s13b0n0"},
+     ("pals", 6, 2, 8, 4, "x3001c0s13b0n0")),
+    ("pmix under srun --mpi=pmix", {"PMIX_RANK": "3", "SLURM_JOB_ID": "55", "SLURM_STEP_ID": "0",
+                                    "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
+                                    "SLURM_JOB_NODELIST": "gpu[01-02]"},
+     ("pmix", 3, 1, 4, 2, "gpu01")),
+    ("slurm srun", {"SLURM_JOB_ID": "123", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
+                    "SLURM_NTASKS": "8", "SLURM_NODEID": "2", "SLURM_TASKS_PER_NODE": "2(x4)",
+                    "SLURM_JOB_NODELIST": "gpu[001-004,010],login2"},
+     ("slurm", 5, 1, 8, 2, "gpu001")),
+    ("slurm srun, step task count preferred",
+     {"SLURM_JOB_ID": "123", "SLURM_STEP_ID": "1", "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
+      "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+      "SLURM_STEP_NODELIST": "n[3,5]", "SLURM_JOB_NODELIST": "n[1-5]"},
+     ("slurm", 1, 0, 2, 1, "n3")),
+    ("slurm batch script without srun is one process",
+     {"SLURM_JOB_ID": "123", "SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "gpu[1-2]"},
+     ("single", 0, 0, 1, 1, "gpu1")),
+    ("pbs job without mpiexec", {"PBS_JOBID": "99.server"}, ("single", 0, 0, 1, 1, "127.0.0.1")),
+    ("mp.spawn keeps MASTER_ADDR", {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"},
+     ("single", 0, 0, 1, 1, "127.0.0.1")),
+]
+
+
+@pytest.mark.parametrize("env,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_detect_launcher(env, expected):
+    info = detect_launcher(env)
+    assert (info.launcher, info.rank, info.local_rank, info.world_size, info.local_world_size,
+            info.master_addr) == expected
+
+
+def test_explicit_rank_is_mp_spawn():
+    info = detect_launcher({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4000"}, rank=1, world_size=3)
+    assert (info.launcher, info.rank, info.local_rank, info.world_size, info.master_port) == ("mp.spawn", 1, 1, 3, 4000)
+
+
+def test_pbs_master_is_first_line_of_nodefile(tmp_path):
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("x1001c0s0b0n0\nx1001c0s0b0n0\nx1002c0s0b0n0\n")
+    env = {"PBS_JOBID": "4321.pbs01", "PBS_NODEFILE": str(nodefile), "PALS_RANKID": "0",
+           "PALS_LOCAL_RANKID": "0", "PALS_LOCAL_SIZE": "2", "PMI_SIZE": "4"}
+    info = detect_launcher(env)
+    assert (info.launcher, info.scheduler, info.master_addr) == ("pals", "pbs", "x1001c0s0b0n0")
+    assert info.master_port == PORT_BASE + 4321 % PORT_SPAN
+
+
+def test_unreadable_or_empty_nodefile_is_an_error(tmp_path):
+    with pytest.raises(LauncherError, match="PBS_NODEFILE"):
+        detect_launcher({"PBS_JOBID": "1", "PBS_NODEFILE": str(tmp_path / "missing")})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(LauncherError, match="is empty"):
+        detect_launcher({"PBS_JOBID": "1", "PBS_NODEFILE": str(tmp_path / "empty")})
+
+
+@pytest.mark.parametrize("env,port", [
+    ({}, DEFAULT_PORT),
+    ({"MASTER_PORT": "12345"}, 12345),
+    ({"SLURM_JOB_ID": "123456"}, PORT_BASE + 123456 % PORT_SPAN),
+    ({"SLURM_JOB_ID": "77_3"}, PORT_BASE + 77),  # array job
+    ({"PBS_JOBID": "8812.pbs-server"}, PORT_BASE + 8812),
+])
+def test_master_port(env, port):
+    assert master_port(env) == port
+
+
+def test_jobs_on_one_node_get_different_ports():
+    assert master_port({"SLURM_JOB_ID": "1001"}) != master_port({"SLURM_JOB_ID": "1002"})
+    assert all(1024 < master_port({"SLURM_JOB_ID": str(j)}) < 32768 for j in (0, 14999, 15000, 10**9 + 7))
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"WORLD_SIZE": "2"}, "rank is not set"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "outside the world size"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "outside the world size"),
+    ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK='one' is not an integer"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "at least 1"),
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"},
+     "local rank 2"),
+    ({"OMPI_COMM_WORLD_SIZE": "4"}, "rank is not set"),
+    ({"PMI_SIZE": "2", "PMI_RANK": "2"}, "outside the world size"),
+    ({"MASTER_PORT": "70000"}, "not a TCP port"),
+    ({"MASTER_PORT": "http"}, "not an integer"),
+])
+def test_inconsistent_environment_is_a_clear_error(env, message):
+    with pytest.raises(LauncherError, match=message):
+        detect_launcher(env)
+
+
+@pytest.mark.parametrize("hostlist,hosts", [
+    ("node1", ["node1"]),
+    ("node1,node2", ["node1", "node2"]),
+    ("gpu[001-004,010],login2", ["gpu001", "gpu002", "gpu003", "gpu004", "gpu010", "login2"]),
+    ("n[8-10]", ["n8", "n9", "n10"]),
+    ("a[1-2],b[3],c", ["a1", "a2", "b3", "c"]),
+    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+    ("x3001c0s13b0n0", ["x3001c0s13b0n0"]),
+    ("node-[09-11].cluster", ["node-09.cluster", "node-10.cluster", "node-11.cluster"]),
+])
+def test_expand_hostlist(hostlist, hosts):
+    assert expand_hostlist(hostlist) == hosts
+
+
+@pytest.mark.parametrize("bad", ["", "gpu[1-2", "gpu1-2]", "gpu[]", "gpu[a-b]", "gpu[3-1]", "a,,b",
+                                 "gpu[1-2,]", "gpu[[1]]", ","])
+def test_malformed_hostlist_is_an_error(bad):
+    with pytest.raises(LauncherError):
+        expand_hostlist(bad)
