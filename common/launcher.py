@@ -212,8 +212,9 @@ def _find(env, rank, world_size):
         # PMIx alone exports no world size; Slurm (srun --mpi=pmix) does.
         ws = _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS")
         return "pmix", _int(env, "PMIX_RANK"), _int(env, "SLURM_LOCALID"), ws, None
-    # srun exports SLURM_STEP_ID; a batch script alone has SLURM_PROCID=0 but is not a rank of a step.
-    if env.get("SLURM_STEP_ID") is not None and env.get("SLURM_STEP_ID") != "batch" and env.get("SLURM_PROCID"):
+    # srun exports SLURM_STEP_ID; a batch script alone has SLURM_PROCID=0 but no SLURM_STEP_ID (checked
+    # on Slurm 22.05). The special steps (batch, extern, interactive: ids 0xfffffffa and up) are not srun steps.
+    if _is_srun_step(env.get("SLURM_STEP_ID")) and env.get("SLURM_PROCID"):
         ws = _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS")
         lws = None
         node = _int(env, "SLURM_NODEID")
@@ -222,3 +223,12 @@ def _find(env, rank, world_size):
             lws = _slurm_tasks_on_node(spec, node)
         return "slurm", _int(env, "SLURM_PROCID"), _int(env, "SLURM_LOCALID"), ws, lws
     return "single", None, None, None, None
+
+
+_SLURM_SPECIAL_STEP_MIN = 0xFFFFFFFA  # interactive, batch, extern and pending steps
+
+
+def _is_srun_step(step_id: str | None) -> bool:
+    if step_id is None or step_id == "batch":
+        return False
+    return not (step_id.isdigit() and int(step_id) >= _SLURM_SPECIAL_STEP_MIN)

@@ -1,0 +1,191 @@
+"""A real two-node Slurm cluster on this machine, for tests (root only).
+
+    with SlurmCluster(tmp_dir) as cluster:
+        job_id = cluster.sbatch(["jobs/slurm_srun.sbatch"], env)
+        state = cluster.wait(job_id, timeout=180)
+
+Everything lives under one temporary folder: munged with its own key and socket,
+slurmctld and two slurmd ("node1", "node2", both 127.0.0.1 on their own ports) with
+their own spool folders. Ports are picked free, so several clusters can run side by
+side. `stop()` ends exactly the daemons it started (by pid), also after a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.helpers import free_port
+
+TOOLS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "scancel")
+NODES = ("node1", "node2")
+CPUS_PER_NODE = 2  # what each fake node advertises; both share this machine's cores
+
+
+def missing_tools() -> list[str]:
+    return [tool for tool in TOOLS if shutil.which(tool) is None]
+
+
+class SlurmCluster:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.procs: list[subprocess.Popen] = []
+        self.munge_pid_file = self.root / "munge" / "munged.pid"
+        self.conf = self.root / "slurm.conf"
+        self.socket = self.root / "munge" / "munge.socket"
+
+    # -- environment for clients (sbatch, srun, scontrol) -------------------------------------
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        env["SLURM_CONF"] = str(self.conf)
+        return env
+
+    def start(self, timeout: float = 60) -> "SlurmCluster":
+        munge_dir = self.root / "munge"
+        munge_dir.mkdir(parents=True)
+        munge_dir.chmod(0o755)
+        key = munge_dir / "munge.key"
+        subprocess.run(["mungekey", "--create", "--keyfile", str(key), "--force"], check=True,
+                       capture_output=True)
+        key.chmod(0o400)
+        subprocess.run(["munged", "--force", f"--socket={self.socket}", f"--key-file={key}",
+                        f"--pid-file={self.munge_pid_file}", f"--log-file={munge_dir / 'munged.log'}",
+                        f"--seed-file={munge_dir / 'munged.seed'}"], check=True, capture_output=True)
+        self._write_conf()
+        env = self.env()
+        for node in NODES:
+            (self.root / "spool" / node).mkdir(parents=True)
+        (self.root / "state").mkdir()
+        log = self.root / "log"
+        log.mkdir()
+        # -D: stay in the foreground, so the Popen object is the daemon and stop() can end it by pid.
+        self.procs.append(subprocess.Popen(["slurmctld", "-D", "-c", "-f", str(self.conf)], env=env,
+                                           stdout=open(log / "slurmctld.out", "w"), stderr=subprocess.STDOUT))
+        for node in NODES:
+            self.procs.append(subprocess.Popen(["slurmd", "-D", "-N", node, "-f", str(self.conf)], env=env,
+                                               stdout=open(log / f"slurmd-{node}.out", "w"),
+                                               stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for proc in self.procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}:\n{self.logs()}")
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=env, capture_output=True, text=True)
+            states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
+            if all(states.get(node) in ("idle", "mix", "alloc") for node in NODES):
+                return self
+            time.sleep(0.5)
+        raise RuntimeError(f"Slurm nodes not idle after {timeout}s:\n{self.logs()}")
+
+    def _write_conf(self) -> None:
+        ctld_port = free_port()
+        ports = {node: free_port() for node in NODES}
+        root = self.root
+        node_lines = "\n".join(
+            f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} "
+            f"CPUs={CPUS_PER_NODE} RealMemory=1000 State=UNKNOWN"
+            for node, port in ports.items())
+        self.conf.write_text(f"""\
+ClusterName=testcluster
+# A random first job id: job files derive their port from it, so side-by-side clusters differ.
+FirstJobId={random.randint(1000, 14000)}
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={self.socket}
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool/%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/spool/%n/slurmd.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SwitchType=switch/none
+ReturnToService=2
+SlurmdParameters=config_overrides
+KillWait=5
+InactiveLimit=0
+MinJobAge=600
+{node_lines}
+PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
+""")
+
+    # -- jobs ---------------------------------------------------------------------------------
+    def sbatch(self, args: list[str], env: dict[str, str], cwd: Path) -> str:
+        out = subprocess.run(["sbatch", "--parsable", *args], env=self.env(env), cwd=cwd,
+                             capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise RuntimeError(f"sbatch {' '.join(args)} failed: {out.stderr}")
+        return out.stdout.strip().split(";")[0]
+
+    def job_state(self, job_id: str) -> tuple[str, str]:
+        """(state, exit code 'N:S') from scontrol; jobs stay listed for MinJobAge seconds."""
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=self.env(),
+                             capture_output=True, text=True, timeout=30)
+        fields = dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
+        return fields.get("JobState", "UNKNOWN"), fields.get("ExitCode", "")
+
+    def wait(self, job_id: str, timeout: float) -> tuple[str, str]:
+        deadline = time.monotonic() + timeout
+        state = ("UNKNOWN", "")
+        while time.monotonic() < deadline:
+            state = self.job_state(job_id)
+            if state[0] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                            "BOOT_FAIL", "DEADLINE", "PREEMPTED"):
+                return state
+            time.sleep(0.5)
+        subprocess.run(["scancel", job_id], env=self.env(), capture_output=True, timeout=30)
+        return ("TIMEOUT (test)", state[1])
+
+    def logs(self) -> str:
+        parts = []
+        for path in sorted((self.root / "log").glob("*")) if (self.root / "log").exists() else []:
+            parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-3000:]}")
+        return "\n".join(parts)
+
+    # -- shutdown -----------------------------------------------------------------------------
+    def stop(self) -> None:
+        for proc in reversed(self.procs):  # slurmd first, then slurmctld
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=15)
+        self.procs.clear()
+        try:
+            pid = int(self.munge_pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "SlurmCluster":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,204 @@
+"""jobs/: static checks of every job file, the Slurm files on a real two-node Slurm cluster,
+the PBS files under bash with PBS's variables and a real mpiexec."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import PYTHON, REPO, clean_env, read_summary, run
+from tests.launcher_tools import need_root, need_tools, unavailable
+from tests.slurm_cluster import TOOLS as SLURM_TOOLS, SlurmCluster
+
+JOBS = sorted((REPO / "jobs").glob("*.*"))
+SLURM_JOBS = ["slurm_srun.sbatch", "slurm_torchrun.sbatch"]
+SMALL = "--max-steps 3 --epochs 1 --batch-size 16"
+
+
+def test_job_files_exist():
+    names = {p.name for p in JOBS}
+    assert {"torchrun_single_node.sh", "torchrun_multi_node.sh", *SLURM_JOBS, "pbs_mpiexec.pbs",
+            "pbs_torchrun.pbs", "prepare_data.sh"} <= names
+
+
+@pytest.mark.parametrize("job", JOBS, ids=lambda p: p.name)
+def test_job_file_static(job):
+    text = job.read_text()
+    run(["bash", "-n", job], 30, check=True)
+    need_tools("shellcheck")
+    result = run(["shellcheck", "-s", "bash", job], 60)
+    assert result.returncode == 0, result.stdout
+    assert "set -euo pipefail" in text
+    assert re.search(r"^# Edit", text, re.M), "header must say what to edit"
+    # Directives: exact '#SBATCH --opt' / '#PBS -x', and all of them before the first command
+    # (sbatch and qsub stop reading directives there). '##SBATCH' is a disabled line.
+    seen_command = False
+    for number, line in enumerate(text.splitlines(), 1):
+        assert not re.match(r"#\s+(SBATCH|PBS)\s+-", line), f"{job.name}:{number}: '# SBATCH' is ignored: {line}"
+        if line.startswith("#SBATCH"):
+            assert re.fullmatch(r"#SBATCH --[a-z][a-z-]*(=\S+)?", line), f"{job.name}:{number}: {line}"
+            assert not seen_command, f"{job.name}:{number}: directive after the first command"
+        if line.startswith("#PBS"):
+            assert re.fullmatch(r"#PBS -[A-Za-z] \S+", line), f"{job.name}:{number}: {line}"
+            assert not seen_command, f"{job.name}:{number}: directive after the first command"
+        if line.strip() and not line.startswith("#"):
+            seen_command = True
+    # Every script a job file runs exists.
+    for script in re.findall(r"SCRIPT=\$\{SCRIPT:-([^}]+)\}", text):
+        assert (REPO / script).is_file(), script
+    for module in re.findall(r"-m (common\.\w+)", text):
+        assert (REPO / (module.replace(".", "/") + ".py")).is_file(), module
+
+
+@pytest.mark.parametrize("name", SLURM_JOBS)
+def test_slurm_file_settings(name):
+    text = (REPO / "jobs" / name).read_text()
+    assert "--kill-on-bad-exit=1" in text
+    assert re.search(r"^#SBATCH --signal=B:USR1@\d+$", text, re.M)
+    assert re.search(r"^#SBATCH --requeue$", text, re.M)
+    assert "scontrol show hostnames" in text
+    assert "$((15000 + SLURM_JOB_ID % 15000))" in text  # common.launcher derives the same port
+    assert len(re.findall(r"^REQUEUE_EXIT_CODE=", text, re.M)) == 1  # one place to align it
+
+
+# -- a real two-node Slurm cluster ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    need_root("a test Slurm cluster (slurmd)")
+    need_tools(*SLURM_TOOLS)
+    start = time.perf_counter()
+    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as c:
+        print(f"Slurm cluster up in {time.perf_counter() - start:.1f} s")
+        yield c  # stopped by the context manager, also when a test failed
+
+
+# One CPU per node and task: the test nodes advertise 2, so two jobs run side by side.
+SBATCH_SMALL = ["--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0"]
+
+
+@pytest.fixture(scope="module")
+def slurm_jobs(cluster, tmp_path_factory):
+    """Submit both job files at once (they fit side by side), wait for both."""
+    out = tmp_path_factory.mktemp("slurm_jobs")
+    start, jobs = time.perf_counter(), {}
+    for name in SLURM_JOBS:
+        env = clean_env(PYTHON=PYTHON, GPUS_PER_NODE="1", TRAIN_ARGS=f"{SMALL} --output-dir {out / name}")
+        job_id = cluster.sbatch(["-o", str(out / f"{name}.out"), *SBATCH_SMALL, f"jobs/{name}"], env, REPO)
+        jobs[name] = job_id
+    states = {name: cluster.wait(job_id, timeout=240) for name, job_id in jobs.items()}
+    print(f"both Slurm jobs done in {time.perf_counter() - start:.1f} s")
+    return {name: (jobs[name], states[name], out / name, (out / f"{name}.out")) for name in SLURM_JOBS}
+
+
+@pytest.mark.parametrize("name,launcher", [("slurm_srun.sbatch", "slurm"), ("slurm_torchrun.sbatch", "torchrun")])
+def test_sbatch_job_completes(slurm_jobs, cluster, name, launcher):
+    job_id, (state, exit_code), run_dir, log = slurm_jobs[name]
+    output = log.read_text() if log.exists() else "(no job output)"
+    assert state == "COMPLETED", f"{state} {exit_code}\n{output}\n{cluster.logs()}"
+    summary = read_summary(run_dir)
+    assert summary["world_size"] == 2 and summary["replicas_identical"]
+    assert summary["launcher"] == launcher and summary["scheduler"] == "slurm"
+    assert [(p["rank"], p["local_rank"]) for p in summary["placement"]] == [(0, 0), (1, 0)]  # one per node
+    port = 15000 + int(job_id) % 15000
+    # First host from scontrol (node1), its NodeAddr as the rendezvous address, port from the job id.
+    assert f"first host node1, rendezvous 127.0.0.1:{port}" in output
+    assert "world size       : 2 (1 per node)" in output
+    if launcher == "slurm":
+        assert (summary["master_addr"], summary["master_port"]) == ("127.0.0.1", port)
+
+
+def test_slurm_detection_batch_shell_vs_job_step(cluster, tmp_path):
+    """The batch shell has SLURM_PROCID=0 but is no rank; srun's tasks are ranks 0 and 1."""
+    probe = ("import json, os; from common.launcher import detect_launcher as d; i = d(os.environ); "
+             "print(json.dumps([os.environ.get('SLURM_STEP_ID'), i.launcher, i.rank, i.world_size]))")
+    (tmp_path / "probe.sh").write_text(
+        f"#!/bin/bash\n{PYTHON} -c \"{probe}\"\nsrun {PYTHON} -c \"{probe}\"\n")
+    job = cluster.sbatch(["-N2", "-n2", *SBATCH_SMALL, "-o", str(tmp_path / "out"), str(tmp_path / "probe.sh")],
+                         clean_env(), REPO)
+    assert cluster.wait(job, 120)[0] == "COMPLETED", (tmp_path / "out").read_text()
+    rows = [json.loads(line) for line in (tmp_path / "out").read_text().splitlines() if line.startswith("[")]
+    assert rows[0] == [None, "single", 0, 1]  # the batch shell: no SLURM_STEP_ID on this Slurm
+    assert sorted(rows[1:]) == [["0", "slurm", 0, 2], ["0", "slurm", 1, 2]]
+
+
+def test_slurm_requeue_on_exit_code(cluster, tmp_path):
+    """A run that exits with REQUEUE_EXIT_CODE is requeued by the job file and runs again."""
+    script = tmp_path / "preempted_once.py"
+    script.write_text(
+        "import os, sys\n"
+        "restart = int(os.environ.get('SLURM_RESTART_COUNT', '0'))\n"
+        f"open('{tmp_path}/runs', 'a').write(f\"{{os.environ['SLURM_PROCID']}} {{restart}}\\n\")\n"
+        "sys.exit(75 if restart == 0 else 0)\n")
+    env = clean_env(PYTHON=PYTHON, SCRIPT=str(script), TRAIN_ARGS="")
+    job = cluster.sbatch(["-o", str(tmp_path / "out"), *SBATCH_SMALL, "jobs/slurm_srun.sbatch"], env, REPO)
+    deadline, state = time.monotonic() + 240, ("", "")
+    while time.monotonic() < deadline and state[0] != "COMPLETED":
+        state = cluster.job_state(job)
+        if state[0] == "PENDING":
+            # Slurm holds a requeued job back for a while (BeginTime); release it now.
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster.env(),
+                           capture_output=True, timeout=30)
+        time.sleep(1)
+    runs = sorted(r for r in (tmp_path / "runs").read_text().splitlines() if r)
+    assert runs == ["0 0", "0 1", "1 0", "1 1"], (tmp_path / "out").read_text()
+    assert state[0] == "COMPLETED"
+
+
+# -- PBS: the job files under bash, with PBS's variables and a real mpiexec ------------------------
+
+def pbs_env(tmp_path, job_id, **extra):
+    """Two "nodes" in the node file, both this machine: its host name first, then localhost."""
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text(f"{socket.gethostname()}\nlocalhost\n")
+    return clean_env(PBS_NODEFILE=str(nodefile), PBS_JOBID=job_id, PBS_O_WORKDIR=str(REPO),
+                     MPIEXEC="mpiexec.mpich", PYTHON=PYTHON, **extra)
+
+
+def test_pbs_mpiexec_job(tmp_path):
+    need_tools("mpiexec.mpich")
+    # MPICH's Hydra takes --ppn but not PALS's --cpu-bind depth: MPIEXEC_BIND is emptied.
+    env = pbs_env(tmp_path, "4321.pbs01", NRANKS_PER_NODE="1", MPIEXEC_BIND="",
+                  TRAIN_ARGS=f"{SMALL} --output-dir {tmp_path / 'run'}")
+    start = time.perf_counter()
+    result = run(["bash", REPO / "jobs/pbs_mpiexec.pbs"], 180, env=env, check=True, cwd=tmp_path)
+    summary = read_summary(tmp_path / "run")
+    assert summary["scheduler"] == "pbs" and summary["launcher"] == "mpich"
+    assert summary["world_size"] == 2 and [p["rank"] for p in summary["placement"]] == [0, 1]
+    # Rank 0's address is the node file's first line; the port comes from PBS_JOBID (4321).
+    assert (summary["master_addr"], summary["master_port"]) == (socket.gethostname(), 15000 + 4321)
+    assert "2 node(s), 2 ranks (1 per node)" in result.stdout
+    print(f"PBS mpiexec job: {time.perf_counter() - start:.1f} s")
+
+
+def test_pbs_torchrun_job(tmp_path):
+    need_tools("mpiexec.mpich")
+    env = pbs_env(tmp_path, "4322.pbs01", GPUS_PER_NODE="1", TRAIN_ARGS=f"{SMALL} --output-dir {tmp_path / 'run'}")
+    start = time.perf_counter()
+    result = run(["bash", REPO / "jobs/pbs_torchrun.pbs"], 180, env=env, check=True, cwd=tmp_path)
+    summary = read_summary(tmp_path / "run")
+    assert summary["scheduler"] == "pbs" and summary["launcher"] == "torchrun"
+    assert summary["world_size"] == 2 and [(p["rank"], p["local_rank"]) for p in summary["placement"]] == [(0, 0), (1, 0)]
+    assert f"rendezvous {socket.gethostname()}:{15000 + 4322}" in result.stdout
+    print(f"PBS torchrun job: {time.perf_counter() - start:.1f} s")
+
+
+def test_pbs_job_refuses_to_run_outside_pbs(tmp_path):
+    env = clean_env()
+    result = run(["bash", REPO / "jobs/pbs_mpiexec.pbs"], 30, env=env, cwd=tmp_path)
+    assert result.returncode != 0 and "PBS_O_WORKDIR: not set: run this file with qsub" in result.stderr
+
+
+def test_torchrun_single_node_job(tmp_path):
+    env = clean_env(PYTHON=PYTHON, GPUS_PER_NODE="2", TRAIN_ARGS=f"{SMALL} --output-dir {tmp_path / 'run'}")
+    run(["bash", "jobs/torchrun_single_node.sh"], 150, env=env, check=True)
+    summary = read_summary(tmp_path / "run")
+    assert summary["world_size"] == 2 and summary["launcher"] == "torchrun"
