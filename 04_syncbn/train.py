@@ -43,6 +43,7 @@ class SyncBNConfig(TrainConfig):
                                        "all ranks; compare: train plain, then sync", choices=("compare", "plain", "sync"))
     batch_size: int = field(4, "samples per rank per step: small, where SyncBatchNorm matters", min=1)
     epochs: int = field(3, "passes over the training set (per run)", min=1)
+    lr: float = field(0.01, "learning rate (small: the global batch is small)", min=0.0)
 
 
 @torch.no_grad()

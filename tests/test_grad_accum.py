@@ -106,8 +106,14 @@ def test_linear_lr_scaling_and_warmup_are_printed_and_applied(tmp_path):
     assert read_summary(tmp_path)["lr"] == pytest.approx(0.2)
 
 
-def test_forward_outside_no_sync_still_all_reduces(tmp_path):
-    """The README's first mistake, shown with DDP itself: no_sync must cover the forward."""
+def test_the_common_mistakes(tmp_path):
+    """The README's mistakes, shown with DDP itself (tests/grad_accum_worker.py)."""
     result = torchrun("tests/grad_accum_worker.py", timeout=90)
+    # no_sync must cover the forward: DDP prepares the backward's all-reduce there.
     assert "forward+backward inside no_sync: 0 all-reduces" in result.stdout
     assert "forward outside, backward inside no_sync: 1 all-reduces" in result.stdout
+    # Syncing on the first micro-batch leaves the later ones un-averaged: replicas diverge.
+    assert "sync on the last micro-batch: gradients identical on all ranks: True" in result.stdout
+    assert "sync on the first micro-batch: gradients identical on all ranks: False" in result.stdout
+    # DDP already averages over ranks; dividing again halves the step on 2 ranks.
+    assert "extra division by world size: gradient x 0.500" in result.stdout
