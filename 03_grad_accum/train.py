@@ -9,7 +9,8 @@ A DDP communication hook counts the gradient all-reduces to show it.
 Run (CPU, 2 processes, embedded digits data; 2 x 8 x 4 = effective batch 64):
     torchrun --standalone --nproc_per_node=2 03_grad_accum/train.py --batch-size 8 --accum-steps 4
 Or give the effective batch and let the script derive the accumulation steps:
-    torchrun --standalone --nproc_per_node=2 03_grad_accum/train.py --batch-size 8 --global-batch-size 256 --scale-lr --warmup-steps 20
+    torchrun --standalone --nproc_per_node=2 03_grad_accum/train.py --batch-size 8 \
+        --global-batch-size 256 --scale-lr --warmup-steps 20
 """
 
 import dataclasses

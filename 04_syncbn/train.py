@@ -40,7 +40,8 @@ from cpu_sync_batchnorm import convert_to_cpu_sync_batchnorm  # next to this scr
 @dataclasses.dataclass
 class SyncBNConfig(TrainConfig):
     batch_norm: str = field("compare", "plain: BatchNorm on each rank's batch; sync: synchronized over "
-                                       "all ranks; compare: train plain, then sync", choices=("compare", "plain", "sync"))
+                                       "all ranks; compare: train plain, then sync",
+                            choices=("compare", "plain", "sync"))
     batch_size: int = field(4, "samples per rank per step: small, where SyncBatchNorm matters", min=1)
     epochs: int = field(3, "passes over the training set (per run)", min=1)
     lr: float = field(0.01, "learning rate (small: the global batch is small)", min=0.0)
@@ -74,7 +75,8 @@ def main(argv=None):
         results = {mode: train(cfg, ctx, mode) for mode in modes}
         write_summary(cfg.output_dir, world_size=ctx.world_size, launcher=ctx.info.launcher,
                       backend=ctx.backend, device=str(ctx.device), local_batch_size=cfg.batch_size,
-                      global_batch_size=cfg.batch_size * ctx.world_size, lr=cfg.lr, runs=results)
+                      global_batch_size=cfg.batch_size * ctx.world_size, lr=cfg.lr, runs=results,
+                      **results[modes[-1]])  # top level: the last run (sync, when comparing)
         print0("\n".join([f"{'batch norm':<32} {'normalizes over':>15} {'train loss':>10} {'eval loss':>9} "
                            f"{'eval acc':>8}"] + [
             f"{r['norm_layer']:<32} {r['normalized_over']:>7} samples {r['final_train_loss']:>10.4f} "
@@ -123,7 +125,7 @@ def train(cfg, ctx, mode):
            "CpuSyncBatchNorm": ", selected on CPU: nn.SyncBatchNorm is GPU-only (same arithmetic)"}
     banner(ctx, cfg, **{"batch norm": f"{mode}: {len(norm_layers)} x {norm_layer}{why.get(norm_layer, '')}",
                         "statistics over": f"{normalized_over} samples per channel per step"
-                                           + (f", 1 all-reduce per layer in forward and in backward"
+                                           + (", 1 all-reduce per layer in forward and in backward"
                                               if mode == "sync" else ""),
                         "data sizes": f"train {len(data.train)} ({len(train_sampler)} per rank, "
                                        f"{steps_per_epoch} steps/epoch), test {len(data.test)}"})

@@ -68,7 +68,8 @@ def main():
         wrong = model.module.weight.grad.clone()
         model.zero_grad()
         model(rank_data[0]).sum().backward()
-        print0(f"extra division by world size: gradient x {(wrong.norm() / model.module.weight.grad.norm()).item():.3f}")
+        ratio = (wrong.norm() / model.module.weight.grad.norm()).item()
+        print0(f"extra division by world size: gradient x {ratio:.3f}")
     finally:
         cleanup_distributed()
 
