@@ -46,18 +46,19 @@ class UnevenConfig(TrainConfig):
                      choices=("join", "drop_last", "none"))
     uneven: int = field(64, "rank r reads r * uneven fewer samples than rank 0", min=0)
     epochs: int = field(2, "passes over each rank's slice", min=1)
-    # Plain SGD: with Join, ranks that ran out skip optimizer.step(), so optimizer state such as
-    # momentum would differ between ranks afterwards (DDP syncs the weights, not the optimizer).
+    # Plain SGD: with Join, ranks that ran out skip optimizer.step(), so their momentum misses those
+    # steps, and in the next epoch their weights drift from the others' (DDP re-syncs only the
+    # weights, at the end of the Join block; see the README).
     momentum: float = field(0.0, "SGD momentum (see the note on Join in the README)", min=0.0)
     hang_timeout_s: float = field(10.0, "process-group timeout with --fix none, so the hang ends as an error", min=1.0)
     output_dir: str = field("runs/uneven_inputs", "where summary.json goes")
 
 
-def grad_digest(model):
-    digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.grad.numpy().tobytes() if p.grad is not None else b"-")
-    return digest.hexdigest()[:16]
+def digest(tensors):
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().numpy().tobytes() if t is not None else b"-")
+    return h.hexdigest()[:16]
 
 
 def main(argv=None):
@@ -82,7 +83,7 @@ def train(cfg, ctx, timeout):
     torch.manual_seed(cfg.seed)
     model = DDP(build_model(cfg.model, data.num_classes, data.in_channels, data.image_size))
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    digests = []  # (epoch, step, gradient digest) for every step this rank ran
+    digests = []  # (epoch, step, gradient digest, weights digest) for every step this rank ran
     for epoch in range(cfg.epochs):
         steps = len(loader)
         if cfg.fix == "drop_last":  # agree on the smallest number of batches, drop the rest
@@ -96,8 +97,9 @@ def train(cfg, ctx, timeout):
                     loss = F.cross_entropy(model(images), labels)
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()  # the all-reduce that every rank must join, step by step
-                    digests.append((epoch, step, grad_digest(model)))
+                    grads = digest(p.grad for p in model.parameters())
                     optimizer.step()
+                    digests.append((epoch, step, grads, digest(model.parameters())))
             # Wait for every rank at the end of the epoch, naming any that does not arrive in time.
             dist.monitored_barrier()
         except RuntimeError as exc:
@@ -115,7 +117,7 @@ def train(cfg, ctx, timeout):
     checksums = replica_checksums(model)
     print0(f"replicas identical: {len(set(checksums)) == 1}")
     write_summary(cfg.output_dir, world_size=w, fix=cfg.fix, samples_per_rank=sizes, batches_per_rank=batches,
-                  steps_per_rank=[len(d) for d in everyone], grad_digests=everyone,
+                  steps_per_rank=[len(d) for d in everyone], digests=everyone,
                   replica_checksums=checksums, replicas_identical=len(set(checksums)) == 1)
 
 
