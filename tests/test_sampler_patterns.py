@@ -6,6 +6,7 @@ numbers the scripts write against DistributedSampler itself, the formulas, and f
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -24,11 +25,18 @@ DIR = "02_sampler_patterns"
 
 # ---------------------------------------------------------------- 1. partition viewer
 
-def test_partition_viewer_prints_what_distributed_sampler_gives(tmp_path):
+@pytest.fixture(scope="module")
+def viewer(tmp_path_factory):
+    """One real 3-rank run of the viewer on 10 samples; (stdout, partition.json)."""
+    out = tmp_path_factory.mktemp("viewer")
+    result = torchrun(f"{DIR}/partition_viewer.py", "--num-samples", "10", "--epochs", "2",
+                      "--output-dir", str(out), nproc=3)
+    return result.stdout, json.loads((out / "partition.json").read_text())
+
+
+def test_partition_viewer_prints_what_distributed_sampler_gives(viewer):
     n, w = 10, 3
-    result = torchrun(f"{DIR}/partition_viewer.py", "--num-samples", str(n), "--epochs", "2",
-                      "--output-dir", str(tmp_path), nproc=w)
-    report = json.loads((tmp_path / "partition.json").read_text())
+    stdout, report = viewer
     assert report["world_size"] == w and report["num_samples"] == n
     cases = {(c["shuffle"], c["drop_last"], c["epoch"]) for c in report["results"]}
     assert cases == {(False, False, 0), (False, True, 0), (True, False, 0), (True, False, 1), (True, True, 0), (True, True, 1)}
@@ -39,17 +47,19 @@ def test_partition_viewer_prints_what_distributed_sampler_gives(tmp_path):
                                          seed=0, drop_last=case["drop_last"])
             sampler.set_epoch(case["epoch"])
             assert case["indices"][r] == list(sampler)
-            assert f"rank {r}: {list(sampler)}" in result.stdout
+            assert f"rank {r}: {list(sampler)}" in stdout
     # The 10-sample, 3-rank split without shuffling, as printed.
-    assert "rank 1: [1, 4, 7, 0]   <- repeats [0]" in result.stdout
-    assert "rank 2: [2, 5, 8]" in result.stdout and "never read this epoch: [9]" in result.stdout
+    assert "rank 1: [1, 4, 7, 0]   <- repeats [0]" in stdout
+    assert "rank 2: [2, 5, 8]" in stdout and "never read this epoch: [9]" in stdout
 
 
 @pytest.mark.parametrize("n,w", [(10, 3), (10, 4), (7, 7), (5, 8), (16, 4), (1, 2)])
 def test_partition_counts_follow_the_formulas(tmp_path, n, w):
-    """Simulated ranks (no processes), many sizes: padding ceil(N/W), dropping floor(N/W)."""
-    run([PYTHON, REPO / DIR / "partition_viewer.py", "--num-samples", str(n), "--simulate-world-size", str(w),
-         "--output-dir", tmp_path], timeout=60, check=True)
+    """Simulated ranks (in this process), many sizes: padding ceil(N/W), dropping floor(N/W)."""
+    spec = importlib.util.spec_from_file_location("partition_viewer", REPO / DIR / "partition_viewer.py")
+    viewer_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(viewer_script)
+    viewer_script.main(["--num-samples", str(n), "--simulate-world-size", str(w), "--output-dir", str(tmp_path)])
     report = json.loads((tmp_path / "partition.json").read_text())
     for case in report["results"]:
         shards = case["indices"]
@@ -64,12 +74,9 @@ def test_partition_counts_follow_the_formulas(tmp_path, n, w):
             assert sum(reads.values()) - n == math.ceil(n / w) * w - n  # exactly the padding is repeated
 
 
-def test_shuffle_is_the_same_on_every_rank_and_changes_with_set_epoch(tmp_path):
+def test_shuffle_is_the_same_on_every_rank_and_changes_with_set_epoch(viewer):
     n, w = 10, 3
-    torchrun(f"{DIR}/partition_viewer.py", "--num-samples", str(n), "--epochs", "2", "--seed", "5",
-             "--output-dir", str(tmp_path), nproc=w)
-    shuffled = {(c["drop_last"], c["epoch"]): c for c in json.loads((tmp_path / "partition.json").read_text())["results"]
-                if c["shuffle"]}
+    shuffled = {(c["drop_last"], c["epoch"]): c for c in viewer[1]["results"] if c["shuffle"]}
     for (drop_last, epoch), case in shuffled.items():
         orders = case["order"]  # the full permutation, as each rank derived it on its own
         assert all(order == orders[0] for order in orders)
