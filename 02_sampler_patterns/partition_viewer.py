@@ -14,6 +14,7 @@ Without processes, for any world size (each "rank" is built in this one process)
 """
 
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
@@ -64,8 +65,8 @@ def main(argv=None):
 
 def show(cfg, world_size, ranks, gather):
     n, w = cfg.num_samples, world_size
-    print0(f"N = {n} samples, W = {w} ranks: padding gives ceil(N/W) = {-(-n // w)} per rank "
-           f"({-(-n // w) * w - n} repeated), drop_last gives floor(N/W) = {n // w} per rank ({n - n // w * w} unused)")
+    print0(f"N = {n} samples, W = {w} ranks: padding gives ceil(N/W) = {math.ceil(n / w)} per rank "
+           f"({math.ceil(n / w) * w - n} repeated), drop_last gives floor(N/W) = {n // w} per rank ({n % w} unused)")
     results = []
     for shuffle in (False, True):
         for drop_last in (False, True):
