@@ -8,7 +8,6 @@ sample counts, which lets every rank plan its epoch without opening any shard).
 """
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 

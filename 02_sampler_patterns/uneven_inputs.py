@@ -57,14 +57,14 @@ class UnevenConfig(TrainConfig):
 def digest(tensors):
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().numpy().tobytes() if t is not None else b"-")
+        h.update(t.detach().cpu().numpy().tobytes() if t is not None else b"-")
     return h.hexdigest()[:16]
 
 
 def main(argv=None):
     cfg = load_config(UnevenConfig, argv)
     timeout = cfg.hang_timeout_s if cfg.fix == "none" else cfg.timeout_s
-    ctx = setup_distributed(cfg.backend, timeout, device="cpu")  # CPU: the gradient digests read p.grad here
+    ctx = setup_distributed(cfg.backend, timeout, cfg.device)
     try:
         train(cfg, ctx, timeout)
     finally:
@@ -72,7 +72,7 @@ def main(argv=None):
 
 
 def train(cfg, ctx, timeout):
-    w, rank = ctx.world_size, ctx.rank
+    device, w, rank = ctx.device, ctx.world_size, ctx.rank
     data = load_datasets(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.download, rank)
     sizes = [len(range(r, len(data.train), w)) - r * cfg.uneven for r in range(w)]
     batches = [math.ceil(n / cfg.batch_size) for n in sizes]
@@ -81,20 +81,21 @@ def train(cfg, ctx, timeout):
     print0(f"samples per rank {sizes}, batches per rank {batches}, fix: {cfg.fix}")
 
     torch.manual_seed(cfg.seed)
-    model = DDP(build_model(cfg.model, data.num_classes, data.in_channels, data.image_size))
+    model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
+    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     digests = []  # (epoch, step, gradient digest, weights digest) for every step this rank ran
     for epoch in range(cfg.epochs):
         steps = len(loader)
         if cfg.fix == "drop_last":  # agree on the smallest number of batches, drop the rest
-            count = torch.tensor([steps])
+            count = torch.tensor([steps], device=device)
             dist.all_reduce(count, op=dist.ReduceOp.MIN)
             steps = int(count)
         try:
             # Join is a no-op unless enabled; enabled, it lets the ranks that finish early shadow the rest.
             with Join([model], enable=cfg.fix == "join"):
                 for step, (images, labels) in enumerate(islice(loader, steps)):
-                    loss = F.cross_entropy(model(images), labels)
+                    loss = F.cross_entropy(model(images.to(device)), labels.to(device))
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()  # the all-reduce that every rank must join, step by step
                     grads = digest(p.grad for p in model.parameters())

@@ -29,6 +29,7 @@ from common.config import TrainConfig, field, load_config
 from common.data import load_datasets
 from common.dist import cleanup_distributed, setup_distributed
 from common.entry import run
+from common.errors import ConfigError
 from common.models import build_model
 from common.report import print0, write_summary
 
@@ -79,6 +80,16 @@ def main(argv=None):
         cleanup_distributed()
 
 
+def labels_of(dataset):
+    """Every label of a data set without loading its images (torchvision sets: .targets)."""
+    if getattr(dataset, "targets", None) is not None:
+        return torch.as_tensor(dataset.targets)
+    if hasattr(dataset, "tensors"):  # TensorDataset (the embedded digits)
+        return dataset.tensors[1]
+    raise ConfigError(f"dataset: {type(dataset).__name__} does not list its labels; use digits, cifar10, "
+                      "mnist, fashion_mnist or imagefolder")
+
+
 def imbalanced(dataset, labels, num_classes, imbalance):
     """Keep the first imbalance^(-c/(K-1)) of each class c: class 0 whole, the last class 1/imbalance."""
     keep = []
@@ -93,7 +104,7 @@ def train(cfg, ctx):
     device = ctx.device
     data = load_datasets(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.download, ctx.rank)
     k = data.num_classes
-    all_labels = torch.as_tensor(getattr(data.train, "targets", None) or data.train.tensors[1])
+    all_labels = labels_of(data.train)
     dataset, labels = imbalanced(data.train, all_labels, k, cfg.imbalance)
     before = torch.bincount(labels, minlength=k)
     print0(f"imbalanced training set: {len(dataset)} samples; class counts {before.tolist()} "

@@ -11,7 +11,6 @@ import json
 import math
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
