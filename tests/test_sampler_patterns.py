@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import sys
 from collections import Counter
 
 import pytest
@@ -17,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
+from common.data import digits
+from common.models import SmallCNN
 from tests.helpers import PYTHON, REPO, read_summary, run, torchrun
 
 DIR = "02_sampler_patterns"
@@ -113,10 +114,6 @@ def test_distributed_eval_equals_one_process(tmp_path, world_size):
     assert n % 2 and n % 3  # an odd size: neither 2 nor 3 ranks divide it
 
     # Reference computed here, in one process, from the weights the run saved.
-    sys.path.insert(0, str(REPO))
-    from common.data import digits
-    from common.models import SmallCNN
-
     model = SmallCNN(1, 10)
     model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
     model.eval()
