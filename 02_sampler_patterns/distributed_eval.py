@@ -1,0 +1,131 @@
+"""02 - exact distributed evaluation on a test set whose size W does not divide.
+
+Each rank sums loss and correct answers over its own disjoint slice of the test set and
+counts its samples; one all-reduce of (sums, count) gives exactly the single-process metric.
+Next to it, the usual wrong versions and their error against a single-process reference:
+  - DistributedSampler (padding): repeats samples to even out the ranks, counts them twice;
+  - DistributedSampler(drop_last=True): leaves samples out;
+  - the mean of per-rank means: ranks hold different numbers of samples, so it is biased;
+  - rank 0's number alone: measured on 1/W of the test set.
+
+Run (CPU, 3 processes, embedded digits: 359 test images, 359 = 3 x 119 + 2):
+    torchrun --standalone --nproc_per_node=3 02_sampler_patterns/distributed_eval.py
+"""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from common.config import TrainConfig, field, load_config
+from common.data import load_datasets
+from common.dist import cleanup_distributed, setup_distributed
+from common.entry import run
+from common.models import build_model
+from common.report import all_reduce_sums, print0, write_summary
+
+
+@dataclasses.dataclass
+class EvalConfig(TrainConfig):
+    max_steps: int = field(40, "training steps before evaluating (0: evaluate the initial model)", min=0)
+    output_dir: str = field("runs/distributed_eval", "where summary.json and model.pt go")
+
+
+@torch.no_grad()
+def local_sums(model, dataset, device, sampler=None, batch_size=64):
+    """(loss sum, correct, count) over what this rank's loader yields: sums, never means."""
+    model.eval()
+    loss_sum = correct = count = 0
+    for images, labels in DataLoader(dataset, batch_size=batch_size, sampler=sampler):
+        logits = model(images.to(device))
+        labels = labels.to(device)
+        loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
+        correct += (logits.argmax(1) == labels).sum().item()
+        count += len(labels)
+    return loss_sum, correct, count
+
+
+def main(argv=None):
+    cfg = load_config(EvalConfig, argv)
+    ctx = setup_distributed(cfg.backend, cfg.timeout_s, cfg.device)
+    try:
+        train_and_evaluate(cfg, ctx)
+    finally:
+        cleanup_distributed()
+
+
+def train_and_evaluate(cfg, ctx):
+    device, w, rank = ctx.device, ctx.world_size, ctx.rank
+    data = load_datasets(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.download, rank)
+    test = data.test
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
+    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
+    train_briefly(cfg, ctx, model, data.train)
+    net = model.module  # evaluate without the DDP wrapper: ranks may hold different numbers of batches
+
+    results = {}
+    # RIGHT: a strided slice per rank covers every sample exactly once (sizes differ by at most one);
+    # all-reduce the sums and the count, divide once.
+    mine = Subset(test, range(rank, len(test), w))
+    loss_sum, correct, count = all_reduce_sums(local_sums(net, mine, device), device)
+    results["exact"] = (loss_sum, correct, count)
+
+    # WRONG 1: DistributedSampler pads to ceil(N/W) per rank, so a few samples are counted twice.
+    padded = DistributedSampler(test, num_replicas=w, rank=rank, shuffle=False)
+    results["sampler_padded"] = all_reduce_sums(local_sums(net, test, device, padded), device)
+    # WRONG 2: drop_last=True keeps floor(N/W) per rank, so the last N mod W samples are never seen.
+    dropped = DistributedSampler(test, num_replicas=w, rank=rank, shuffle=False, drop_last=True)
+    results["sampler_drop_last"] = all_reduce_sums(local_sums(net, test, device, dropped), device)
+    # WRONG 3: average of per-rank averages (each rank's mean weighs the same, whatever its count).
+    l, c, n = local_sums(net, mine, device)
+    mean_loss, mean_acc = all_reduce_sums([l / n, c / n], device)
+    results["mean_of_rank_means"] = (mean_loss / w * len(test), mean_acc / w * len(test), len(test))
+    # WRONG 4: rank 0 reports its own shard only (rank 0's numbers, shared with everyone for printing).
+    results["rank0_only"] = all_reduce_sums([l, c, n] if rank == 0 else [0, 0, 0], device)
+
+    # Reference: one process over the whole test set (rank 0 alone; no collectives in here).
+    summary = {name: dict(loss_sum=l, correct=c, count=n, accuracy=c / n, loss=l / n)
+               for name, (l, c, n) in results.items()}
+    if ctx.is_main:
+        l, c, n = local_sums(net, test, device)
+        summary["reference"] = dict(loss_sum=l, correct=c, count=n, accuracy=c / n, loss=l / n)
+        print0(f"test set: {len(test)} samples, world size {w}; reference (one process): "
+               f"accuracy {c / n:.6f}, loss {l / n:.6f}")
+        print0(f"{'method':>20} {'samples':>8} {'accuracy':>9} {'loss':>9} {'accuracy error':>15}")
+        for name, m in summary.items():
+            print0(f"{name:>20} {int(m['count']):>8} {m['accuracy']:>9.6f} {m['loss']:>9.6f} "
+                   f"{m['accuracy'] - c / n:>+15.6f}")
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        torch.save(net.state_dict(), Path(cfg.output_dir) / "model.pt")
+    write_summary(cfg.output_dir, world_size=w, test_size=len(test), **summary)
+
+
+def train_briefly(cfg, ctx, model, train_set):
+    """A few ordinary DDP steps, so the metric is not chance level."""
+    sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed)
+    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    model.train()
+    step, epoch = 0, 0
+    while step < cfg.max_steps:
+        sampler.set_epoch(epoch)
+        for images, labels in loader:
+            loss = F.cross_entropy(model(images.to(ctx.device)), labels.to(ctx.device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            if step == cfg.max_steps:
+                break
+        epoch += 1
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,110 @@
+"""02 - the no-sampler pitfall: a plain DataLoader is NOT sharded under DDP.
+
+DDP synchronizes gradients; it never touches your DataLoader. Without a DistributedSampler
+every rank reads the whole data set (with the same seed even in the same order), so W ranks
+do W times the work of one process and learn nothing more from it. This script trains one
+epoch both ways and counts, per rank, which samples were read.
+
+Run (CPU, 2 processes, embedded digits data):
+    torchrun --standalone --nproc_per_node=2 02_sampler_patterns/no_sampler_pitfall.py
+"""
+
+import dataclasses
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from common.config import TrainConfig, field, load_config
+from common.data import load_datasets
+from common.dist import cleanup_distributed, setup_distributed
+from common.entry import run
+from common.models import build_model
+from common.report import print0, write_summary
+
+
+@dataclasses.dataclass
+class PitfallConfig(TrainConfig):
+    batch_size: int = field(64, "samples per rank per step", min=1)
+    output_dir: str = field("runs/no_sampler_pitfall", "where summary.json goes")
+
+
+class WithIndex(Dataset):
+    """Returns (image, label, index), so we can count which samples each rank really read."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return (*self.dataset[i], i)
+
+
+def main(argv=None):
+    cfg = load_config(PitfallConfig, argv)
+    ctx = setup_distributed(cfg.backend, cfg.timeout_s, cfg.device)
+    try:
+        compare(cfg, ctx)
+    finally:
+        cleanup_distributed()
+
+
+def compare(cfg, ctx):
+    data = load_datasets(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.download, ctx.rank)
+    dataset = WithIndex(data.train)
+
+    # WRONG: what many single-GPU scripts (and some tutorials) do. Nothing here knows about ranks.
+    torch.manual_seed(cfg.seed)
+    plain_loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True)
+    # RIGHT: the sampler hands each rank a disjoint 1/W of the data; shuffling moves into it.
+    sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed)
+    sampler.set_epoch(0)
+    sharded_loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler)
+
+    results = {}
+    for name, loader in (("no_sampler", plain_loader), ("distributed_sampler", sharded_loader)):
+        per_rank = train_one_epoch(cfg, ctx, data, loader)  # [indices read by rank 0, by rank 1, ...]
+        reads = Counter(i for seen in per_rank for i in seen)
+        results[name] = r = dict(
+            samples_per_rank=[len(seen) for seen in per_rank],
+            steps_per_rank=[-(-len(seen) // cfg.batch_size) for seen in per_rank],
+            total_reads=sum(reads.values()), distinct_samples=len(reads),
+            samples_read_by_several_ranks=sum(1 for c in reads.values() if c > 1),
+            same_order_on_all_ranks=all(seen == per_rank[0] for seen in per_rank))
+        print0(f"{name:>20}: samples per rank {r['samples_per_rank']}, steps per rank {r['steps_per_rank']}, "
+               f"{r['total_reads']} reads of {r['distinct_samples']} distinct samples (data set {len(dataset)}), "
+               f"{r['samples_read_by_several_ranks']} read by more than one rank, "
+               f"{100 * (1 - r['distinct_samples'] / r['total_reads']):.0f}% of the compute repeated")
+    write_summary(cfg.output_dir, world_size=ctx.world_size, dataset_size=len(dataset), **results)
+
+
+def train_one_epoch(cfg, ctx, data, loader):
+    """One epoch of ordinary DDP training; returns the indices every rank read (gathered on all ranks)."""
+    device = ctx.device
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
+    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    seen = []
+    for images, labels, index in loader:
+        loss = F.cross_entropy(model(images.to(device)), labels.to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        seen += index.tolist()
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, seen)
+    return everyone
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,140 @@
+"""02 - sharded loading: each rank opens and reads only its own shard files.
+
+For data too large for every rank to hold or even to index (DistributedSampler needs a
+map-style data set with len() and random access to every sample). A prepare step
+(prepare_shards.py) writes the data as shard files plus a manifest. Each epoch, every rank
+shuffles the shard list with the same seed + epoch and takes every W-th shard; an
+IterableDataset streams its shards one at a time. From the manifest alone, every rank
+computes every rank's number of batches and all run the smallest, so no rank waits in a
+collective for a batch that another rank never has.
+
+Run (CPU, 2 processes, embedded digits data):
+    python 02_sampler_patterns/prepare_shards.py --num-shards 12 --out-dir data/digits_shards
+    torchrun --standalone --nproc_per_node=2 02_sampler_patterns/sharded_loading.py --shards-dir data/digits_shards
+"""
+
+import dataclasses
+import json
+import math
+import sys
+from itertools import islice
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from common.config import TrainConfig, field, load_config
+from common.dist import cleanup_distributed, setup_distributed
+from common.entry import run
+from common.errors import ConfigError, DataError
+from common.models import build_model
+from common.report import all_reduce_sums, print0, write_summary
+
+
+@dataclasses.dataclass
+class ShardConfig(TrainConfig):
+    shards_dir: str = field("data/digits_shards", "folder written by prepare_shards.py")
+    epochs: int = field(2, "passes over the data", min=1)
+    output_dir: str = field("runs/sharded_loading", "where summary.json and the shard access logs go")
+
+
+class ShardStream(IterableDataset):
+    """Streams (image, label, original index) from the given shard files, one shard in memory at a time."""
+
+    def __init__(self, folder, seed, access_log):
+        self.folder, self.seed, self.access_log = Path(folder), seed, access_log
+        self.files, self.epoch = [], 0
+
+    def set_epoch(self, epoch, files):
+        self.epoch, self.files = epoch, files
+
+    def __iter__(self):
+        files = self.files
+        worker = get_worker_info()
+        if worker is not None:  # DataLoader workers must split the rank's shards again, or each repeats them all
+            files = files[worker.id::worker.num_workers]
+        for name in files:
+            with open(self.access_log, "a") as log:  # a record of every file this rank opens
+                log.write(f"{self.epoch} {name}\n")
+            shard = torch.load(self.folder / name, weights_only=True)
+            order = torch.randperm(len(shard["labels"]), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            for i in order.tolist():
+                yield shard["images"][i], shard["labels"][i], shard["indices"][i]
+
+
+def read_manifest(folder):
+    path = Path(folder) / "manifest.json"
+    if not path.is_file():
+        raise DataError(f"no shards in {folder} (missing manifest.json): write them first with "
+                        f"`python 02_sampler_patterns/prepare_shards.py --out-dir {folder}`")
+    return json.loads(path.read_text())
+
+
+def shards_for(rank, world_size, files, seed, epoch):
+    """This rank's shard files for this epoch: the same shuffle everywhere, every W-th file."""
+    order = torch.randperm(len(files), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return [files[i] for i in order[rank::world_size]]
+
+
+def main(argv=None):
+    cfg = load_config(ShardConfig, argv)
+    manifest = read_manifest(cfg.shards_dir)  # before the process group: a missing folder fails fast everywhere
+    ctx = setup_distributed(cfg.backend, cfg.timeout_s, cfg.device)
+    try:
+        train(cfg, ctx, manifest)
+    finally:
+        cleanup_distributed()
+
+
+def train(cfg, ctx, manifest):
+    device, w = ctx.device, ctx.world_size
+    files = [s["file"] for s in manifest["shards"]]
+    sizes = {s["file"]: s["samples"] for s in manifest["shards"]}
+    if len(files) < w:
+        raise ConfigError(f"shards_dir: {len(files)} shards cannot feed {w} ranks; run prepare_shards.py "
+                          f"with --num-shards at least {w} (better: a multiple of {w})")
+    access_log = Path(cfg.output_dir) / "access" / f"rank{ctx.rank}.log"
+    access_log.parent.mkdir(parents=True, exist_ok=True)
+    access_log.write_text("")
+    stream = ShardStream(cfg.shards_dir, cfg.seed, access_log)
+    loader = DataLoader(stream, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
+    workers = max(1, cfg.num_workers)
+
+    def batches(mine):  # each DataLoader worker batches its own slice of the shards
+        return sum(math.ceil(sum(sizes[f] for f in mine[k::workers]) / cfg.batch_size) for k in range(workers))
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, manifest["num_classes"], manifest["in_channels"], manifest["image_size"]).to(device)
+    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    print0(f"{manifest['total']} samples in {len(files)} shards, {w} ranks")
+    epochs = []
+    for epoch in range(cfg.epochs):
+        mine = shards_for(ctx.rank, w, files, cfg.seed, epoch)
+        stream.set_epoch(epoch, mine)
+        # Equal step counts without communication: every rank can compute every rank's batches.
+        steps = min(batches(shards_for(r, w, files, cfg.seed, epoch)) for r in range(w))
+        seen, done = [], 0
+        for images, labels, index in islice(loader, steps):  # stop after `steps` batches
+            loss = F.cross_entropy(model(images.to(device)), labels.to(device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            seen += index.tolist()
+            done += 1
+        read, assigned = all_reduce_sums([len(seen), sum(sizes[f] for f in mine)], device)
+        gathered = [None] * w
+        dist.all_gather_object(gathered, dict(shards=mine, steps=done, indices=seen))
+        epochs.append(gathered)
+        print0(f"epoch {epoch + 1}: {steps} steps on every rank, {int(read)} of {int(assigned)} samples read "
+               f"({int(assigned - read)} left over); shards per rank: {[g['shards'] for g in gathered]}")
+    write_summary(cfg.output_dir, world_size=w, total=manifest["total"], shards=len(files), epochs=epochs)
+
+
+if __name__ == "__main__":
+    run(main)
