@@ -61,7 +61,6 @@ def evaluate(model, loader, device, channels_last=False):
 def main(argv=None):
     cfg = load_config(TrainConfig, argv)  # bad keys/types fail here, before any process group
     ctx = setup_distributed(cfg.backend, cfg.timeout_s, cfg.device)
-    check_perf_config(cfg, ctx.device)  # e.g. bf16 on a GPU without it; every rank fails alike
     try:
         train(cfg, ctx)
     finally:
@@ -71,6 +70,7 @@ def main(argv=None):
 def train(cfg, ctx):
     start_time = time.perf_counter()
     device = ctx.device
+    check_perf_config(cfg, device)  # e.g. bf16 on a GPU without it, --no-ddp with a comm hook: every rank fails alike
     torch.manual_seed(cfg.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
 
     # Data: the sampler gives each rank a disjoint 1/world_size of the (shuffled) training set.

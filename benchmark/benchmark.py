@@ -24,7 +24,7 @@ import csv
 import dataclasses
 import json
 import os
-import statistics
+import shlex
 import subprocess
 import sys
 import time
@@ -69,7 +69,8 @@ SWEEP_COLUMNS = ["knob", "flags", "world_size", "images_per_s", "step_ms", "expo
 class BenchConfig:
     """Throughput and scaling efficiency of a training example over world sizes."""
 
-    script: str = field("01_basic_ddp/train.py", "training example to run (accepts the knob flags)")
+    script: str = field("01_basic_ddp/train.py", "training example to run (accepts the knob flags); "
+                        "may carry leading arguments, e.g. 'tests/perf_cifar.py run 01_basic_ddp/train.py'")
     world_sizes: str = field("1,2", "comma-separated processes per run; must include 1")
     dataset: str = field("digits", "data set (--dataset of the example)")
     data_dir: str = field("data", "data folder (--data-dir of the example)")
@@ -102,7 +103,7 @@ def launch(cfg: BenchConfig, nproc: int, name: str, flags: list[str], extra: lis
     """One `torchrun` of the example; returns its summary.json."""
     out = Path(cfg.output_dir) / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(REPO / cfg.script), "--dataset", cfg.dataset, "--data-dir", cfg.data_dir, "--model", cfg.model,
+           *shlex.split(cfg.script), "--dataset", cfg.dataset, "--data-dir", cfg.data_dir, "--model", cfg.model,
            "--image-size", str(cfg.image_size), "--batch-size", str(cfg.batch_size), "--epochs", "1000",
            "--max-steps", str(cfg.warmup + cfg.steps + 1), "--profile-warmup", str(cfg.warmup),
            "--profile-steps", str(cfg.steps), "--log-every", "1000000", "--output-dir", str(out), *extra, *flags]
@@ -113,7 +114,8 @@ def launch(cfg: BenchConfig, nproc: int, name: str, flags: list[str], extra: lis
     except subprocess.TimeoutExpired:
         raise ConfigError(f"run {name} took longer than timeout_s={cfg.timeout_s:g} s (raise --timeout-s)") from None
     if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        tail = "\n".join([line for line in lines if line.startswith("error: ")] or lines[-15:])
         raise RuntimeError(f"run {name} failed with exit code {proc.returncode}:\n{tail}")
     summary = json.loads((out / "summary.json").read_text())
     prof = summary.get("profile") or {}
@@ -174,8 +176,8 @@ def main(argv=None):
     unknown = [k for k in knobs if k not in KNOBS]
     if unknown:
         raise ConfigError(f"sweep_knobs: unknown {', '.join(unknown)} (choose from {', '.join(KNOBS)})")
-    if not (REPO / cfg.script).is_file():
-        raise ConfigError(f"script: no file {cfg.script} in {REPO}")
+    if not (REPO / shlex.split(cfg.script)[0]).is_file():
+        raise ConfigError(f"script: no file {shlex.split(cfg.script)[0]} in {REPO}")
     threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // sizes[-1])
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
