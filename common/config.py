@@ -86,7 +86,11 @@ def load_config(cls: type[C], argv: Sequence[str] | None = None, description: st
         flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
         help_text = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if base is bool:
+        if base is bool and name.startswith("no_"):
+            # BooleanOptionalAction would make `--no-ddp` mean no_ddp=False: a plain switch instead.
+            parser.add_argument(*flags, dest=name, action="store_const", const=True,
+                                default=argparse.SUPPRESS, help=f"{help_text} (default: {default})")
+        elif base is bool:
             parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=f"{help_text} (default: {default})")
         else:
@@ -196,3 +200,7 @@ class TrainConfig:
     pin_memory: bool = field(True, "pinned host memory for faster copies to the GPU (GPU only)")
     persistent_workers: bool = field(True, "keep DataLoader workers alive between epochs (num_workers > 0)")
     prefetch_factor: int = field(2, "batches each DataLoader worker loads ahead (num_workers > 0)", min=1)
+    profile_steps: int = field(0, "time this many steps (after profile_warmup) and write the median split of a "
+                               "step (data wait, forward+backward, exposed communication, optimizer) into "
+                               "summary.json; 0: off", min=0)
+    profile_warmup: int = field(5, "steps to leave out before profiling (start-up, first-step allocations)", min=0)
