@@ -71,9 +71,11 @@ def choose_device(local_rank: int, device: str = "auto") -> torch.device:
     module = getattr(torch, device)
     count = module.device_count() if module.is_available() else 0
     if local_rank >= count:
-        raise LauncherError(
+        error = LauncherError(
             f"local rank {local_rank} needs {device}:{local_rank} but this node has {count} {device} "
             "device(s): start at most one process per device (e.g. --nproc_per_node, --ntasks-per-node)")
+        error.report_here = local_rank == count  # the first rank without a device says it, once
+        raise error
     return torch.device(device, local_rank)
 
 

@@ -91,6 +91,21 @@ def _is_reporting_rank(rank: int) -> bool:
     return world.isdigit() and rank >= int(world) and os.environ.get("LOCAL_RANK", "0") == "0"
 
 
+def _reports_usage_error(exc: UsageError, rank: int) -> bool:
+    """One line per job: rank 0 says it, as every rank meets the same config. Node-specific
+    problems (a data folder or a device missing on one node) are said by that node's local
+    rank 0, and an error can name its own reporter (`exc.report_here`, e.g. the first local
+    rank without a GPU)."""
+    chosen = getattr(exc, "report_here", None)
+    if chosen is not None:
+        return chosen
+    if _is_reporting_rank(rank):
+        return True
+    from common.errors import ConfigError
+
+    return not isinstance(exc, ConfigError) and os.environ.get("LOCAL_RANK", "") == "0"
+
+
 def _label(rank: int) -> str:
     return f"[rank {rank} on {socket.gethostname()}]"
 
@@ -125,7 +140,7 @@ def run(main: Callable[[], object]) -> None:
     try:
         main()
     except UsageError as exc:
-        if _is_reporting_rank(guess_rank()):
+        if _reports_usage_error(exc, guess_rank()):
             print(f"error: {exc}", file=sys.stderr, flush=True)
             _write_error_file("bad input (exit code 2): see the line starting with 'error:' above")
         _exit(USAGE_EXIT_CODE)
