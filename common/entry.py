@@ -61,6 +61,7 @@ _PEER_GONE = re.compile(r"connection (closed|reset) by peer|broken pipe|ECONNRES
                         r"communicator was aborted|NCCL Error 6|remote end", re.IGNORECASE)
 _TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 _TIMEOUT_KEY = "ddp_examples/timed_out/"
+_FIRST_KEY = "ddp_examples/first_failure/"
 
 
 def _joined() -> dict:
@@ -162,14 +163,38 @@ def report_failure(exc: BaseException) -> int:
         # A consequence, not a cause: the rank that failed first has printed (or its launcher
         # reports) the real error. One line here, so the real one is not buried.
         print(f"{_label(rank)} stopped: lost contact with another rank during {_where(exc)} "
-              f"({_first_line(exc)}); the first failure above is the cause", file=sys.stderr, flush=True)
+              f"({_first_line(exc)}); that rank failed or exited early, its error (if any) is above",
+              file=sys.stderr, flush=True)
         _write_error_file(f"rank {rank} lost contact with another rank (a consequence, not the cause)",
                           cause=False)
     else:
-        print(f"{_label(rank)} failed:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
-        _write_error_file(f"{type(exc).__name__} on rank {rank} ({socket.gethostname()}): "
-                          "its traceback is printed above")
+        first = _first_to_fail(rank)
+        if first is None or first == rank:
+            print(f"{_label(rank)} failed:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
+            _write_error_file(f"{type(exc).__name__} on rank {rank} ({socket.gethostname()}): "
+                              "its traceback is printed above")
+        else:
+            # The same bug often strikes every rank at once (e.g. DDP's unused-parameter check):
+            # one traceback is enough.
+            print(f"{_label(rank)} failed too: {type(exc).__name__}: {_first_line(exc).split('. ')[0][:160]} "
+                  f"(traceback printed by rank {first})", file=sys.stderr, flush=True)
+            _write_error_file(f"rank {rank} failed too (see rank {first})", cause=False)
     return FAILURE_EXIT_CODE
+
+
+def _first_to_fail(rank: int) -> int | None:
+    """The rank that failed first, agreed through the job's key-value store; None if unknown."""
+    store = _joined().get("store")
+    if store is None:
+        return None
+    try:
+        store.set_timeout(timedelta(seconds=2))
+        if store.add(_FIRST_KEY + "count", 1) == 1:
+            store.set(_FIRST_KEY + "rank", str(rank))
+            return rank
+        return int(store.get(_FIRST_KEY + "rank").decode())
+    except Exception:  # noqa: BLE001 - no store, no agreement: print the traceback rather than lose it
+        return None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -205,13 +230,15 @@ def _where(exc: BaseException) -> str:
         return "a collective"
     i = user[-1]
     site = f"{Path(frames[i].filename).name}:{frames[i].lineno}"
-    callee = frames[i + 1].name if i + 1 < len(frames) else ""
+    # The first torch function it called, skipping torch's logging decorators ("wrapper").
+    inner = [f for f in frames[i + 1:] if f.name not in ("wrapper", "inner", "_fn")]
+    callee = inner[0].name if inner else ""
     if callee == "backward":
         what = "backward() (DDP's gradient all-reduce)"
     elif callee in ("forward", "_call_impl", "_wrapped_call_impl") or callee.startswith("_pre_forward"):
         what = "the DDP forward (buffer broadcast / unused-parameter check)"
     elif callee:
-        what = f"dist.{callee}" if "distributed" in (frames[i + 1].filename or "") else callee
+        what = f"dist.{callee}" if "distributed" in (inner[0].filename or "") else callee
     else:
         what = frames[i].line or frames[i].name
     return f"{what} called at {site}"
