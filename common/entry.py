@@ -325,11 +325,13 @@ def install_failure_hook() -> None:
         steps += 1
         if steps != int(at):
             return
+        what = f"step {at} on rank {fail_rank} ({FAIL_AT_STEP_ENV} test hook, t={time.time():.2f})"
+        if mode == "raise":
+            raise RuntimeError(f"injected failure at {what}")
+        print(f"injecting {'SIGKILL' if mode == 'kill' else 'a hang'} at {what}", file=sys.stderr, flush=True)
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        if mode == "hang":
-            while True:
-                time.sleep(3600)
-        raise RuntimeError(f"injected failure at step {at} ({FAIL_AT_STEP_ENV} test hook)")
+        while True:
+            time.sleep(3600)
 
     register_optimizer_step_post_hook(hook)
