@@ -29,6 +29,10 @@ BACKENDS = ("auto", "gloo", "nccl", "xccl")
 # The job this process joined, kept for error reports after the group is gone
 # (common.entry reads it): rank, world_size, timeout_s, and the rendezvous key-value store.
 JOINED: dict = {}
+# Set by common.entry.run: on an exception, keep the group until the error is reported (the
+# process exits right after, which closes its connections); leaving it earlier would make the
+# peers fail, and their launcher stop this process, before it has said why.
+LEAVE_ON_EXIT = False
 
 
 @dataclass(frozen=True)
@@ -136,10 +140,12 @@ def setup_distributed(backend: str = "auto", timeout_s: float = 60.0, device: st
 
 
 def cleanup_distributed() -> None:
-    """Leave the process group. Called from `finally`: when an exception is on its way out,
-    abort instead (NCCL) so nothing waits on peers that may be dead; the exception then
-    reaches common.entry.run, which reports it once and exits."""
+    """Leave the process group. Called from `finally`: when an exception is on its way out to
+    common.entry.run, stay until run() has reported it and exits; elsewhere abort (NCCL) so
+    nothing waits on peers that may be dead."""
     if not (dist.is_available() and dist.is_initialized()):
+        return
+    if sys.exc_info()[0] is not None and LEAVE_ON_EXIT:
         return
     if sys.exc_info()[0] is not None and dist.get_backend() != "gloo":
         try:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from common.errors import UsageError
 
 USAGE_EXIT_CODE = 2
+USAGE_GRACE_S = 5.0  # at most this long a silent rank waits for the reporting rank to print
 FAILURE_EXIT_CODE = 1
 GUIDE = "debugging/README.md"
 
@@ -107,6 +108,36 @@ def _reports_usage_error(exc: UsageError, rank: int) -> bool:
     return not isinstance(exc, ConfigError) and os.environ.get("LOCAL_RANK", "") == "0"
 
 
+def _report_usage_error(exc: UsageError, rank: int) -> None:
+    """`error: ...` once. A launcher stops every rank as soon as the first one exits, so the
+    reporter must have printed before any other rank leaves."""
+    line = f"error: {exc}"
+    pointer = "bad input (exit code 2): see the line starting with 'error:' above"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        # torchrun: the workers of a node share the attempt folder; the first to claim it reports.
+        claim = Path(error_file).parent.parent / "ddp_examples_usage_error"
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            deadline = time.monotonic() + USAGE_GRACE_S
+            while time.monotonic() < deadline and claim.stat().st_size == 0:
+                time.sleep(0.05)  # until the reporter has printed
+            return
+        except OSError:
+            fd = None
+        print(line, file=sys.stderr, flush=True)
+        _write_error_file(pointer)
+        if fd is not None:
+            os.write(fd, b"printed\n")
+            os.close(fd)
+        return
+    if _reports_usage_error(exc, rank):
+        print(line, file=sys.stderr, flush=True)
+    elif os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
+        time.sleep(USAGE_GRACE_S / 2)  # let the reporting rank print before the launcher stops it
+
+
 def _label(rank: int) -> str:
     return f"[rank {rank} on {socket.gethostname()}]"
 
@@ -138,13 +169,14 @@ def _exit(code: int) -> None:
 
 
 def run(main: Callable[[], object]) -> None:
+    import common.dist
+
+    common.dist.LEAVE_ON_EXIT = True  # a failure is reported before this process leaves the group
     try:
         main()
     except UsageError as exc:
-        if _reports_usage_error(exc, guess_rank()):
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-            _write_error_file("bad input (exit code 2): see the line starting with 'error:' above")
-        _exit(USAGE_EXIT_CODE)
+        _report_usage_error(exc, guess_rank())
+        sys.exit(USAGE_EXIT_CODE)
     except KeyboardInterrupt:
         _exit(130)
     except Exception as exc:  # noqa: BLE001 - the whole point: report any failure once
@@ -157,6 +189,8 @@ def run(main: Callable[[], object]) -> None:
 def report_failure(exc: BaseException) -> int:
     """Print `exc` once, in the shape that fits it; return the exit code."""
     rank = guess_rank()
+    # The launcher stops every rank (SIGTERM) once one exits; finish this report first (seconds).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if _is_timeout(exc):
         _report_timeout(exc, rank)
     elif _is_peer_gone(exc):
