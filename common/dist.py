@@ -11,6 +11,7 @@ Device: cuda:<local_rank> -> nccl, xpu:<local_rank> -> xccl, else cpu -> gloo.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import sys
@@ -153,4 +154,8 @@ def cleanup_distributed() -> None:
             return
         except Exception:  # noqa: BLE001 - experimental API; fall back to a normal destroy
             pass
+    # Free DDP wrappers still alive in reference cycles while the group exists: destroyed
+    # later, at interpreter exit, their reducer's threads can abort the process (SIGABRT,
+    # "terminate called without an active exception"), turning a finished run into a failure.
+    gc.collect()
     dist.destroy_process_group()

@@ -191,7 +191,9 @@ def report_failure(exc: BaseException) -> int:
     rank = guess_rank()
     # The launcher stops every rank (SIGTERM) once one exits; finish this report first (seconds).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if _is_timeout(exc):
+    if type(exc).__name__ == "ProcessExitedException":  # mp.spawn's parent: a worker died
+        print(f"error: {_first_line(exc)}; that worker's error, if any, is above", file=sys.stderr, flush=True)
+    elif _is_timeout(exc):
         _report_timeout(exc, rank)
     elif _is_peer_gone(exc):
         # A consequence, not a cause: the rank that failed first has printed (or its launcher
