@@ -122,7 +122,35 @@ def load_config(cls: type[C], argv: Sequence[str] | None = None, description: st
     check = getattr(cfg, "validate", None)
     if check:
         check()
+    if isinstance(cfg, TrainConfig):
+        check_data(cfg)
     return cfg
+
+
+def check_data(cfg: "TrainConfig") -> None:
+    """Data problems that can be seen before any process group starts: a missing data folder,
+    more processes than training samples (for the sets whose size is known without loading;
+    the others are checked after loading, in common.data.load_datasets)."""
+    import os
+
+    from common.data import check_world_size, known_train_size
+    from common.errors import DataError, LauncherError
+    from common.launcher import detect_launcher
+
+    size = known_train_size(cfg.dataset)
+    if size is not None:
+        try:
+            world_size = detect_launcher(os.environ).world_size
+        except LauncherError:
+            world_size = 1  # setup_distributed reports the launcher problem itself
+        check_world_size(cfg.dataset, size, world_size)
+    if cfg.dataset in ("digits", "fake") or (cfg.download and cfg.dataset != "imagefolder"):
+        return  # embedded, synthetic, or about to be downloaded
+    if not Path(cfg.data_dir).is_dir():
+        hint = ("pass --data-dir with train/ and val/ folders" if cfg.dataset == "imagefolder" else
+                f"prepare it with `python -m common.prepare --dataset {cfg.dataset} --data-dir {cfg.data_dir}` "
+                "or pass --download")
+        raise DataError(f"data_dir: folder '{cfg.data_dir}' does not exist ({cfg.dataset}); {hint}")
 
 
 def _read_yaml(path: Path, fields, types_) -> dict[str, Any]:

@@ -20,6 +20,22 @@ from common.errors import DataError
 DOWNLOADABLE = ("cifar10", "mnist", "fashion_mnist")
 FAKE_TRAIN_SIZE, FAKE_TEST_SIZE = 2048, 512
 DIGITS_TEST_FRACTION = 0.2
+DIGITS_SIZE = 1797  # scikit-learn's bundled digits
+
+
+def known_train_size(name: str) -> int | None:
+    """Training-set size of the sets that need no files (known before anything is loaded)."""
+    if name == "digits":
+        return DIGITS_SIZE - int(DIGITS_SIZE * DIGITS_TEST_FRACTION)
+    if name == "fake":
+        return FAKE_TRAIN_SIZE
+    return None
+
+
+def check_world_size(name: str, train_size: int, world_size: int) -> None:
+    if world_size > train_size:
+        raise DataError(f"world size {world_size} is larger than the {name} training set "
+                        f"({train_size} samples): some ranks would get no data; use fewer processes")
 
 _STATS = {  # per-channel mean and std of the training sets
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
@@ -153,4 +169,7 @@ def load_datasets(name: str, data_dir: str | Path, image_size: int, download: bo
                 dist.barrier()  # release the others even when the download failed; they then fail alike
         else:
             dist.barrier()
-    return build_datasets(name, data_dir, image_size, download=False)
+    data = build_datasets(name, data_dir, image_size, download=False)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    check_world_size(name, len(data.train), world_size)  # every rank alike: one line, exit code 2
+    return data

@@ -11,8 +11,10 @@ Device: cuda:<local_rank> -> nccl, xpu:<local_rank> -> xccl, else cpu -> gloo.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
@@ -24,6 +26,14 @@ from common.errors import ConfigError, LauncherError
 from common.launcher import LaunchInfo, detect_launcher
 
 BACKENDS = ("auto", "gloo", "nccl", "xccl")
+
+# The job this process joined, kept for error reports after the group is gone
+# (common.entry reads it): rank, world_size, timeout_s, and the rendezvous key-value store.
+JOINED: dict = {}
+# Set by common.entry.run: on an exception, keep the group until the error is reported (the
+# process exits right after, which closes its connections); leaving it earlier would make the
+# peers fail, and their launcher stop this process, before it has said why.
+LEAVE_ON_EXIT = False
 
 
 @dataclass(frozen=True)
@@ -66,9 +76,11 @@ def choose_device(local_rank: int, device: str = "auto") -> torch.device:
     module = getattr(torch, device)
     count = module.device_count() if module.is_available() else 0
     if local_rank >= count:
-        raise LauncherError(
+        error = LauncherError(
             f"local rank {local_rank} needs {device}:{local_rank} but this node has {count} {device} "
             "device(s): start at most one process per device (e.g. --nproc_per_node, --ntasks-per-node)")
+        error.report_here = local_rank == count  # the first rank without a device says it, once
+        raise error
     return torch.device(device, local_rank)
 
 
@@ -80,6 +92,10 @@ def choose_backend(device: torch.device, backend: str = "auto") -> str:
         raise ConfigError(f"backend: {backend!r} is not one of {', '.join(BACKENDS)}")
     if backend != "gloo" and backend != natural:
         raise ConfigError(f"backend: {backend} does not support {device.type} tensors (use gloo or auto)")
+    available = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available,
+                 "xccl": getattr(dist, "is_xccl_available", lambda: False)}[backend]
+    if not available():
+        raise ConfigError(f"backend: this PyTorch build has no {backend} support (use --backend auto)")
     return backend
 
 
@@ -108,6 +124,9 @@ def setup_distributed(backend: str = "auto", timeout_s: float = 60.0, device: st
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
     if dev.type != "cpu":
         getattr(torch, dev.type).set_device(dev)  # before init, so collectives use this device
+    from common.entry import install_failure_hook
+
+    install_failure_hook()  # test/demo hook, inactive unless DDP_EXAMPLES_FAIL_AT_STEP is set
     dist.init_process_group(
         backend=backend,
         init_method="env://",
@@ -116,9 +135,27 @@ def setup_distributed(backend: str = "auto", timeout_s: float = 60.0, device: st
         timeout=timedelta(seconds=timeout_s),
         device_id=dev if dev.type != "cpu" else None,
     )
+    JOINED.update(rank=info.rank, world_size=info.world_size, timeout_s=timeout_s,
+                  store=dist.distributed_c10d._get_default_store())
     return DistContext(info, dev, backend, socket.gethostname())
 
 
 def cleanup_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group. Called from `finally`: when an exception is on its way out to
+    common.entry.run, stay until run() has reported it and exits; elsewhere abort (NCCL) so
+    nothing waits on peers that may be dead."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if sys.exc_info()[0] is not None and LEAVE_ON_EXIT:
+        return
+    if sys.exc_info()[0] is not None and dist.get_backend() != "gloo":
+        try:
+            dist.distributed_c10d._abort_process_group()
+            return
+        except Exception:  # noqa: BLE001 - experimental API; fall back to a normal destroy
+            pass
+    # Free DDP wrappers still alive in reference cycles while the group exists: destroyed
+    # later, at interpreter exit, their reducer's threads can abort the process (SIGABRT,
+    # "terminate called without an active exception"), turning a finished run into a failure.
+    gc.collect()
+    dist.destroy_process_group()
