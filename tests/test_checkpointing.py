@@ -243,15 +243,18 @@ def test_kill_during_save_never_leaves_latest_pointing_at_a_partial_file(tmp_pat
     for _ in range(3):
         proc = subprocess.Popen([PYTHON, "-c", code], env=clean_env(), stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(random.uniform(0.3, 1.2))
+        time.sleep(random.uniform(0.3, 1.5))
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         partial_seen += any(".tmp-" in p.name for p in tmp_path.iterdir())
         latest = ckpt.read_latest(tmp_path)
-        assert latest is not None and latest.exists()
+        if latest is None:  # killed before the first save completed: then there is no complete file either
+            assert ckpt.list_checkpoints(tmp_path) == []
+            continue
         state = ckpt.load(latest)  # complete
         assert torch.equal(state["model"]["w"], torch.full((8_000_000,), float(state["step"])))
         assert latest == ckpt.list_checkpoints(tmp_path)[0]  # the newest complete file
+    assert ckpt.read_latest(tmp_path) is not None, "no save completed in three attempts"
     removed = ckpt.remove_partial_files(tmp_path)
     assert len(removed) >= partial_seen and not any(".tmp-" in p.name for p in tmp_path.iterdir())
     print(f"kills that hit a write in progress: {partial_seen}/3")
