@@ -152,7 +152,7 @@ def _launch_env_ranks(output_dir: Path, *extra: str) -> list[subprocess.Popen]:
 def test_preemption_signal_saves_and_exits_with_requeue_code(reference, tmp_path, target):
     procs = _launch_env_ranks(tmp_path)
     try:
-        wait_for_step(tmp_path, 0, 20, procs[0])
+        wait_for_step(tmp_path, 0, 5, procs[0])
         if target == "group-SIGTERM":  # what Slurm and PBS do: every process of the job gets it
             os.killpg(procs[0].pid, signal.SIGTERM)
         else:  # only one rank is told; the all-reduced flag must still stop both at the same step
@@ -168,7 +168,7 @@ def test_preemption_signal_saves_and_exits_with_requeue_code(reference, tmp_path
     latest = ckpt.read_latest(folder)
     state = ckpt.load(latest)  # complete, loadable with weights_only=True
     stopped = state["step"]
-    assert 20 <= stopped < TOTAL_STEPS and latest.name == ckpt.checkpoint_name(stopped)
+    assert 5 <= stopped < TOTAL_STEPS and latest.name == ckpt.checkpoint_name(stopped)
     assert len(state["ranks"]) == 2
     assert (folder / "REQUEUE").read_text().startswith(f"{signame} at step {stopped}")
     # both ranks stopped after the same step
