@@ -127,9 +127,18 @@ def setup_distributed(backend: str = "auto", timeout_s: float = 60.0, device: st
     from common.entry import install_failure_hook
 
     install_failure_hook()  # test/demo hook, inactive unless DDP_EXAMPLES_FAIL_AT_STEP is set
+    store_option: dict = {"init_method": "env://"}
+    restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restart not in ("", "0"):
+        # After a torchrun restart (--max-restarts) the workers share the agent's store with the
+        # previous attempt, whose keys (e.g. gloo addresses of dead workers) would be read as
+        # current. A per-attempt prefix keeps the attempts apart.
+        agent_store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=False,
+                                    timeout=timedelta(seconds=timeout_s))
+        store_option = {"store": dist.PrefixStore(f"restart_{restart}", agent_store)}
     dist.init_process_group(
         backend=backend,
-        init_method="env://",
+        **store_option,
         rank=info.rank,
         world_size=info.world_size,
         timeout=timedelta(seconds=timeout_s),

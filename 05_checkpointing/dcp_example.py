@@ -1,0 +1,102 @@
+"""05 - the same model saved and loaded with torch.distributed.checkpoint (DCP).
+
+DCP writes one folder per checkpoint in which every rank saves its own shards in parallel
+(deduplicated: a tensor replicated by DDP is written once), can save asynchronously, and
+loads into a different world size (resharding). For DDP, where every rank holds the whole
+model, train.py's single rank-0 file is simpler; move to DCP with FSDP/tensor parallelism or
+when a single-writer save of a large model takes too long.
+
+    # train a few steps on 2 ranks and save with DCP (also writes reference.pt for comparison)
+    torchrun --standalone --nproc_per_node=2 05_checkpointing/dcp_example.py --mode save
+    # load it into 1 rank (a different world size) and check it equals what was saved
+    torchrun --standalone --nproc_per_node=1 05_checkpointing/dcp_example.py --mode load
+    # or turn a DCP folder into one torch.save file:
+    python -m torch.distributed.checkpoint.format_utils dcp_to_torch runs/dcp/checkpoint model.pt
+"""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from common.config import TrainConfig, field, load_config
+from common.data import load_datasets
+from common.dist import cleanup_distributed, setup_distributed
+from common.entry import run
+from common.errors import DataError
+from common.models import build_model
+from common.report import print0, write_summary
+
+
+@dataclasses.dataclass
+class DcpConfig(TrainConfig):
+    mode: str = field("save", "save: train max_steps and save; load: load the saved state and verify it",
+                      choices=("save", "load"))
+    output_dir: str = field("runs/dcp", "checkpoint/ (the DCP folder), reference.pt and summary.json go here")
+    max_steps: int = field(10, "optimizer steps to train before saving", min=1)
+
+
+def main(argv=None):
+    cfg = load_config(DcpConfig, argv)
+    ctx = setup_distributed(cfg.backend, cfg.timeout_s, cfg.device)
+    try:
+        torch.manual_seed(cfg.seed)
+        data = load_datasets(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.download, ctx.rank)
+        model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(ctx.device)
+        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type != "cpu" else None)
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+        out = Path(cfg.output_dir)
+        folder = out / "checkpoint"
+
+        if cfg.mode == "save":
+            sampler = DistributedSampler(data.train, ctx.world_size, ctx.rank, seed=cfg.seed)
+            for step, (images, labels) in enumerate(DataLoader(data.train, cfg.batch_size, sampler=sampler)):
+                if step == cfg.max_steps:
+                    break
+                loss = F.cross_entropy(model(images.to(ctx.device)), labels.to(ctx.device))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+            # get_state_dict: plain keys (no "module."), optimizer state keyed by parameter name.
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)  # collective: all ranks write
+            if ctx.is_main:  # a plain copy, only to compare against after loading
+                torch.save({"model": model.module.state_dict(), "optim": optim_sd}, out / "reference.pt")
+            dist.barrier()
+            print0(f"saved {folder} from {ctx.world_size} rank(s) after {cfg.max_steps} steps")
+            write_summary(out, mode="save", world_size=ctx.world_size, steps=cfg.max_steps)
+            return
+
+        if not (folder / ".metadata").is_file():
+            raise DataError(f"no DCP checkpoint in {folder}: run with --mode save first")
+        # Load in place: the state_dict of a freshly built model says which tensors (and, with
+        # sharded models, which shards) this rank needs; dcp.load fills them from the files.
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+        reference = torch.load(out / "reference.pt", map_location=ctx.device, weights_only=True)
+        params_equal = all(torch.equal(v, reference["model"][k]) for k, v in model.module.state_dict().items())
+        _, optim_now = get_state_dict(model, optimizer)
+        momentum_equal = all(torch.equal(optim_now["state"][k]["momentum_buffer"], v["momentum_buffer"])
+                             for k, v in reference["optim"]["state"].items())
+        print0(f"loaded {folder} into {ctx.world_size} rank(s): parameters equal {params_equal}, "
+               f"momentum buffers equal {momentum_equal}")
+        write_summary(out, mode="load", world_size=ctx.world_size, params_equal=params_equal,
+                      momentum_equal=momentum_equal, momentum_buffers=len(reference["optim"]["state"]))
+    finally:
+        cleanup_distributed()
+
+
+if __name__ == "__main__":
+    run(main)
