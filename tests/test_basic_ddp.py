@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PYTHON, REPO, clean_env, read_summary, run, torchrun
+from tests.helpers import PYTHON, REPO, clean_env, free_port, read_summary, run, torchrun
 
 SCRIPT = "01_basic_ddp/train.py"
 
@@ -147,3 +147,23 @@ def test_a_hanging_launch_fails_within_its_timeout(tmp_path):
     # The grandchild was killed with the group (gone, or a zombie waiting to be reaped).
     status = Path(f"/proc/{pid_file.read_text()}/status")
     assert not status.exists() or "State:\tZ" in status.read_text()
+
+
+@pytest.mark.parametrize("flavour", ["openmpi", "mpich"])
+def test_runs_unchanged_under_mpiexec(tmp_path, flavour):
+    """The README's `mpiexec -n 2 python 01_basic_ddp/train.py`, with real Open MPI and MPICH."""
+    from tests.launcher_tools import need_tools, openmpi_env
+
+    tool = {"openmpi": "mpiexec.openmpi", "mpich": "mpiexec.mpich"}[flavour]
+    need_tools(tool)
+    if flavour == "openmpi":
+        env = openmpi_env()
+        cmd = [tool, "-n", "2", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS"]
+    else:
+        env, cmd = clean_env(), [tool, "-n", "2"]
+    env["MASTER_PORT"] = str(free_port())  # mpiexec without a scheduler: a fixed port could be taken
+    cmd += [PYTHON, REPO / SCRIPT, "--max-steps", "3", "--batch-size", "16", "--output-dir", tmp_path]
+    result = run(cmd, timeout=150, env=env, check=True)
+    summary = read_summary(tmp_path)
+    assert (summary["launcher"], summary["world_size"], summary["replicas_identical"]) == (flavour, 2, True)
+    assert result.stdout.count("launcher ") == 1

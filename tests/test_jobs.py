@@ -202,3 +202,17 @@ def test_torchrun_single_node_job(tmp_path):
     run(["bash", "jobs/torchrun_single_node.sh"], 150, env=env, check=True)
     summary = read_summary(tmp_path / "run")
     assert summary["world_size"] == 2 and summary["launcher"] == "torchrun"
+
+
+def test_basic_example_runs_unchanged_under_srun(cluster, tmp_path):
+    """01_basic_ddp/train.py, as its README says, under plain srun: two tasks on two nodes."""
+    out = tmp_path / "run"
+    (tmp_path / "job.sh").write_text(
+        f"#!/bin/bash\nsrun {PYTHON} 01_basic_ddp/train.py {SMALL} --output-dir {out}\n")
+    job = cluster.sbatch(["-N2", "-n2", *SBATCH_SMALL, "-o", str(tmp_path / "out"), str(tmp_path / "job.sh")],
+                         clean_env(), REPO)
+    state = cluster.wait(job, 180)
+    assert state[0] == "COMPLETED", (tmp_path / "out").read_text()
+    summary = read_summary(out)
+    assert (summary["launcher"], summary["world_size"], summary["replicas_identical"]) == ("slurm", 2, True)
+    assert (tmp_path / "out").read_text().count("launcher ") == 1
