@@ -205,10 +205,13 @@ def test_torchrun_single_node_job(tmp_path):
 
 
 def test_basic_example_runs_unchanged_under_srun(cluster, tmp_path):
-    """01_basic_ddp/train.py, as its README says, under plain srun: two tasks on two nodes."""
+    """01_basic_ddp/train.py, as its README says, under plain srun: two tasks on two nodes.
+
+    Rank and world size come from srun; only the address is given, because this test cluster's
+    node names do not resolve (on a real cluster the first host of the node list does)."""
     out = tmp_path / "run"
     (tmp_path / "job.sh").write_text(
-        f"#!/bin/bash\nsrun {PYTHON} 01_basic_ddp/train.py {SMALL} --output-dir {out}\n")
+        f"#!/bin/bash\nexport MASTER_ADDR=127.0.0.1\nsrun {PYTHON} 01_basic_ddp/train.py {SMALL} --output-dir {out}\n")
     job = cluster.sbatch(["-N2", "-n2", *SBATCH_SMALL, "-o", str(tmp_path / "out"), str(tmp_path / "job.sh")],
                          clean_env(), REPO)
     state = cluster.wait(job, 180)
