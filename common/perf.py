@@ -200,12 +200,13 @@ class StepProfiler:
 def perf_settings(model: nn.Module, scaler: torch.amp.GradScaler, cfg) -> dict:
     """What the performance knobs actually set, read back from the objects (summary.json)."""
     ddp = model._get_ddp_logging_data() if isinstance(model, DistributedDataParallel) else {}
-    weight = next(p for p in unwrap(model).parameters() if p.dim() == 4) if cfg.channels_last else None
+    # Every conv weight: a 1-channel one (digits' first conv) is channels_last by any layout.
+    weights = [p for p in unwrap(model).parameters() if p.dim() == 4] if cfg.channels_last else []
     return {"precision": cfg.precision, "grad_scaler_enabled": scaler.is_enabled(),
             "grad_scale": scaler.get_scale() if scaler.is_enabled() else None,
             "compiled": isinstance(model.module, torch._dynamo.eval_frame.OptimizedModule),
-            "channels_last_weights": (weight.is_contiguous(memory_format=torch.channels_last)
-                                      if weight is not None else None),
+            "channels_last_weights": (all(w.is_contiguous(memory_format=torch.channels_last) for w in weights)
+                                      if weights else None),
             "ddp": type(model).__name__,
             "ddp_bucket_cap_bytes": ddp.get("bucket_cap_bytes"), "ddp_comm_hook": ddp.get("comm_hook"),
             **{f"ddp_{key}": bool(ddp.get(key)) for key in ("gradient_as_bucket_view", "static_graph",
