@@ -214,9 +214,9 @@ def train(cfg, ctx):
             seen += len(labels)
             if not sync:
                 continue  # no step: keep accumulating
+            profile.backward_done()
             for group in optimizer.param_groups:
                 group["lr"] = peak_lr * min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else peak_lr
-            profile.backward_done()
             scaler.step(optimizer)  # fp16: unscales the window's summed gradient, skips the step on overflow
             scaler.update()
             optimizer.zero_grad(set_to_none=True)  # only after a step: until then .grad accumulates
