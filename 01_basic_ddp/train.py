@@ -31,7 +31,7 @@ from common.dist import cleanup_distributed, setup_distributed
 from common.entry import run
 from common.models import build_model
 from common.perf import (AMP_DTYPES, COMM_HOOKS, NoDDP, StepProfiler, check_perf_config, loader_kwargs,
-                         unwrap)
+                         perf_settings, unwrap)
 from common.report import (StepTimer, TensorBoard, all_reduce_sums, banner, print0,
                            replica_checksums, write_summary)
 
@@ -177,20 +177,6 @@ def train(cfg, ctx):
                   wall_time_s=time.perf_counter() - start_time, profile=profile_summary,
                   perf=perf_settings(model, scaler, cfg))
     print0(f"eval accuracy {eval_acc:.4f}; replicas identical: {len(set(checksums)) == 1}")
-
-
-def perf_settings(model, scaler, cfg):
-    """What the performance knobs actually set, read back from the objects (summary.json)."""
-    ddp = model._get_ddp_logging_data() if isinstance(model, DDP) else {}
-    weight = next(p for p in unwrap(model).parameters() if p.dim() == 4) if cfg.channels_last else None
-    return {"precision": cfg.precision, "grad_scaler_enabled": scaler.is_enabled(),
-            "grad_scale": scaler.get_scale() if scaler.is_enabled() else None,
-            "compiled": isinstance(model.module, torch._dynamo.eval_frame.OptimizedModule),
-            "channels_last_weights": weight.is_contiguous(memory_format=torch.channels_last) if weight is not None else None,
-            "ddp": type(model).__name__,
-            "ddp_bucket_cap_bytes": ddp.get("bucket_cap_bytes"), "ddp_comm_hook": ddp.get("comm_hook"),
-            **{f"ddp_{key}": bool(ddp.get(key)) for key in ("gradient_as_bucket_view", "static_graph",
-                                                            "find_unused_parameters")}}
 
 
 if __name__ == "__main__":

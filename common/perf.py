@@ -11,6 +11,7 @@ Here live only their helpers:
     NoDDP(model)                         the --no-ddp baseline: DDP's interface, no communication
     unwrap(model)                        the plain module under DDP / NoDDP / torch.compile
     StepProfiler                         --profile-steps: where a step's time goes
+    perf_settings(model, scaler, cfg)    what the knobs set, read back from the objects (summary.json)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 
 from common.errors import ConfigError
 
@@ -193,3 +195,19 @@ class StepProfiler:
         median = {part: statistics.median(table[:n, i].tolist()) if n else None
                   for i, part in enumerate(self.PARTS)}
         return {"warmup_steps": self.warmup, "steps": n, "median_s": median}
+
+
+def perf_settings(model: nn.Module, scaler: torch.amp.GradScaler, cfg) -> dict:
+    """What the performance knobs actually set, read back from the objects (summary.json)."""
+    ddp = model._get_ddp_logging_data() if isinstance(model, DistributedDataParallel) else {}
+    # Every conv weight: a 1-channel one (digits' first conv) is channels_last by any layout.
+    weights = [p for p in unwrap(model).parameters() if p.dim() == 4] if cfg.channels_last else []
+    return {"precision": cfg.precision, "grad_scaler_enabled": scaler.is_enabled(),
+            "grad_scale": scaler.get_scale() if scaler.is_enabled() else None,
+            "compiled": isinstance(model.module, torch._dynamo.eval_frame.OptimizedModule),
+            "channels_last_weights": (all(w.is_contiguous(memory_format=torch.channels_last) for w in weights)
+                                      if weights else None),
+            "ddp": type(model).__name__,
+            "ddp_bucket_cap_bytes": ddp.get("bucket_cap_bytes"), "ddp_comm_hook": ddp.get("comm_hook"),
+            **{f"ddp_{key}": bool(ddp.get(key)) for key in ("gradient_as_bucket_view", "static_graph",
+                                                            "find_unused_parameters")}}
