@@ -39,6 +39,8 @@ from common.dist import cleanup_distributed, setup_distributed
 from common.entry import run
 from common.errors import ConfigError
 from common.models import build_model
+from common.perf import (AMP_DTYPES, COMM_HOOKS, NoDDP, StepProfiler, check_perf_config, loader_kwargs,
+                         perf_settings, unwrap)
 from common.report import (StepTimer, TensorBoard, all_reduce_sums, banner, print0,
                            replica_checksums, write_summary)
 
@@ -91,7 +93,7 @@ class Preemption:
 
 
 @torch.no_grad()
-def evaluate(model, loader, device):
+def evaluate(model, loader, device, channels_last=False):
     """Exact distributed evaluation: each rank sums loss and correct answers over its own
     disjoint slice of the test set; one all-reduce of (sums, count) gives the global metric.
 
@@ -102,6 +104,8 @@ def evaluate(model, loader, device):
     loss_sum = correct = count = 0.0
     for images, labels in loader:
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
         logits = model(images)
         loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
         correct += (logits.argmax(1) == labels).sum().item()
@@ -120,7 +124,7 @@ def save_checkpoint(ctx, cfg, folder, model, optimizer, scheduler, scaler, model
     path = None
     if ctx.is_main:
         state = {
-            "model": model.module.state_dict(),  # the plain model: no "module." prefix
+            "model": unwrap(model).state_dict(),  # the plain model: no "module."/"_orig_mod." prefix
             "optimizer": optimizer.state_dict(),  # momentum buffers, param groups
             "scheduler": scheduler.state_dict(),  # where in the LR schedule we are
             "scaler": scaler.state_dict(),  # fp16 loss scale ({} when not in use)
@@ -147,6 +151,7 @@ def train(cfg, ctx):
     start_time = time.perf_counter()
     device = ctx.device
     preemption = Preemption()  # install the handlers first: a signal from now on is not lost
+    check_perf_config(cfg, device)  # e.g. bf16 on a GPU without it, --no-ddp with a comm hook: every rank fails alike
     torch.manual_seed(cfg.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     output_dir = Path(cfg.output_dir)
     ckpt_dir = Path(cfg.checkpoint_dir or output_dir / "checkpoints")
@@ -155,8 +160,8 @@ def train(cfg, ctx):
     data = load_datasets(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.download, ctx.rank)
     train_sampler = ResumableSampler(data.train, num_replicas=ctx.world_size, rank=ctx.rank,
                                      shuffle=True, seed=cfg.seed)
-    loader_options = dict(num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
-                          persistent_workers=cfg.num_workers > 0)
+    # num_workers, pin_memory (GPU only), persistent_workers, prefetch_factor (with workers) from the config.
+    loader_options = loader_kwargs(cfg, device)
     # The loader gets its own generator, reseeded each epoch: starting an epoch then draws nothing
     # from the global RNG (which the checkpoint restores), and worker seeds depend on the epoch only.
     loader_generator = torch.Generator()
@@ -173,13 +178,24 @@ def train(cfg, ctx):
     model_args = dict(name=cfg.model, num_classes=data.num_classes, in_channels=data.in_channels,
                       image_size=data.image_size)
     model = build_model(**model_args).to(device)
-    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
+    if cfg.channels_last:  # NHWC: the fast layout for convolutions on tensor cores (inputs follow below)
+        model = model.to(memory_format=torch.channels_last)
+    if cfg.compile:  # compile first, then wrap: DDP's hooks stay outside the compiled graphs
+        model = torch.compile(model)
+    if cfg.no_ddp:  # baseline: the same loop without gradient communication (replicas drift apart)
+        model = NoDDP(model)
+    else:
+        model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None,
+                    bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+                    static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters)
+        if cfg.comm_hook != "none":  # default_hooks.bf16_compress_hook / fp16_compress_hook
+            model.register_comm_hook(state=None, hook=COMM_HOOKS[cfg.comm_hook])
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                                 weight_decay=cfg.weight_decay)
     steps_per_epoch = len(train_loader)
     # The LR schedule advances every step, so it is part of the state a resume must restore.
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.epochs * steps_per_epoch)
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    amp_dtype = AMP_DTYPES[cfg.precision]
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     # From here on each rank draws its own random numbers (augmentation differs between ranks).
     torch.manual_seed(cfg.seed * 1000 + ctx.rank)
@@ -210,7 +226,7 @@ def train(cfg, ctx):
             raise ConfigError(f"{choice[0]} was written with world size {state['world_size']} and batch size "
                               f"{state['batch_size']}; an exact resume needs the same (now {ctx.world_size}, "
                               f"{cfg.batch_size}), or start fresh with --no-resume and another --checkpoint-dir")
-        model.module.load_state_dict(state["model"])
+        unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         if scaler.is_enabled():
@@ -234,6 +250,7 @@ def train(cfg, ctx):
         output_dir.mkdir(parents=True, exist_ok=True)
         record = open(output_dir / f"batches.rank{ctx.rank}.txt", "a")
     timer = StepTimer(device)
+    profile = StepProfiler(unwrap(model), device, cfg.profile_warmup, cfg.profile_steps)
     train_loss = eval_loss = eval_acc = float("nan")
     eval_count = 0
     images_per_s = data_wait = 0.0
@@ -256,7 +273,9 @@ def train(cfg, ctx):
             loss_sum = seen = 0.0
         model.train()
         timer.reset()
+        profile.epoch_start()
         for images, labels in timer.iterate(train_loader):
+            profile.begin()
             if record:
                 digest = hashlib.sha1(images.numpy().tobytes() + labels.numpy().tobytes()).hexdigest()[:16]
                 record.write(f"{epoch} {step + 1} {digest}\n")
@@ -264,12 +283,16 @@ def train(cfg, ctx):
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             if cfg.input_noise:
                 images = images + cfg.input_noise * torch.randn_like(images)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            if cfg.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=cfg.precision != "fp32"):
                 loss = F.cross_entropy(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()  # DDP all-reduces (averages) gradients here
+            profile.backward_done()
             scaler.step(optimizer)
             scaler.update()
+            profile.end()
             scheduler.step()
             step += 1
             in_epoch += 1
@@ -298,7 +321,7 @@ def train(cfg, ctx):
         total_loss, total_seen = all_reduce_sums([loss_sum, seen], device)
         train_loss = total_loss / total_seen
         images_per_s, data_wait = timer.global_rates()
-        eval_loss, eval_acc, eval_count = evaluate(model.module, test_loader, device)
+        eval_loss, eval_acc, eval_count = evaluate(unwrap(model), test_loader, device, cfg.channels_last)
         print0(f"epoch {epoch + 1} done: train loss {train_loss:.4f}, eval loss {eval_loss:.4f}, "
                f"eval accuracy {eval_acc:.4f} ({eval_count} images), images/s {images_per_s:.0f}, "
                f"data-wait {100 * data_wait:.1f}%")
@@ -308,9 +331,10 @@ def train(cfg, ctx):
 
     # Every rank computes a checksum of its replica (a collective); rank 0 writes the files.
     checksums = replica_checksums(model)
+    profile_summary = profile.summary() if profile.enabled else None  # collective
     if ctx.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(model.module.state_dict(), output_dir / "model.pt")  # no "module." prefix
+        torch.save(unwrap(model).state_dict(), output_dir / "model.pt")  # no "module."/"_orig_mod." prefix
     if record:
         record.close()
     tensorboard.close()
@@ -321,7 +345,8 @@ def train(cfg, ctx):
                   final_train_loss=train_loss, eval_loss=eval_loss, eval_accuracy=eval_acc,
                   eval_samples=eval_count, images_per_second=images_per_s, data_wait_fraction=data_wait,
                   replica_checksums=checksums, replicas_identical=len(set(checksums)) == 1,
-                  wall_time_s=time.perf_counter() - start_time)
+                  wall_time_s=time.perf_counter() - start_time, profile=profile_summary,
+                  perf=perf_settings(model, scaler, cfg))
     print0(f"eval accuracy {eval_acc:.4f}; replicas identical: {len(set(checksums)) == 1}")
 
 

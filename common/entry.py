@@ -176,14 +176,24 @@ def run(main: Callable[[], object]) -> None:
         main()
     except UsageError as exc:
         _report_usage_error(exc, guess_rank())
+        if _joined():
+            _exit(USAGE_EXIT_CODE)  # see the clean end below
         sys.exit(USAGE_EXIT_CODE)
     except KeyboardInterrupt:
         _exit(130)
+    except SystemExit as exc:  # a deliberate exit code (05: 75, "requeue me"): keep it, as below
+        if _joined() and isinstance(exc.code, int):
+            _exit(exc.code)
+        raise
     except Exception as exc:  # noqa: BLE001 - the whole point: report any failure once
         _exit(report_failure(exc))
     else:
-        # A clean end: exit normally (flushes, joins DataLoader workers, closes TensorBoard).
-        return
+        if _joined():
+            # A clean end, with the process group already destroyed and every file closed. Skip
+            # the interpreter's teardown all the same: there, gloo worker threads that still hold
+            # tensors can abort the process ("terminate called without an active exception",
+            # pytorch/pytorch#190489) and turn a finished run into a failed job.
+            _exit(0)
 
 
 def report_failure(exc: BaseException) -> int:
