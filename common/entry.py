@@ -44,6 +44,7 @@ from common.errors import UsageError
 
 USAGE_EXIT_CODE = 2
 USAGE_GRACE_S = 5.0  # at most this long a silent rank waits for the reporting rank to print
+PEER_GONE_GRACE_S = 2.0  # a rank that only lost its peer leaves this much later than the cause
 FAILURE_EXIT_CODE = 1
 GUIDE = "debugging/README.md"
 
@@ -213,6 +214,9 @@ def report_failure(exc: BaseException) -> int:
               file=sys.stderr, flush=True)
         _write_error_file(f"rank {rank} lost contact with another rank (a consequence, not the cause)",
                           cause=False)
+        # Let the launcher see the failed rank's exit first, so its summary names the cause
+        # (e.g. a rank killed by SIGKILL), not this consequence.
+        time.sleep(PEER_GONE_GRACE_S)
     else:
         first = _first_to_fail(rank)
         if first is None or first == rank:
