@@ -204,7 +204,9 @@ def perf_settings(model: nn.Module, scaler: torch.amp.GradScaler, cfg) -> dict:
     weights = [p for p in unwrap(model).parameters() if p.dim() == 4] if cfg.channels_last else []
     return {"precision": cfg.precision, "grad_scaler_enabled": scaler.is_enabled(),
             "grad_scale": scaler.get_scale() if scaler.is_enabled() else None,
-            "compiled": isinstance(model.module, torch._dynamo.eval_frame.OptimizedModule),
+            # torch.compile's wrapper keeps the original module as _orig_mod (checked by attribute:
+            # touching torch._dynamo would import it, over a second per process, in every run).
+            "compiled": hasattr(model.module, "_orig_mod"),
             "channels_last_weights": (all(w.is_contiguous(memory_format=torch.channels_last) for w in weights)
                                       if weights else None),
             "ddp": type(model).__name__,

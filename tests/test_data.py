@@ -75,3 +75,14 @@ def test_fake_data_is_deterministic_and_sized():
     a, b = build_datasets("fake", image_size=16), build_datasets("fake", image_size=16)
     assert a.train[3][0].shape == (3, 16, 16)
     assert torch.equal(a.test[5][0], b.test[5][0]) and not torch.equal(a.train[0][0], a.test[0][0])
+
+
+def test_digits_read_directly_equal_scikit_learns_load_digits():
+    from sklearn.datasets import load_digits
+
+    from common.data import digits_arrays
+
+    images, labels = digits_arrays()
+    raw = load_digits()
+    assert np.array_equal(images, raw.images) and np.array_equal(labels, raw.target)
+    assert images.shape == (1797, 8, 8)

@@ -7,7 +7,7 @@ while the example trains:
     views, static graph, channels_last, fp16 + GradScaler, step profile);
   - the rest in this process as a world of one (gloo on loopback), where spies watch the
     DataLoader arguments, the model's inputs, the GradScaler, the hook calls and the all-reduces.
-tests/test_perf.py covers 01 (and train_spawn) in more depth; this file covers the breadth.
+tests/test_perf.py covers 01 (and train_spawn); this file covers the other training examples.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from common.errors import ConfigError
 from tests.helpers import REPO, free_port, read_summary, torchrun
 
 # example -> flags that keep its own topic in play in every run
+# 01 (and train_spawn.py) is covered knob by knob in tests/test_perf.py.
 SCRIPTS = {
-    "01_basic_ddp/train.py": [],
     "03_grad_accum/train.py": ["--accum-steps", "2"],  # windows of 2 micro-batches with no_sync
     "04_syncbn/train.py": ["--batch-norm", "sync"],  # the knobs apply to the converted model
     "05_checkpointing/train.py": [],
