@@ -119,10 +119,9 @@ def _fill(text: str, tmp_path: Path) -> str:
             .replace("{gpus}", str(gpus)))
 
 
-# The cases that depend on a script's own config class and data; launcher and backend checks are
-# common/ code before anything script-specific runs.
-SCRIPT_SPECIFIC_CASES = ("negative_batch", "unknown_yaml_key", "wrong_type", "world_larger_than_data",
-                         "missing_data_dir")
+# The cases that depend on a script's own config class and data set; type and value checks, launcher
+# and backend checks are common/ code that runs before anything script-specific.
+SCRIPT_SPECIFIC_CASES = ("unknown_yaml_key", "world_larger_than_data", "missing_data_dir")
 BAD_INPUT_RUNS = [pytest.param(script, case, id=f"{case[0]}-{script}") for script in SCRIPTS for case in BAD_INPUT
                   if script in SHARED_PATH_SCRIPTS or case[0] in SCRIPT_SPECIFIC_CASES]
 
