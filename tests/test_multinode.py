@@ -33,12 +33,17 @@ def two_node_torchrun(tmp_path, script_args, env=None, timeout=150):
         log = open(tmp_path / f"node{node}.log", "w")
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env or clean_env(), stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True))
+    wait_all(procs, timeout, tmp_path, "two-node torchrun")
+
+
+def wait_all(procs, timeout, tmp_path, what):
+    """Wait for every "node" within `timeout` seconds in all; kill the leftovers; all must exit 0."""
     deadline = time.monotonic() + timeout
     try:
         for proc in procs:
             proc.wait(timeout=max(1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        pytest.fail(f"two-node torchrun timed out after {timeout}s:\n" + logs(tmp_path), pytrace=False)
+        pytest.fail(f"{what} timed out after {timeout}s:\n" + logs(tmp_path), pytrace=False)
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -187,17 +192,7 @@ def test_two_namespace_hosts_train_across_veth(tmp_path):
             procs.append(subprocess.Popen(["ip", "netns", "exec", ns[node], "unshare", "--uts", "sh", "-c", inner],
                                           cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True))
-        try:
-            for proc in procs:
-                proc.wait(timeout=150)
-        except subprocess.TimeoutExpired:
-            pytest.fail("two-namespace run timed out:\n" + logs(tmp_path), pytrace=False)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, 9)
-                    proc.wait()
-        assert [p.returncode for p in procs] == [0, 0], logs(tmp_path)
+        wait_all(procs, 150, tmp_path, "two-namespace run")
         summary = read_summary(tmp_path / "out")
         assert summary["world_size"] == 2 and summary["replicas_identical"]
         assert [(p["rank"], p["host"]) for p in summary["placement"]] == [(0, "host0"), (1, "host1")]
