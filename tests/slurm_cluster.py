@@ -32,6 +32,9 @@ def missing_tools() -> list[str]:
 
 
 class SlurmCluster:
+    FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                    "DEADLINE", "PREEMPTED")
+
     def __init__(self, root: Path):
         self.root = Path(root)
         self.procs: list[subprocess.Popen] = []
@@ -146,8 +149,7 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
         state = ("UNKNOWN", "")
         while time.monotonic() < deadline:
             state = self.job_state(job_id)
-            if state[0] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                            "BOOT_FAIL", "DEADLINE", "PREEMPTED"):
+            if state[0] in self.FINAL_STATES:
                 return state
             time.sleep(0.5)
         subprocess.run(["scancel", job_id], env=self.env(), capture_output=True, timeout=30)

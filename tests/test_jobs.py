@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -132,16 +133,29 @@ def test_slurm_detection_batch_shell_vs_job_step(cluster, tmp_path):
 
 def test_slurm_requeue_on_exit_code(cluster, tmp_path):
     """A run that exits with REQUEUE_EXIT_CODE is requeued by the job file and runs again."""
+    # Behaves as 05 does on preemption: the ranks agree (here: wait until every task of this run
+    # has written its line), all exit 75, and a SIGTERM while exiting changes nothing (05's
+    # handler only sets a flag). Without the agreement, a task that exits 75 before the other
+    # has started makes srun --kill-on-bad-exit terminate it, and srun no longer returns 75.
     script = tmp_path / "preempted_once.py"
-    script.write_text(
-        "import os, sys\n"
-        "restart = int(os.environ.get('SLURM_RESTART_COUNT', '0'))\n"
-        f"open('{tmp_path}/runs', 'a').write(f\"{{os.environ['SLURM_PROCID']}} {{restart}}\\n\")\n"
-        "sys.exit(75 if restart == 0 else 0)\n")
-    env = clean_env(PYTHON=PYTHON, SCRIPT=str(script), TRAIN_ARGS="")
+    script.write_text(textwrap.dedent("""\
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+        runs = os.environ["RUNS_FILE"]
+        with open(runs, "a") as f:
+            f.write(f"{os.environ['SLURM_PROCID']} {restart}\\n")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if open(runs).read().count(f" {restart}\\n") == int(os.environ["SLURM_NTASKS"]):
+                break
+            time.sleep(0.1)
+        sys.exit(75 if restart == "0" else 0)
+        """))
+    env = clean_env(PYTHON=PYTHON, SCRIPT=str(script), TRAIN_ARGS="", RUNS_FILE=str(tmp_path / "runs"))
     job = cluster.sbatch(["-o", str(tmp_path / "out"), *SBATCH_SMALL, "jobs/slurm_srun.sbatch"], env, REPO)
     deadline, state = time.monotonic() + 240, ("", "")
-    while time.monotonic() < deadline and state[0] != "COMPLETED":
+    while time.monotonic() < deadline and state[0] not in cluster.FINAL_STATES:
         state = cluster.job_state(job)
         if state[0] == "PENDING":
             # Slurm holds a requeued job back for a while (BeginTime); release it now.
