@@ -113,8 +113,8 @@ def train(cfg, ctx):
     steps_per_epoch = len(train_loader)
     banner(ctx, cfg, **{"data sizes": f"train {len(data.train)} ({len(train_sampler)} per rank, "
                                        f"{steps_per_epoch} steps/epoch), test {len(data.test)}"})
-    tensorboard = TensorBoard(Path(cfg.output_dir) / "tensorboard")
     output_dir = Path(cfg.output_dir)
+    tensorboard = TensorBoard(output_dir / "tensorboard")
     timer = StepTimer(device)
     profile = StepProfiler(unwrap(model), device, cfg.profile_warmup, cfg.profile_steps)
     step = 0
@@ -163,7 +163,7 @@ def train(cfg, ctx):
 
     # Every rank computes a checksum of its replica (a collective); rank 0 writes the files.
     checksums = replica_checksums(model)
-    profile_summary = profile.summary() if profile.enabled else None  # collective
+    profile_summary = profile.summary()  # collective when profiling
     if ctx.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         torch.save(unwrap(model).state_dict(), output_dir / "model.pt")  # no "module."/"_orig_mod." prefix

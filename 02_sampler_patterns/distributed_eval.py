@@ -74,8 +74,8 @@ def train_and_evaluate(cfg, ctx):
     # RIGHT: a strided slice per rank covers every sample exactly once (sizes differ by at most one);
     # all-reduce the sums and the count, divide once.
     mine = Subset(test, range(rank, len(test), w))
-    loss_sum, correct, count = all_reduce_sums(local_sums(net, mine, device), device)
-    results["exact"] = (loss_sum, correct, count)
+    local = local_sums(net, mine, device)  # this rank's (loss sum, correct, count)
+    results["exact"] = all_reduce_sums(local, device)
 
     # WRONG 1: DistributedSampler pads to ceil(N/W) per rank, so a few samples are counted twice.
     padded = DistributedSampler(test, num_replicas=w, rank=rank, shuffle=False)
@@ -84,7 +84,7 @@ def train_and_evaluate(cfg, ctx):
     dropped = DistributedSampler(test, num_replicas=w, rank=rank, shuffle=False, drop_last=True)
     results["sampler_drop_last"] = all_reduce_sums(local_sums(net, test, device, dropped), device)
     # WRONG 3: average of per-rank averages (each rank's mean weighs the same, whatever its count).
-    l, c, n = local_sums(net, mine, device)
+    l, c, n = local
     mean_loss, mean_acc = all_reduce_sums([l / n, c / n], device)
     results["mean_of_rank_means"] = (mean_loss / w * len(test), mean_acc / w * len(test), len(test))
     # WRONG 4: rank 0 reports its own shard only (rank 0's numbers, shared with everyone for printing).

@@ -63,7 +63,6 @@ def compare(cfg, ctx):
     dataset = WithIndex(data.train)
 
     # WRONG: what many single-GPU scripts (and some tutorials) do. Nothing here knows about ranks.
-    torch.manual_seed(cfg.seed)
     plain_loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True)
     # RIGHT: the sampler hands each rank a disjoint 1/W of the data; shuffling moves into it.
     sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed)

@@ -176,12 +176,13 @@ def train(cfg, ctx):
                          else "every micro-batch (--no-use-no-sync)",
         "data sizes": f"train {len(data.train)} ({len(train_sampler)} per rank, {micro_batches} "
                       f"micro-batches = {steps_per_epoch} steps/epoch), test {len(data.test)}"})
-    tensorboard = TensorBoard(Path(cfg.output_dir) / "tensorboard")
     output_dir = Path(cfg.output_dir)
+    tensorboard = TensorBoard(output_dir / "tensorboard")
     timer = StepTimer(device)
     profile = StepProfiler(unwrap(model), device, cfg.profile_warmup, cfg.profile_steps)
     step = 0
     passes_per_step, reduces_per_step = [], []  # gradient all-reduce passes / bucket all-reduces per step
+    counted = (0, 0)  # the counters' values at the last step
     train_loss = float("nan")
     images_per_s = data_wait = 0.0
     for epoch in range(cfg.epochs):
@@ -222,8 +223,9 @@ def train(cfg, ctx):
             optimizer.zero_grad(set_to_none=True)  # only after a step: until then .grad accumulates
             profile.end()
             step += 1
-            passes_per_step.append(counter["passes"] - sum(passes_per_step))
-            reduces_per_step.append(counter["all_reduces"] - sum(reduces_per_step))
+            passes_per_step.append(counter["passes"] - counted[0])
+            reduces_per_step.append(counter["all_reduces"] - counted[1])
+            counted = (counter["passes"], counter["all_reduces"])
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 total_loss, total_seen = all_reduce_sums([loss_sum, seen], device)
                 images_per_s, data_wait = timer.global_rates()
@@ -247,7 +249,7 @@ def train(cfg, ctx):
 
     # Every rank computes a checksum of its replica (a collective); rank 0 writes the files.
     checksums = replica_checksums(model)
-    profile_summary = profile.summary() if profile.enabled else None  # collective
+    profile_summary = profile.summary()  # collective when profiling
     if ctx.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         torch.save(unwrap(model).state_dict(), output_dir / "model.pt")  # no "module."/"_orig_mod." prefix

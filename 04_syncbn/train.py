@@ -154,8 +154,8 @@ def train(cfg, ctx, mode):
                                               if mode == "sync" else ""),
                         "data sizes": f"train {len(data.train)} ({len(train_sampler)} per rank, "
                                        f"{steps_per_epoch} steps/epoch), test {len(data.test)}"})
-    tensorboard = TensorBoard(Path(cfg.output_dir) / "tensorboard" / mode)
     output_dir = Path(cfg.output_dir)
+    tensorboard = TensorBoard(output_dir / "tensorboard" / mode)
     timer = StepTimer(device)
     profile = StepProfiler(unwrap(model), device, cfg.profile_warmup, cfg.profile_steps)
     step = 0
@@ -205,7 +205,7 @@ def train(cfg, ctx, mode):
 
     # Every rank computes a checksum of its replica (a collective); rank 0 writes the files.
     checksums = replica_checksums(model)
-    profile_summary = profile.summary() if profile.enabled else None  # collective
+    profile_summary = profile.summary()  # collective when profiling
     if ctx.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         # The state dict includes the BatchNorm running statistics (rank 0's).

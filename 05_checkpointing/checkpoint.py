@@ -108,8 +108,9 @@ def load(path: str | Path, map_location: Any = "cpu") -> dict:
     return state
 
 
-def find_resumable(folder: str | Path, log: Callable[[str], None] = print) -> tuple[Path | None, dict | None]:
-    """The newest checkpoint that loads: `latest` first, then older files by step.
+def find_resumable(folder: str | Path, log: Callable[[str], None] = print,
+                   map_location: Any = "cpu") -> tuple[Path | None, dict | None]:
+    """The newest checkpoint that loads, and its contents: `latest` first, then older files by step.
 
     A bad file is reported in one line and skipped; nothing is deleted or overwritten.
     """
@@ -121,7 +122,7 @@ def find_resumable(folder: str | Path, log: Callable[[str], None] = print) -> tu
         candidates.insert(0, pointed)
     for path in candidates:
         try:
-            return path, load(path)
+            return path, load(path, map_location)
         except (ValueError, OSError) as exc:
             log(f"warning: checkpoint {path} is unusable ({exc}); trying the previous one")
     return None, None

@@ -186,17 +186,21 @@ def train(cfg, ctx):
         model = NoDDP(model)
     else:
         model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None,
-                    bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-                    static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters)
+                    bucket_cap_mb=cfg.bucket_cap_mb,  # gradients are all-reduced in buckets of this size
+                    gradient_as_bucket_view=cfg.gradient_as_bucket_view,  # .grad points into the bucket
+                    static_graph=cfg.static_graph,  # same graph every step: DDP can plan ahead
+                    find_unused_parameters=cfg.find_unused_parameters)  # only if some parameters get no grad
         if cfg.comm_hook != "none":  # default_hooks.bf16_compress_hook / fp16_compress_hook
             model.register_comm_hook(state=None, hook=COMM_HOOKS[cfg.comm_hook])
+    # Mixed precision: autocast runs the forward pass in bf16/fp16; fp16 also needs a GradScaler,
+    # which scales the loss so small gradients do not underflow (a no-op when disabled).
+    amp_dtype = AMP_DTYPES[cfg.precision]
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                                 weight_decay=cfg.weight_decay)
     steps_per_epoch = len(train_loader)
     # The LR schedule advances every step, so it is part of the state a resume must restore.
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.epochs * steps_per_epoch)
-    amp_dtype = AMP_DTYPES[cfg.precision]
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     # From here on each rank draws its own random numbers (augmentation differs between ranks).
     torch.manual_seed(cfg.seed * 1000 + ctx.rank)
     random.seed(cfg.seed * 1000 + ctx.rank)
@@ -206,13 +210,14 @@ def train(cfg, ctx):
     # onto its own device (map_location) with weights_only=True.
     start_epoch = start_in_epoch = step = 0
     loss_sum = seen = 0.0
-    choice = [None]
+    choice, state = [None], None
     if ctx.is_main:
         for leftover in ckpt.remove_partial_files(ckpt_dir):
             print(f"removed {leftover.name}: a checkpoint write that never completed", flush=True)
         (ckpt_dir / "REQUEUE").unlink(missing_ok=True)
         if cfg.resume:
-            found, _ = ckpt.find_resumable(ckpt_dir, log=lambda line: print(line, flush=True))
+            found, state = ckpt.find_resumable(ckpt_dir, log=lambda line: print(line, flush=True),
+                                               map_location=device)
             choice = [str(found) if found else None]
         elif ckpt.list_checkpoints(ckpt_dir):
             choice = ["exists"]
@@ -221,7 +226,8 @@ def train(cfg, ctx):
         raise ConfigError(f"--no-resume but {ckpt_dir} holds checkpoints of an earlier run: "
                           "remove them or pass another --checkpoint-dir")
     if choice[0]:
-        state = ckpt.load(choice[0], map_location=device)
+        if not ctx.is_main:  # rank 0 loaded it while picking it
+            state = ckpt.load(choice[0], map_location=device)
         if state["world_size"] != ctx.world_size or state["batch_size"] != cfg.batch_size:
             raise ConfigError(f"{choice[0]} was written with world size {state['world_size']} and batch size "
                               f"{state['batch_size']}; an exact resume needs the same (now {ctx.world_size}, "
@@ -240,11 +246,11 @@ def train(cfg, ctx):
         del state
     resumed_from = step
 
-    banner(ctx, cfg, **{"data sizes": f"train {len(data.train)} ({train_sampler.num_samples} per rank, "
+    banner(ctx, cfg, **{"data sizes": f"train {len(data.train)} ({len(train_sampler)} per rank, "
                                        f"{steps_per_epoch} steps/epoch), test {len(data.test)}",
                         "checkpoints": f"{ckpt_dir} (every {cfg.save_every_steps or steps_per_epoch} steps, "
                                        f"keep {cfg.keep_last})"})
-    tensorboard = TensorBoard(Path(cfg.output_dir) / "tensorboard")
+    tensorboard = TensorBoard(output_dir / "tensorboard")
     record = None
     if cfg.record_batches:  # appended to, so a resumed run continues the same file
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -288,9 +294,9 @@ def train(cfg, ctx):
             with torch.autocast(device.type, dtype=amp_dtype, enabled=cfg.precision != "fp32"):
                 loss = F.cross_entropy(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()  # DDP all-reduces (averages) gradients here
+            scaler.scale(loss).backward()  # DDP all-reduces (averages) gradients here, overlapped with backward
             profile.backward_done()
-            scaler.step(optimizer)
+            scaler.step(optimizer)  # fp16: unscales, and skips the step if a gradient overflowed
             scaler.update()
             profile.end()
             scheduler.step()
@@ -331,7 +337,7 @@ def train(cfg, ctx):
 
     # Every rank computes a checksum of its replica (a collective); rank 0 writes the files.
     checksums = replica_checksums(model)
-    profile_summary = profile.summary() if profile.enabled else None  # collective
+    profile_summary = profile.summary()  # collective when profiling
     if ctx.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         torch.save(unwrap(model).state_dict(), output_dir / "model.pt")  # no "module."/"_orig_mod." prefix

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import field, load_config
-from common.dist import choose_backend, choose_device, cleanup_distributed
+from common.dist import cleanup_distributed, prepare_device
 from common.entry import run
 from common.errors import LauncherError
 from common.launcher import detect_launcher
@@ -87,7 +87,7 @@ def check_in(info, device, timeout_s):
     keys = [f"rank{r}" for r in range(info.world_size)]
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
-    except (RuntimeError, dist.DistStoreError) as exc:
+    except (RuntimeError, dist.DistStoreError):
         missing = [r for r, key in enumerate(keys) if not _has(store, key)]
         arrived = sorted({store.get(k).decode().split("|")[0] for k in keys if _has(store, k)})
         raise LauncherError(
@@ -153,12 +153,7 @@ def _sync(device):
 def main(argv=None):
     cfg = load_config(CommConfig, argv)
     info = detect_launcher(os.environ)
-    device = choose_device(info.local_rank, cfg.device)
-    backend = choose_backend(device, cfg.backend)
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
-    if device.type != "cpu":
-        getattr(torch, device.type).set_device(device)
+    device, backend = prepare_device(info, cfg.device, cfg.backend)
     store, table = check_in(info, device, cfg.timeout_s)
     dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
                             timeout=timedelta(seconds=cfg.timeout_s),

@@ -16,7 +16,6 @@ Run (CPU; two "nodes" on this machine, c10d rendezvous on 127.0.0.1):
 Job files for Slurm and PBS are in jobs/; run 06_multinode/comm_check.py first on a new allocation.
 """
 
-import socket
 import sys
 import time
 from pathlib import Path
@@ -64,7 +63,7 @@ def evaluate(model, loader, device, channels_last=False):
 
 def gather_placement(ctx):
     """Collective: (host, rank, local rank, device) of every rank, in rank order, on every rank."""
-    mine = {"host": socket.gethostname(), "rank": ctx.rank, "local_rank": ctx.local_rank,
+    mine = {"host": ctx.hostname, "rank": ctx.rank, "local_rank": ctx.local_rank,
             "device": str(ctx.device)}
     placement = [None] * ctx.world_size
     dist.all_gather_object(placement, mine)
@@ -144,8 +143,8 @@ def train(cfg, ctx):
     banner(ctx, cfg, **{"data sizes": f"train {len(data.train)} ({len(train_sampler)} per rank, "
                                        f"{steps_per_epoch} steps/epoch), test {len(data.test)}"})
     print_placement(placement)
-    tensorboard = TensorBoard(Path(cfg.output_dir) / "tensorboard")
     output_dir = Path(cfg.output_dir)
+    tensorboard = TensorBoard(output_dir / "tensorboard")
     timer = StepTimer(device)
     profile = StepProfiler(unwrap(model), device, cfg.profile_warmup, cfg.profile_steps)
     step = 0
@@ -194,7 +193,7 @@ def train(cfg, ctx):
 
     # Every rank computes a checksum of its replica (a collective); rank 0 writes the files.
     checksums = replica_checksums(model)
-    profile_summary = profile.summary() if profile.enabled else None  # collective
+    profile_summary = profile.summary()  # collective when profiling
     if ctx.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         torch.save(unwrap(model).state_dict(), output_dir / "model.pt")  # no "module."/"_orig_mod." prefix

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import types
 import typing
@@ -122,8 +123,6 @@ def load_config(cls: type[C], argv: Sequence[str] | None = None, description: st
     check = getattr(cfg, "validate", None)
     if check:
         check()
-    if isinstance(cfg, TrainConfig):
-        check_data(cfg)
     return cfg
 
 
@@ -131,9 +130,7 @@ def check_data(cfg: "TrainConfig") -> None:
     """Data problems that can be seen before any process group starts: a missing data folder,
     more processes than training samples (for the sets whose size is known without loading;
     the others are checked after loading, in common.data.load_datasets)."""
-    import os
-
-    from common.data import check_world_size, known_train_size
+    from common.data import check_world_size, known_train_size, prepare_command
     from common.errors import DataError, LauncherError
     from common.launcher import detect_launcher
 
@@ -148,8 +145,7 @@ def check_data(cfg: "TrainConfig") -> None:
         return  # embedded, synthetic, or about to be downloaded
     if not Path(cfg.data_dir).is_dir():
         hint = ("pass --data-dir with train/ and val/ folders" if cfg.dataset == "imagefolder" else
-                f"prepare it with `python -m common.prepare --dataset {cfg.dataset} --data-dir {cfg.data_dir}` "
-                "or pass --download")
+                f"prepare it with `{prepare_command(cfg.dataset, cfg.data_dir)}` or pass --download")
         raise DataError(f"data_dir: folder '{cfg.data_dir}' does not exist ({cfg.dataset}); {hint}")
 
 
@@ -232,3 +228,7 @@ class TrainConfig:
                                "step (data wait, forward+backward, exposed communication, optimizer) into "
                                "summary.json; 0: off", min=0)
     profile_warmup: int = field(5, "steps to leave out before profiling (start-up, first-step allocations)", min=0)
+
+    def validate(self):
+        """Called by load_config; a subclass with checks of its own calls super().validate()."""
+        check_data(self)

@@ -99,6 +99,19 @@ def choose_backend(device: torch.device, backend: str = "auto") -> str:
     return backend
 
 
+def prepare_device(info: LaunchInfo, device: str = "auto", backend: str = "auto",
+                   env: Mapping[str, str] = os.environ) -> tuple[torch.device, str]:
+    """This rank's device and backend, made current before the process group starts."""
+    dev = choose_device(info.local_rank, device)
+    backend = choose_backend(dev, backend)
+    if dev.type == "cpu" and "OMP_NUM_THREADS" not in env:
+        # N processes on one CPU: share the cores instead of each taking all of them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
+    if dev.type != "cpu":
+        getattr(torch, dev.type).set_device(dev)  # before init, so collectives use this device
+    return dev, backend
+
+
 def setup_distributed(backend: str = "auto", timeout_s: float = 60.0, device: str = "auto",
                       rank: int | None = None, world_size: int | None = None,
                       env: Mapping[str, str] | None = None) -> DistContext:
@@ -109,8 +122,7 @@ def setup_distributed(backend: str = "auto", timeout_s: float = 60.0, device: st
     """
     env = os.environ if env is None else env
     info = detect_launcher(env, rank=rank, world_size=world_size)
-    dev = choose_device(info.local_rank, device)
-    backend = choose_backend(dev, backend)
+    dev, backend = prepare_device(info, device, backend, env)
     if timeout_s <= 0:
         raise ConfigError(f"timeout_s: must be positive, got {timeout_s}")
 
@@ -119,11 +131,6 @@ def setup_distributed(backend: str = "auto", timeout_s: float = 60.0, device: st
     os.environ.update(MASTER_ADDR=info.master_addr, MASTER_PORT=str(info.master_port),
                       RANK=str(info.rank), LOCAL_RANK=str(info.local_rank),
                       WORLD_SIZE=str(info.world_size), LOCAL_WORLD_SIZE=str(info.local_world_size))
-    if dev.type == "cpu" and "OMP_NUM_THREADS" not in env:
-        # N processes on one CPU: share the cores instead of each taking all of them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
-    if dev.type != "cpu":
-        getattr(torch, dev.type).set_device(dev)  # before init, so collectives use this device
     from common.entry import install_failure_hook
 
     install_failure_hook()  # test/demo hook, inactive unless DDP_EXAMPLES_FAIL_AT_STEP is set
@@ -155,9 +162,10 @@ def cleanup_distributed() -> None:
     nothing waits on peers that may be dead."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    if sys.exc_info()[0] is not None and LEAVE_ON_EXIT:
+    failing = sys.exc_info()[0] is not None
+    if failing and LEAVE_ON_EXIT:
         return
-    if sys.exc_info()[0] is not None and dist.get_backend() != "gloo":
+    if failing and dist.get_backend() != "gloo":
         try:
             dist.distributed_c10d._abort_process_group()
             return

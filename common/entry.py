@@ -40,7 +40,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from common.errors import UsageError
+import common.dist
+from common.errors import ConfigError, UsageError
 
 USAGE_EXIT_CODE = 2
 USAGE_GRACE_S = 5.0  # at most this long a silent rank waits for the reporting rank to print
@@ -66,19 +67,12 @@ _TIMEOUT_KEY = "ddp_examples/timed_out/"
 _FIRST_KEY = "ddp_examples/first_failure/"
 
 
-def _joined() -> dict:
-    """What setup_distributed recorded about the job (empty if it never joined one)."""
-    from common.dist import JOINED
-
-    return JOINED
-
-
 def guess_rank() -> int:
     """This process's rank, even if the process group never started (best effort)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    if "rank" in _joined():
-        return _joined()["rank"]
+    if "rank" in common.dist.JOINED:
+        return common.dist.JOINED["rank"]
     for name in _RANK_VARIABLES:
         value = os.environ.get(name, "")
         if value.isdigit():
@@ -104,8 +98,6 @@ def _reports_usage_error(exc: UsageError, rank: int) -> bool:
         return chosen
     if _is_reporting_rank(rank):
         return True
-    from common.errors import ConfigError
-
     return not isinstance(exc, ConfigError) and os.environ.get("LOCAL_RANK", "") == "0"
 
 
@@ -170,26 +162,24 @@ def _exit(code: int) -> None:
 
 
 def run(main: Callable[[], object]) -> None:
-    import common.dist
-
     common.dist.LEAVE_ON_EXIT = True  # a failure is reported before this process leaves the group
     try:
         main()
     except UsageError as exc:
         _report_usage_error(exc, guess_rank())
-        if _joined():
+        if common.dist.JOINED:
             _exit(USAGE_EXIT_CODE)  # see the clean end below
         sys.exit(USAGE_EXIT_CODE)
     except KeyboardInterrupt:
         _exit(130)
     except SystemExit as exc:  # a deliberate exit code (05: 75, "requeue me"): keep it, as below
-        if _joined() and isinstance(exc.code, int):
+        if common.dist.JOINED and isinstance(exc.code, int):
             _exit(exc.code)
         raise
     except Exception as exc:  # noqa: BLE001 - the whole point: report any failure once
         _exit(report_failure(exc))
     else:
-        if _joined():
+        if common.dist.JOINED:
             # A clean end, with the process group already destroyed and every file closed. Skip
             # the interpreter's teardown all the same: there, gloo worker threads that still hold
             # tensors can abort the process ("terminate called without an active exception",
@@ -234,7 +224,7 @@ def report_failure(exc: BaseException) -> int:
 
 def _first_to_fail(rank: int) -> int | None:
     """The rank that failed first, agreed through the job's key-value store; None if unknown."""
-    store = _joined().get("store")
+    store = common.dist.JOINED.get("store")
     if store is None:
         return None
     try:
@@ -256,8 +246,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _is_distributed_error(exc: BaseException) -> bool:
-    dist_errors = tuple(getattr(dist, name) for name in ("DistError",) if hasattr(dist, name))
-    return isinstance(exc, dist_errors) or (isinstance(exc, RuntimeError) and bool(_joined()))
+    joined = bool(common.dist.JOINED)
+    return isinstance(exc, getattr(dist, "DistError", ())) or (isinstance(exc, RuntimeError) and joined)
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -302,9 +292,9 @@ def _report_timeout(exc: BaseException, rank: int) -> None:
     """
     where = _where(exc)
     others: dict[int, str] = {}
-    world = _joined().get("world_size", 1)
+    world = common.dist.JOINED.get("world_size", 1)
     try:
-        store = _joined()["store"]
+        store = common.dist.JOINED["store"]
         store.set_timeout(timedelta(seconds=5))
         store.set(f"{_TIMEOUT_KEY}{rank}", where)
         time.sleep(float(os.environ.get("DDP_EXAMPLES_TIMEOUT_GRACE_S", "3")))
@@ -320,7 +310,7 @@ def _report_timeout(exc: BaseException, rank: int) -> None:
         _write_error_file(f"rank {rank} timed out too (see rank {min(others)})", cause=False)
         return
     missing = [r for r in range(world) if r not in others]
-    timeout_s = f"{_joined().get('timeout_s', 0):g} s"
+    timeout_s = f"{common.dist.JOINED.get('timeout_s', 0):g} s"
     waited = "; ".join(f"rank {r} in {w}" for r, w in sorted(others.items()))
     lines = [
         f"{_label(rank)} a collective timed out after {timeout_s} (--timeout-s): {_first_line(exc)}",
@@ -354,8 +344,6 @@ def install_failure_hook() -> None:
     at = os.environ.get(FAIL_AT_STEP_ENV, "")
     if not at:
         return
-    from common.errors import ConfigError
-
     if not at.isdigit() or int(at) < 1:
         raise ConfigError(f"{FAIL_AT_STEP_ENV}={at!r} must be a positive integer")
     fail_rank = os.environ.get(FAIL_RANK_ENV, "0")

@@ -17,6 +17,7 @@ Here live only their helpers:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 import statistics
 import time
@@ -36,9 +37,8 @@ COMM_HOOKS = {"none": None,
               "bf16_compress": default_hooks.bf16_compress_hook,
               "fp16_compress": default_hooks.fp16_compress_hook}
 
-# DDP settings that mean nothing without DDP, with their defaults.
-_DDP_ONLY = {"bucket_cap_mb": 25.0, "gradient_as_bucket_view": False, "static_graph": False,
-             "find_unused_parameters": False, "comm_hook": "none"}
+# DDP settings that mean nothing without DDP.
+_DDP_ONLY = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters", "comm_hook")
 
 
 def check_perf_config(cfg, device: torch.device) -> None:
@@ -49,7 +49,8 @@ def check_perf_config(cfg, device: torch.device) -> None:
     if cfg.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("precision: this GPU has no bf16 support (use --precision fp16, which adds a GradScaler)")
     if cfg.no_ddp:
-        changed = [k for k, default in _DDP_ONLY.items() if getattr(cfg, k) != default]
+        defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+        changed = [k for k in _DDP_ONLY if getattr(cfg, k) != defaults[k]]
         if changed:
             raise ConfigError(f"no_ddp: {', '.join(changed)} configure DDP, which --no-ddp leaves out "
                               "(drop them or drop --no-ddp)")
@@ -182,12 +183,15 @@ class StepProfiler:
         self.last_end = now
         self.index += 1
 
-    def summary(self) -> dict:
-        """Collective: each part's median over the profiled steps of the mean over ranks."""
+    def summary(self) -> dict | None:
+        """Collective when enabled (the same on every rank): each part's median over the profiled
+        steps of the mean over ranks. None when profiling is off."""
+        if not self.enabled:
+            return None
         world = dist.get_world_size()
-        counts = [0.0] * world
-        dist.all_gather_object(counts, len(self.rows))
-        n = int(min(counts))  # every rank runs the same steps; be safe anyway
+        count = torch.tensor([len(self.rows)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN)
+        n = int(count.item())  # every rank runs the same steps; be safe anyway
         table = torch.tensor(self.rows[:n] or [[0.0] * len(self.PARTS)], dtype=torch.float64)
         table = table.to(self.device)
         dist.all_reduce(table, op=dist.ReduceOp.SUM)

@@ -7,7 +7,6 @@ forward() whether the coming backward all-reduces. Then: syncing on the first mi
 the replicas' gradients different; an extra division by the world size shrinks the gradient.
 """
 
-import importlib.util
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -21,10 +20,9 @@ sys.path.insert(0, str(REPO))
 
 from common.dist import cleanup_distributed, setup_distributed  # noqa: E402
 from common.report import print0  # noqa: E402
+from tests.helpers import load_script  # noqa: E402
 
-spec = importlib.util.spec_from_file_location("grad_accum_train", REPO / "03_grad_accum" / "train.py")
-grad_accum = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(grad_accum)
+grad_accum = load_script("03_grad_accum/train.py", "grad_accum_train")
 
 
 def main():

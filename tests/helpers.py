@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -79,6 +80,14 @@ def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 12
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            *launcher_args, REPO / script, *args]
     return run(cmd, timeout, env=env, check=check)
+
+
+def load_script(path: str | Path, name: str):
+    """Import a script that is not in a package (the numbered folders start with a digit)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def read_summary(output_dir: Path) -> dict:

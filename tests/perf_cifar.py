@@ -8,29 +8,18 @@ filled with random pixels. torchvision compares each file's MD5 with the real da
 so `run` starts SCRIPT with those expected digests set to None (= not checked).
 """
 
-import pickle
 import runpy
 import sys
 from pathlib import Path
 
-import numpy as np
-
-TRAIN_BATCHES = [f"data_batch_{i}" for i in range(1, 6)]
+from cifar_files import CIFAR_FOLDER, write_cifar10  # this folder is on sys.path when run as a script
 
 
 def write(data_dir: str, per_batch: int = 10000, test_size: int = 500, seed: int = 0) -> Path:
     """Five training batches of `per_batch` images and a test batch of `test_size`."""
-    rng = np.random.default_rng(seed)
-    folder = Path(data_dir) / "cifar10" / "cifar-10-batches-py"
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, n in [(b, per_batch) for b in TRAIN_BATCHES] + [("test_batch", test_size)]:
-        batch = {"batch_label": name, "data": rng.integers(0, 256, size=(n, 3072), dtype=np.uint8),
-                 "labels": rng.integers(0, 10, size=n).tolist(), "filenames": [f"{name}_{i}.png" for i in range(n)]}
-        (folder / name).write_bytes(pickle.dumps(batch))
-    meta = {"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
-                            "truck"], "num_cases_per_batch": per_batch, "num_vis": 3072}
-    (folder / "batches.meta").write_bytes(pickle.dumps(meta))
-    return folder
+    root = Path(data_dir) / "cifar10"
+    write_cifar10(root, per_batch, test_size, seed)
+    return root / CIFAR_FOLDER
 
 
 def run_unchecked(script: str, args: list[str]) -> None:

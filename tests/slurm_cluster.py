@@ -1,7 +1,7 @@
 """A real two-node Slurm cluster on this machine, for tests (root only).
 
     with SlurmCluster(tmp_dir) as cluster:
-        job_id = cluster.sbatch(["jobs/slurm_srun.sbatch"], env)
+        job_id = cluster.sbatch(["jobs/slurm_srun.sbatch"], env, REPO)
         state = cluster.wait(job_id, timeout=180)
 
 Everything lives under one temporary folder: munged with its own key and socket,
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import subprocess
 import time
@@ -25,10 +24,6 @@ from tests.helpers import free_port
 TOOLS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "scancel")
 NODES = ("node1", "node2")
 CPUS_PER_NODE = 2  # what each fake node advertises; both share this machine's cores
-
-
-def missing_tools() -> list[str]:
-    return [tool for tool in TOOLS if shutil.which(tool) is None]
 
 
 class SlurmCluster:

@@ -11,7 +11,6 @@ wrap: runs 04_syncbn/train.py's main() with DDP replaced by a subclass that reco
 """
 
 import copy
-import importlib.util
 import json
 import os
 import sys
@@ -28,6 +27,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "04_syncbn"))
 
 from cpu_sync_batchnorm import CpuSyncBatchNorm, convert_to_cpu_sync_batchnorm  # noqa: E402
+from tests.helpers import load_script  # noqa: E402
 
 from common.dist import cleanup_distributed, setup_distributed  # noqa: E402
 from common.models import SmallCNN  # noqa: E402
@@ -125,9 +125,7 @@ def math_checks() -> dict:
 def main():
     mode, output_dir = sys.argv[1], sys.argv[2]
     if mode == "wrap":
-        spec = importlib.util.spec_from_file_location("syncbn_train", REPO / "04_syncbn" / "train.py")
-        script = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(script)
+        script = load_script("04_syncbn/train.py", "syncbn_train")
         seen = []
 
         class RecordingDDP(DDP):

@@ -3,7 +3,6 @@ signals, corrupt checkpoints, weights_only, export to a plain model, and a DCP r
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import shutil
@@ -16,25 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PYTHON, REPO, clean_env, free_port, kill_group, read_summary, run, torchrun
+from tests.helpers import PYTHON, REPO, clean_env, free_port, kill_group, load_script, read_summary, run, torchrun
 
 SCRIPT = "05_checkpointing/train.py"
 # 2 epochs of 45 steps (digits, 2 ranks x 16), noise drawn from each rank's RNG, a checkpoint every 10 steps.
 ARGS = ("--epochs", "2", "--batch-size", "16", "--input-noise", "0.1", "--save-every-steps", "10",
         "--record-batches", "--log-every", "100")
-TOTAL_STEPS = 90
 STEPS_PER_EPOCH = 45  # 1438 digits / 2 ranks / batch 16; a checkpoint is also written at each epoch's end
+TOTAL_STEPS = 2 * STEPS_PER_EPOCH
 REQUEUE = 75
 
 
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "05_checkpointing" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ckpt = _module("checkpoint")
+ckpt = load_script("05_checkpointing/checkpoint.py", "checkpoint")
 
 
 def params(output_dir: Path) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import REPO, read_summary, torchrun
+from tests.helpers import read_summary, torchrun
 
 SCRIPT = "03_grad_accum/train.py"
 BASIC = "01_basic_ddp/train.py"

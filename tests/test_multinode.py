@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 

@@ -6,7 +6,6 @@ numbers the scripts write against DistributedSampler itself, the formulas, and f
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from collections import Counter
@@ -18,7 +17,7 @@ from torch.utils.data import DistributedSampler
 
 from common.data import digits
 from common.models import SmallCNN
-from tests.helpers import PYTHON, REPO, read_summary, run, torchrun
+from tests.helpers import PYTHON, REPO, load_script, read_summary, run, torchrun
 
 DIR = "02_sampler_patterns"
 
@@ -56,9 +55,7 @@ def test_partition_viewer_prints_what_distributed_sampler_gives(viewer):
 @pytest.mark.parametrize("n,w", [(10, 3), (10, 4), (7, 7), (5, 8), (16, 4), (1, 2)])
 def test_partition_counts_follow_the_formulas(tmp_path, n, w):
     """Simulated ranks (in this process), many sizes: padding ceil(N/W), dropping floor(N/W)."""
-    spec = importlib.util.spec_from_file_location("partition_viewer", REPO / DIR / "partition_viewer.py")
-    viewer_script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(viewer_script)
+    viewer_script = load_script(f"{DIR}/partition_viewer.py", "partition_viewer")
     viewer_script.main(["--num-samples", str(n), "--simulate-world-size", str(w), "--output-dir", str(tmp_path)])
     report = json.loads((tmp_path / "partition.json").read_text())
     for case in report["results"]:
