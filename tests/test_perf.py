@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import csv
 import functools
-import importlib.util
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,17 +17,14 @@ from common.errors import ConfigError
 from common.launcher import LaunchInfo
 from common.models import SmallCNN
 from common.perf import COMM_HOOKS, NoDDP, check_perf_config, loader_kwargs, unwrap
-from tests.helpers import PYTHON, REPO, read_summary, run, torchrun
+from tests.helpers import PYTHON, REPO, load_script, read_summary, run, torchrun
 
 CPU = torch.device("cpu")
 SMALL = ["--epochs", "1", "--batch-size", "8", "--log-every", "1000"]
 
 
 def load_train_module():
-    spec = importlib.util.spec_from_file_location("basic_ddp_train", REPO / "01_basic_ddp" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("01_basic_ddp/train.py", "basic_ddp_train")
 
 
 @pytest.fixture
@@ -166,10 +161,11 @@ def test_ddp_settings_with_no_ddp_are_refused(flags, message):
 
 
 def test_refusals_end_in_one_line_exit_2(tmp_path):
-    result = torchrun("01_basic_ddp/train.py", "--no-ddp", "--bucket-cap-mb", "5", "--output-dir", str(tmp_path),
-                      nproc=1, check=False, timeout=120)
-    assert result.returncode != 0
-    assert "error: no_ddp: bucket_cap_mb configure DDP" in result.stderr
+    result = run([PYTHON, REPO / "01_basic_ddp/train.py", "--no-ddp", "--bucket-cap-mb", "5",
+                  "--output-dir", tmp_path], timeout=120)
+    assert result.returncode == 2, result.output[-3000:]
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no_ddp: bucket_cap_mb configure DDP"), result.stderr
 
 
 def test_compile_without_a_compiler_is_refused(monkeypatch):
