@@ -6,17 +6,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
-import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, clean_env, read_summary, run
-from tests.launcher_tools import need_root, need_tools, unavailable
+from tests.helpers import PYTHON, REPO, clean_env, kill_group, read_summary, run
+from tests.launcher_tools import need_root, need_tools
 from tests.slurm_cluster import TOOLS as SLURM_TOOLS, SlurmCluster
 
 JOBS = sorted((REPO / "jobs").glob("*.*"))
@@ -203,6 +202,66 @@ def test_pbs_torchrun_job(tmp_path):
     assert summary["world_size"] == 2 and [(p["rank"], p["local_rank"]) for p in summary["placement"]] == [(0, 0), (1, 0)]
     assert f"rendezvous {socket.gethostname()}:{15000 + 4322}" in result.stdout
     print(f"PBS torchrun job: {time.perf_counter() - start:.1f} s")
+
+
+# Stands in for 05 under PBS: `exit N` exits with N at once; `preempted` behaves as 05 on SIGTERM
+# (the handler sets a flag, the rank then exits with the requeue code), after writing a ready file.
+PBS_STAND_IN = textwrap.dedent("""\
+    import os, signal, sys, time
+    if sys.argv[1] == "exit":
+        sys.exit(int(sys.argv[2]))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
+    rank = os.environ.get("PMI_RANK") or os.environ.get("RANK")
+    open(os.path.join(sys.argv[2], f"ready.{rank}"), "w").close()
+    time.sleep(120)
+    """)
+
+
+def pbs_requeue_env(tmp_path, job_file, job_id, train_args):
+    """PBS variables, the stand-in as SCRIPT, and a `qrerun` that records its arguments (no PBS server here)."""
+    (tmp_path / "stand_in.py").write_text(PBS_STAND_IN)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "qrerun").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "qrerun.calls"}\n')
+    (bin_dir / "qrerun").chmod(0o755)
+    per_node = {"NRANKS_PER_NODE": "1", "MPIEXEC_BIND": ""} if "mpiexec" in job_file else {"GPUS_PER_NODE": "1"}
+    return pbs_env(tmp_path, job_id, SCRIPT=str(tmp_path / "stand_in.py"), TRAIN_ARGS=train_args,
+                   PATH=f"{bin_dir}:{clean_env()['PATH']}", **per_node)
+
+
+def test_pbs_job_requeues_when_the_ranks_exit_with_the_requeue_code(tmp_path):
+    need_tools("mpiexec.mpich")
+    env = pbs_requeue_env(tmp_path, "pbs_mpiexec.pbs", "4323.pbs01", "exit 75")
+    result = run(["bash", REPO / "jobs/pbs_mpiexec.pbs"], 60, env=env, check=True, cwd=tmp_path)
+    assert "requeueing job 4323.pbs01 (exit code 75, preempted=0)" in result.stdout, result.output
+    assert (tmp_path / "qrerun.calls").read_text() == "4323.pbs01\n"
+    # Any other failure is the job's exit code, with no requeue.
+    other = tmp_path / "other"
+    other.mkdir()
+    env = pbs_requeue_env(other, "pbs_mpiexec.pbs", "4324.pbs01", "exit 3")
+    result = run(["bash", REPO / "jobs/pbs_mpiexec.pbs"], 60, env=env, cwd=other)
+    assert result.returncode == 3 and not (other / "qrerun.calls").exists(), result.output
+
+
+@pytest.mark.parametrize("job_file", ["pbs_mpiexec.pbs", "pbs_torchrun.pbs"])
+def test_pbs_job_requeues_after_sigterm_to_the_whole_job(job_file, tmp_path):
+    """As PBS does at the walltime or on preemption: SIGTERM to every process of the job."""
+    need_tools("mpiexec.mpich")
+    env = pbs_requeue_env(tmp_path, job_file, "4325.pbs01", f"preempted {tmp_path}")
+    proc = subprocess.Popen(["bash", REPO / "jobs" / job_file], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("ready.*"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert len(list(tmp_path.glob("ready.*"))) == 2, "the two ranks never started"
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out
+    assert "requeueing job 4325.pbs01" in out and "preempted=1" in out, out
+    assert (tmp_path / "qrerun.calls").read_text() == "4325.pbs01\n"
 
 
 def test_pbs_job_refuses_to_run_outside_pbs(tmp_path):
