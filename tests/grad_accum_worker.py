@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.dist import cleanup_distributed, setup_distributed  # noqa: E402
+from common.entry import run  # noqa: E402
 from common.report import print0  # noqa: E402
 from tests.helpers import load_script  # noqa: E402
 
@@ -73,4 +74,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run(main)  # as the examples: a clean end skips gloo's teardown, which can abort a finished process

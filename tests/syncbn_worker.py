@@ -30,6 +30,7 @@ from cpu_sync_batchnorm import CpuSyncBatchNorm, convert_to_cpu_sync_batchnorm  
 from tests.helpers import load_script  # noqa: E402
 
 from common.dist import cleanup_distributed, setup_distributed  # noqa: E402
+from common.entry import run  # noqa: E402
 from common.models import SmallCNN  # noqa: E402
 
 STEPS, FULL_BATCH = 3, 16
@@ -148,4 +149,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run(main)  # as the examples: a clean end skips gloo's teardown, which can abort a finished process
