@@ -46,6 +46,7 @@ from common.errors import ConfigError, UsageError
 USAGE_EXIT_CODE = 2
 USAGE_GRACE_S = 5.0  # at most this long a silent rank waits for the reporting rank to print
 PEER_GONE_GRACE_S = 2.0  # a rank that only lost its peer leaves this much later than the cause
+TIMEOUT_REPORT_GRACE_S = 6.0  # at most this long the timeout report waits for the other ranks to time out
 FAILURE_EXIT_CODE = 1
 GUIDE = "debugging/README.md"
 
@@ -287,8 +288,9 @@ def _where(exc: BaseException) -> str:
 def _report_timeout(exc: BaseException, rank: int) -> None:
     """Which collective, which ranks timed out with us, which never arrived, what to check.
 
-    Each rank that times out records where it waited in the job's key-value store; after a short
-    grace period the lowest such rank prints the full report and the others one line each.
+    Each rank that times out records where it waited in the job's key-value store; once every
+    rank has, or after a grace period (a rank that entered its collective later times out later),
+    the lowest such rank prints the full report and the others one line each.
     """
     where = _where(exc)
     others: dict[int, str] = {}
@@ -297,10 +299,13 @@ def _report_timeout(exc: BaseException, rank: int) -> None:
         store = common.dist.JOINED["store"]
         store.set_timeout(timedelta(seconds=5))
         store.set(f"{_TIMEOUT_KEY}{rank}", where)
-        time.sleep(float(os.environ.get("DDP_EXAMPLES_TIMEOUT_GRACE_S", "3")))
-        for r in range(world):
-            if store.check([f"{_TIMEOUT_KEY}{r}"]):
-                others[r] = store.get(f"{_TIMEOUT_KEY}{r}").decode()
+        keys = [f"{_TIMEOUT_KEY}{r}" for r in range(world)]
+        deadline = time.monotonic() + TIMEOUT_REPORT_GRACE_S
+        while not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for r, key in enumerate(keys):
+            if store.check([key]):
+                others[r] = store.get(key).decode()
     except Exception:  # noqa: BLE001 - the store may be gone with rank 0; report what we know
         others = {rank: where}
     others.setdefault(rank, where)
