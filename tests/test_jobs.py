@@ -204,8 +204,8 @@ def test_pbs_torchrun_job(tmp_path):
     print(f"PBS torchrun job: {time.perf_counter() - start:.1f} s")
 
 
-# Stands in for 05 under PBS: `exit N` exits with N at once; `preempted` behaves as 05 on SIGTERM
-# (the handler sets a flag, the rank then exits with the requeue code), after writing a ready file.
+# Stands in for 05 under PBS: `exit N` exits with N at once; `preempted DIR` writes a ready file
+# into DIR, then waits and, on SIGTERM, exits with the requeue code (as 05 does once it has saved).
 PBS_STAND_IN = textwrap.dedent("""\
     import os, signal, sys, time
     if sys.argv[1] == "exit":
