@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, TensorDataset
 
-from common.errors import DataError
+from common.errors import DataError, exit_on_bad_input
 
 DOWNLOADABLE = ("cifar10", "mnist", "fashion_mnist")
 FAKE_TRAIN_SIZE, FAKE_TEST_SIZE = 2048, 512
@@ -25,13 +25,8 @@ DIGITS_TEST_FRACTION = 0.2
 DIGITS_SIZE = 1797  # scikit-learn's bundled digits
 
 
-def known_train_size(name: str) -> int | None:
-    """Training-set size of the sets that need no files (known before anything is loaded)."""
-    if name == "digits":
-        return DIGITS_SIZE - int(DIGITS_SIZE * DIGITS_TEST_FRACTION)
-    if name == "fake":
-        return FAKE_TRAIN_SIZE
-    return None
+# Training-set sizes known before anything is loaded.
+KNOWN_TRAIN_SIZE = {"digits": DIGITS_SIZE - int(DIGITS_SIZE * DIGITS_TEST_FRACTION), "fake": FAKE_TRAIN_SIZE}
 
 
 def check_world_size(name: str, train_size: int, world_size: int) -> None:
@@ -57,22 +52,14 @@ class DataBundle:
 
 
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """(images N x 8 x 8 with pixel values 0..16, labels) of scikit-learn's bundled digits.
-
-    Read from the file sklearn.datasets.load_digits reads, without importing scikit-learn
-    (about a second per process, paid by every rank of every run); load_digits as a fallback.
-    """
+    """(images N x 8 x 8 with pixel values 0..16, labels) of scikit-learn's bundled digits, read
+    from its file without importing scikit-learn (about a second per process, in every run)."""
     spec = importlib.util.find_spec("sklearn")
     if spec is None:
         raise DataError("the digits data set ships with scikit-learn: pip install scikit-learn")
-    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
-    if path.is_file():
-        table = np.loadtxt(path, delimiter=",")
-        return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
-    from sklearn.datasets import load_digits
-
-    raw = load_digits()
-    return raw.images, raw.target
+    table = np.loadtxt(Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz",
+                       delimiter=",")
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
 
 
 def digits(image_size: int = 0) -> DataBundle:
@@ -178,17 +165,32 @@ def build_datasets(name: str, data_dir: str | Path = "data", image_size: int = 0
     return DataBundle(train, test, 10, sample.shape[0], sample.shape[-1])
 
 
-def load_datasets(name: str, data_dir: str | Path, image_size: int, download: bool, rank: int) -> DataBundle:
-    """Rank 0 downloads (if asked) while the others wait at a barrier; then every rank opens the files."""
-    if download and name in DOWNLOADABLE:
-        if rank == 0:
-            try:
-                build_datasets(name, data_dir, image_size, download=True)
-            finally:
-                dist.barrier()  # release the others even when the download failed; they then fail alike
-        else:
-            dist.barrier()
-    data = build_datasets(name, data_dir, image_size, download=False)
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    check_world_size(name, len(data.train), world_size)  # every rank alike: one line, exit code 2
-    return data
+def check_data(cfg, world_size: int) -> None:
+    """Before any process group: a missing data folder, or more ranks than training samples (for
+    the sets whose size is known without loading). Bad input: one `error:` line, exit code 2."""
+    with exit_on_bad_input():
+        if cfg.dataset in KNOWN_TRAIN_SIZE:
+            check_world_size(cfg.dataset, KNOWN_TRAIN_SIZE[cfg.dataset], world_size)
+        if cfg.dataset in ("digits", "fake") or (cfg.download and cfg.dataset != "imagefolder"):
+            return  # embedded, synthetic, or about to be downloaded
+        if not Path(cfg.data_dir).is_dir():
+            hint = ("pass --data-dir with train/ and val/ folders" if cfg.dataset == "imagefolder" else
+                    f"prepare it with `{prepare_command(cfg.dataset, cfg.data_dir)}` or pass --download")
+            raise DataError(f"data_dir: folder '{cfg.data_dir}' does not exist ({cfg.dataset}); {hint}")
+
+
+def load_datasets(cfg, rank: int) -> DataBundle:
+    """Collective when downloading: rank 0 downloads while the others wait at a barrier; then every
+    rank opens the files. A data problem: one `error:` line, exit code 2 (every rank alike)."""
+    with exit_on_bad_input():
+        if cfg.download and cfg.dataset in DOWNLOADABLE:
+            if rank == 0:
+                try:
+                    build_datasets(cfg.dataset, cfg.data_dir, cfg.image_size, download=True)
+                finally:
+                    dist.barrier()  # release the others even when the download failed; they then fail alike
+            else:
+                dist.barrier()
+        data = build_datasets(cfg.dataset, cfg.data_dir, cfg.image_size, download=False)
+        check_world_size(cfg.dataset, len(data.train), dist.get_world_size() if dist.is_initialized() else 1)
+        return data
