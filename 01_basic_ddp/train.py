@@ -58,8 +58,7 @@ def train(cfg, launch):
     torch.manual_seed(cfg.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
 
     data = load_datasets(cfg, launch.rank)
-    # The sampler gives each rank a disjoint 1/world_size of the shuffled training set (the same
-    # shuffle on every rank); the loader must not shuffle again.
+    # Each rank gets a disjoint 1/world_size of the training set, shuffled alike on every rank (seed + epoch).
     train_sampler = DistributedSampler(data.train, num_replicas=launch.world_size, rank=launch.rank,
                                        shuffle=True, seed=cfg.seed)
     train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=train_sampler,
@@ -69,16 +68,15 @@ def train(cfg, launch):
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
     test_loader = DataLoader(test_shard, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
 
-    # Move the model to this rank's device, then wrap it: DDP broadcasts rank 0's weights and
-    # registers the hooks that all-reduce gradients during backward().
+    # Move the model to this rank's device, then wrap: DDP broadcasts rank 0's weights and registers the hooks
+    # that all-reduce gradients during backward().
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
     if launch.rank == 0:
-        print(f"launcher {launch.launcher}, {backend} on {device}, world size {launch.world_size}, batch "
-              f"{cfg.batch_size} x {launch.world_size} = {cfg.batch_size * launch.world_size}, lr {cfg.lr}, "
-              f"train {len(data.train)} ({len(train_sampler)} per rank), test {len(data.test)}", flush=True)
+        print(f"launcher {launch.launcher}, {backend} on {device}, world size {launch.world_size}, "
+              f"batch {cfg.batch_size} x {launch.world_size} = {cfg.batch_size * launch.world_size}", flush=True)
     step, images_seen = 0, 0
     for epoch in range(cfg.epochs):
         train_sampler.set_epoch(epoch)  # a new shuffle each epoch; without it every epoch repeats epoch 0

@@ -42,7 +42,7 @@ def train(cfg):
     torch.manual_seed(cfg.seed)
 
     data = load_datasets(cfg, rank=0)
-    # The same permutations as DistributedSampler's with one replica (randperm seeded with seed + epoch).
+    # The same permutations as the DDP script with one process (randperm seeded with seed + epoch).
     shuffle = torch.Generator()
     train_sampler = RandomSampler(data.train, generator=shuffle)
     train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=train_sampler,
@@ -52,8 +52,7 @@ def train(cfg):
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
-    print(f"one process on {device}, batch {cfg.batch_size}, lr {cfg.lr}, "
-          f"train {len(data.train)}, test {len(data.test)}", flush=True)
+    print(f"one process on {device}, batch {cfg.batch_size}, train {len(data.train)}", flush=True)
     step, images_seen = 0, 0
     for epoch in range(cfg.epochs):
         shuffle.manual_seed(cfg.seed + epoch)  # a new shuffle each epoch

@@ -1,4 +1,5 @@
-"""Thin helpers shared by the examples: only what every script would otherwise copy.
+"""Thin helpers shared by the examples: only what every script would otherwise copy. The DDP lines a
+reader should study stay in the example scripts themselves.
 
     config.py    defaults < YAML < flags; bad input is one `error:` line and exit code 2
     launcher.py  which launcher started this process: rank, world size, where rank 0 listens
@@ -6,6 +7,4 @@
     models.py    a small CNN and torchvision ResNets
     report.py    summary.json, with every rank's parameter checksum
     errors.py    the bad-input contract shared by the above
-
-The DDP lines a reader should study stay in the example scripts themselves.
 """

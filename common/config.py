@@ -1,11 +1,8 @@
 """Config: dataclass defaults < YAML file (--config) < command-line flags.
 
-Every field of the dataclass is a YAML key and a flag (`batch_size` -> `--batch-size`).
-An unknown key, a wrong type or a bad value is one `error:` line naming the key and exit
-code 2 (common.errors), as argparse does for a bad flag.
+Every dataclass field is a YAML key and a flag (`batch_size` -> `--batch-size`). An unknown key, a wrong type
+or a bad value is one `error:` line naming the key and exit code 2 (common.errors), as argparse does for a bad flag.
 """
-
-from __future__ import annotations
 
 import argparse
 import dataclasses
@@ -18,6 +15,8 @@ import yaml
 from common.errors import ConfigError, exit_on_bad_input
 
 C = TypeVar("C")
+DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "imagefolder", "fake")
+MODELS = ("small_cnn", "resnet18", "resnet50")
 
 
 def field(default: Any, help: str = "", choices: Sequence[Any] | None = None, min: float | None = None):
@@ -26,11 +25,10 @@ def field(default: Any, help: str = "", choices: Sequence[Any] | None = None, mi
 
 
 def _check_type(key: str, value: Any, kind: type) -> Any:
-    """A YAML or flag value against the field's type; ints are fine where floats are."""
-    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    """A YAML or flag value against the field's type; ints are fine where floats are, bools (ints too) are not."""
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if not ok:
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise ConfigError(f"config key '{key}' must be {kind.__name__}, got {type(value).__name__} {value!r}")
     return value
 
@@ -65,17 +63,14 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None) -> C:
     parser.add_argument("--config", help="YAML file of defaults (flags override it)")
     for name, f in fields.items():
         flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
-        if kinds[name] is bool:
-            parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_text)
-        else:
-            parser.add_argument(*flags, dest=name, type=_flag_parser(name, kinds[name]),
-                                default=argparse.SUPPRESS, metavar=kinds[name].__name__.upper(), help=help_text)
+        kind, help_text = kinds[name], f"{f.metadata.get('help', '')} (default: {f.default})"
+        how = (dict(action=argparse.BooleanOptionalAction) if kind is bool  # --flag / --no-flag
+               else dict(type=_flag_parser(name, kind), metavar=kind.__name__.upper()))
+        parser.add_argument(*flags, dest=name, default=argparse.SUPPRESS, help=help_text, **how)
     args = vars(parser.parse_args(argv))
-    values = _read_yaml(Path(args.pop("config")), fields, kinds) if args.get("config") else {}
-    args.pop("config", None)
-    cfg = cls(**{**values, **args})
+    config = args.pop("config")
+    values = _read_yaml(Path(config), fields, kinds) if config else {}
+    cfg = cls(**{**values, **args})  # flags override the YAML file
     for name, f in fields.items():
         value, choices, minimum = getattr(cfg, name), f.metadata.get("choices"), f.metadata.get("min")
         if choices and value not in choices:
@@ -100,10 +95,6 @@ def _read_yaml(path: Path, fields, kinds) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"unknown config key '{unknown[0]}' in {path} (valid keys: {', '.join(fields)})")
     return {key: _check_type(key, value, kinds[key]) for key, value in raw.items()}
-
-
-DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "imagefolder", "fake")
-MODELS = ("small_cnn", "resnet18", "resnet50")
 
 
 @dataclasses.dataclass

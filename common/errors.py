@@ -1,11 +1,8 @@
 """Bad input: one `error:` line from one rank and exit code 2, before any process group.
 
-The same contract as argparse: input the user can fix is not a crash, so it gets no traceback.
-Functions that read user input (load_config, detect_launcher, check_data) exit this way;
-their pure parts raise a UsageError, which tests catch.
+argparse's contract: input the user can fix is not a crash and gets no traceback. The functions that read
+user input (load_config, detect_launcher, check_data) exit so; their pure parts raise a UsageError.
 """
-
-from __future__ import annotations
 
 import os
 import sys
@@ -13,8 +10,7 @@ import time
 from contextlib import contextmanager
 
 BAD_INPUT_EXIT_CODE = 2
-# Silent ranks wait this long before exiting, so the launcher, which stops every rank once one
-# exits, does not stop the reporting rank before it has printed.
+# Silent ranks exit this much later: the launcher stops every rank once one exits, maybe before the reporter printed.
 SILENT_RANK_DELAY_S = 2.0
 # Each launcher's rank variables (torchrun, Open MPI, MPICH/Intel MPI, HPE PALS, PMIx, Slurm).
 RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PALS_RANKID", "PMIX_RANK", "SLURM_PROCID")
@@ -47,11 +43,9 @@ def _first(names: tuple[str, ...]) -> int | None:
 
 @contextmanager
 def exit_on_bad_input():
-    """Turn a UsageError into one `error:` line and exit code 2.
-
-    A config error is the same on every rank, so global rank 0 says it; anything else (a data
-    folder or launcher variable missing on one node) is said by each node's local rank 0.
-    """
+    """Turn a UsageError into one `error:` line and exit code 2. A config error is the same on every rank,
+    so global rank 0 says it; anything else (a data folder or launcher variable missing on one node) is
+    said by each node's local rank 0."""
     try:
         yield
     except UsageError as exc:

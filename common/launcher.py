@@ -1,14 +1,9 @@
-"""Which launcher started this process, and where rank 0 listens.
+"""Which launcher started this process, and where rank 0 listens: `detect_launcher()` in a script.
 
-    launch = detect_launcher()   # in a script: os.environ; bad input is one line and exit code 2
-
-`launch_info(env)` is the pure function behind it (it reads `$PBS_NODEFILE` under PBS), so
-every launcher is unit-tested with plain dicts; no mpi4py, ssh or scontrol. Order matters:
-torchrun may run inside a Slurm or PBS job, and PALS exports MPICH's PMI_* variables too,
-so the most specific launcher is checked first.
+`launch_info(env)` is the pure function behind it (it reads `$PBS_NODEFILE` under PBS), so every launcher
+is unit-tested with plain dicts; no mpi4py, ssh or scontrol. Order matters: torchrun may run inside a Slurm
+or PBS job, and PALS exports MPICH's PMI_* variables too, so the most specific launcher is checked first.
 """
-
-from __future__ import annotations
 
 import os
 import re
@@ -22,6 +17,16 @@ from common.errors import LauncherError, exit_on_bad_input
 DEFAULT_PORT = 29500  # torchrun's default
 PORT_BASE, PORT_SPAN = 15000, 15000  # derived ports stay below Linux's ephemeral range (32768+)
 LOOPBACK = "127.0.0.1"
+# (launcher, variables that mark it, rank, local rank, world size, local world size)
+_MPI_LIKE = [
+    ("openmpi", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), "OMPI_COMM_WORLD_RANK",
+     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    # HPE PALS (PBS Pro on Cray/HPE systems) also sets PMI_RANK/PMI_SIZE: check it before MPICH.
+    ("pals", ("PALS_RANKID", "PALS_LOCAL_RANKID"), "PALS_RANKID", "PALS_LOCAL_RANKID", "PMI_SIZE", "PALS_LOCAL_SIZE"),
+    # MPICH's Hydra and Intel MPI (also Hydra) share these names.
+    ("mpich", ("PMI_RANK", "PMI_SIZE"), "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE", "MPI_LOCALNRANKS"),
+]
+_SLURM_SPECIAL_STEP_MIN = 0xFFFFFFFA  # interactive, batch, extern and pending steps are not srun steps
 
 
 @dataclass(frozen=True)
@@ -35,19 +40,6 @@ class LaunchInfo:
     master_port: int
     scheduler: str = "none"  # slurm, pbs or none
     job_id: str = ""
-
-
-# (launcher, variables that mark it, rank, local rank, world size, local world size)
-_MPI_LIKE = [
-    ("openmpi", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), "OMPI_COMM_WORLD_RANK",
-     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    # HPE PALS (PBS Pro on Cray/HPE systems) also sets PMI_RANK/PMI_SIZE: check it before MPICH.
-    ("pals", ("PALS_RANKID", "PALS_LOCAL_RANKID"), "PALS_RANKID", "PALS_LOCAL_RANKID", "PMI_SIZE",
-     "PALS_LOCAL_SIZE"),
-    # MPICH's Hydra and Intel MPI (also Hydra) share these names.
-    ("mpich", ("PMI_RANK", "PMI_SIZE"), "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE", "MPI_LOCALNRANKS"),
-]
-_SLURM_SPECIAL_STEP_MIN = 0xFFFFFFFA  # interactive, batch, extern and pending steps are not srun steps
 
 
 def _int(env: Mapping[str, str], name: str | None) -> int | None:
@@ -132,10 +124,8 @@ def master_port(env: Mapping[str, str]) -> int:
 
 
 def detect_launcher(rank: int | None = None, world_size: int | None = None) -> LaunchInfo:
-    """This process's launch, read from os.environ; bad input: one `error:` line, exit code 2.
-
-    `rank`/`world_size` are given explicitly by mp.spawn workers.
-    """
+    """This process's launch, read from os.environ (mp.spawn workers pass `rank` and `world_size`);
+    bad input: one `error:` line, exit code 2."""
     with exit_on_bad_input():
         return launch_info(os.environ, rank, world_size)
 

@@ -3,8 +3,6 @@
     write_summary(cfg.output_dir, model, world_size=..., eval_accuracy=...)   # every rank calls it
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 import os
@@ -16,10 +14,8 @@ import torch.distributed as dist
 
 
 def replica_checksums(model: torch.nn.Module) -> list[str]:
-    """Collective: a SHA-256 of every rank's parameters, gathered on all ranks.
-
-    DDP keeps replicas identical by construction; this shows it instead of assuming it.
-    """
+    """Collective: a SHA-256 of every rank's parameters, gathered on all ranks. DDP keeps replicas
+    identical by construction; this shows it instead of assuming it."""
     digest = hashlib.sha256()
     for p in model.parameters():
         digest.update(p.detach().float().cpu().numpy().tobytes())
