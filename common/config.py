@@ -1,14 +1,12 @@
-"""Config: dataclass defaults < YAML file (--config) < command-line flags.
+"""Config: dataclass defaults < YAML file (--config) < flags; every field is a YAML key and a flag (`batch_size` ->
+`--batch-size`). An unknown key, a wrong type or a bad value is one `error:` line and exit code 2, as with argparse."""
 
-Every dataclass field is a YAML key and a flag (`batch_size` -> `--batch-size`). An unknown key, a wrong type
-or a bad value is one `error:` line naming the key and exit code 2 (common.errors), as argparse does for a bad flag.
-"""
+from __future__ import annotations  # keep annotations strings: a docstring-less subclass's --help shows its signature
 
 import argparse
 import dataclasses
-import typing
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, Sequence, TypeVar, get_type_hints
 
 import yaml
 
@@ -25,18 +23,15 @@ def field(default: Any, help: str = "", choices: Sequence[Any] | None = None, mi
 
 
 def _check_type(key: str, value: Any, kind: type) -> Any:
-    """A YAML or flag value against the field's type; ints are fine where floats are, bools (ints too) are not."""
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):  # an int does for a float
         return float(value)
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):  # a bool is no number here
         raise ConfigError(f"config key '{key}' must be {kind.__name__}, got {type(value).__name__} {value!r}")
     return value
 
 
 def _flag_parser(key: str, kind: type):
     def parse(text: str):
-        if kind is str:
-            return text
         try:  # YAML rules for one scalar: '3' -> int, '0.1' -> float
             return _check_type(key, yaml.safe_load(text), kind)
         except yaml.YAMLError:
@@ -57,15 +52,16 @@ def load_config(cls: type[C], argv: Sequence[str] | None = None) -> C:
 
 def parse_config(cls: type[C], argv: Sequence[str] | None = None) -> C:
     """load_config without the exit: raises ConfigError."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kinds = typing.get_type_hints(cls)
+    fields, kinds = {f.name: f for f in dataclasses.fields(cls)}, get_type_hints(cls)
     parser = _Parser(description=cls.__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", help="YAML file of defaults (flags override it)")
     for name, f in fields.items():
         flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
         kind, help_text = kinds[name], f"{f.metadata.get('help', '')} (default: {f.default})"
-        how = (dict(action=argparse.BooleanOptionalAction) if kind is bool  # --flag / --no-flag
-               else dict(type=_flag_parser(name, kind), metavar=kind.__name__.upper()))
+        if kind is bool:  # --flag / --no-flag
+            how = dict(action=argparse.BooleanOptionalAction)
+        else:  # a string as typed, anything else by YAML's rules
+            how = dict(type=str if kind is str else _flag_parser(name, kind), metavar=kind.__name__.upper())
         parser.add_argument(*flags, dest=name, default=argparse.SUPPRESS, help=help_text, **how)
     args = vars(parser.parse_args(argv))
     config = args.pop("config")
@@ -91,8 +87,7 @@ def _read_yaml(path: Path, fields, kinds) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must be a mapping of keys to values")
-    unknown = [key for key in raw if key not in fields]
-    if unknown:
+    if unknown := [key for key in raw if key not in fields]:
         raise ConfigError(f"unknown config key '{unknown[0]}' in {path} (valid keys: {', '.join(fields)})")
     return {key: _check_type(key, value, kinds[key]) for key, value in raw.items()}
 

@@ -1,8 +1,5 @@
-"""Data sets: the embedded digits (offline, default), CIFAR-10, MNIST, Fashion-MNIST, any ImageFolder tree,
-and FakeData for throughput. Downloads happen once: rank 0 downloads while the others wait at a barrier, or
-ahead of time with `python -m common.prepare` on a login node (compute nodes are often offline). A missing
-data set is one `error:` line that names the command that prepares it.
-"""
+"""Data sets: the embedded digits (offline, default), CIFAR-10, MNIST, Fashion-MNIST, ImageFolder, FakeData. Rank 0
+downloads while others wait, or a login node runs `python -m common.prepare` first (compute nodes are often offline)."""
 
 import importlib.util
 from dataclasses import dataclass
@@ -21,8 +18,7 @@ DIGITS_SIZE, DIGITS_TEST_FRACTION = 1797, 0.2  # scikit-learn's bundled digits; 
 KNOWN_TRAIN_SIZE = {"digits": DIGITS_SIZE - int(DIGITS_SIZE * DIGITS_TEST_FRACTION), "fake": FAKE_TRAIN_SIZE}
 STATS = {  # per-channel mean and std of the training sets
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)), "mnist": ((0.1307,), (0.3081,)),
-    "fashion_mnist": ((0.2860,), (0.3530,)), "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
-}
+    "fashion_mnist": ((0.2860,), (0.3530,)), "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}
 
 
 @dataclass
@@ -35,10 +31,8 @@ class DataBundle:
 
 
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """(images N x 8 x 8 with pixel values 0..16, labels) of scikit-learn's bundled digits, read
-    from its file without importing scikit-learn (about a second per process, in every run)."""
-    spec = importlib.util.find_spec("sklearn")
-    if spec is None:
+    """(images N x 8 x 8 with pixels 0..16, labels), read from scikit-learn's file: its import costs a second a rank."""
+    if (spec := importlib.util.find_spec("sklearn")) is None:
         raise DataError("the digits data set ships with scikit-learn: pip install scikit-learn")
     table = np.loadtxt(Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz", delimiter=",")
     return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
@@ -51,8 +45,7 @@ def digits(image_size: int = 0) -> DataBundle:
     labels = torch.tensor(targets, dtype=torch.long)
     if image_size:
         images = torch.nn.functional.interpolate(images, size=image_size, mode="bilinear", align_corners=False)
-    # A fixed permutation (not the global RNG), so every rank and every run splits alike.
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))  # same on all ranks and runs
     n_test = int(len(labels) * DIGITS_TEST_FRACTION)
     test_idx, train_idx = order[:n_test], order[n_test:]
     return DataBundle(TensorDataset(images[train_idx], labels[train_idx]),
@@ -65,7 +58,6 @@ def prepare_command(name: str, data_dir: str | Path) -> str:
 
 def _transforms(name: str, image_size: int):
     from torchvision import transforms as T
-    mean, std = STATS["imagenet" if name in ("imagefolder", "fake") else name]
     resize = [T.Resize(image_size)] if image_size else []
     train, test = list(resize), list(resize)
     if name == "imagefolder":
@@ -74,7 +66,7 @@ def _transforms(name: str, image_size: int):
         test = [T.Resize(size * 256 // 224), T.CenterCrop(size)]
     elif name == "cifar10":  # the standard CIFAR augmentation
         train += [T.RandomCrop(image_size or 32, padding=(image_size or 32) // 8), T.RandomHorizontalFlip()]
-    tail = [T.ToTensor(), T.Normalize(mean, std)]
+    tail = [T.ToTensor(), T.Normalize(*STATS["imagenet" if name in ("imagefolder", "fake") else name])]
     return T.Compose(train + tail), T.Compose(test + tail)
 
 
@@ -129,8 +121,7 @@ def check_world_size(name: str, train_size: int, world_size: int) -> None:
 
 
 def check_data(cfg, world_size: int) -> None:
-    """Before any process group: a missing data folder, or more ranks than training samples (for
-    the sets whose size is known without loading). Bad input: one `error:` line, exit code 2."""
+    """Before any process group: a missing data folder or more ranks than (known) training samples exits with 2."""
     with exit_on_bad_input():
         if cfg.dataset in KNOWN_TRAIN_SIZE:
             check_world_size(cfg.dataset, KNOWN_TRAIN_SIZE[cfg.dataset], world_size)
@@ -143,8 +134,7 @@ def check_data(cfg, world_size: int) -> None:
 
 
 def load_datasets(cfg, rank: int) -> DataBundle:
-    """Collective when downloading: rank 0 downloads while the others wait at a barrier; then every
-    rank opens the files. A data problem: one `error:` line, exit code 2 (every rank alike)."""
+    """Collective when downloading (rank 0 downloads, the others wait); a data problem exits with 2 on every rank."""
     with exit_on_bad_input():
         if cfg.download and cfg.dataset in DOWNLOADABLE:
             try:

@@ -1,9 +1,6 @@
-"""Which launcher started this process, and where rank 0 listens: `detect_launcher()` in a script.
-
-`launch_info(env)` is the pure function behind it (it reads `$PBS_NODEFILE` under PBS), so every launcher
-is unit-tested with plain dicts; no mpi4py, ssh or scontrol. Order matters: torchrun may run inside a Slurm
-or PBS job, and PALS exports MPICH's PMI_* variables too, so the most specific launcher is checked first.
-"""
+"""Which launcher started this process, and where rank 0 listens. `detect_launcher()` reads os.environ through
+`launch_info(env)`, so every launcher is unit-tested with plain dicts (no mpi4py, ssh or scontrol). Order matters:
+torchrun may run in a Slurm or PBS job, and HPE's PALS exports MPICH's PMI_* too, so the most specific comes first."""
 
 import os
 import re
@@ -17,14 +14,11 @@ from common.errors import LauncherError, exit_on_bad_input
 DEFAULT_PORT = 29500  # torchrun's default
 PORT_BASE, PORT_SPAN = 15000, 15000  # derived ports stay below Linux's ephemeral range (32768+)
 LOOPBACK = "127.0.0.1"
-# (launcher, variables that mark it, rank, local rank, world size, local world size)
-_MPI_LIKE = [
+_MPI_LIKE = [  # (launcher, variables that mark it, rank, local rank, world size, local world size)
     ("openmpi", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), "OMPI_COMM_WORLD_RANK",
      "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    # HPE PALS (PBS Pro on Cray/HPE systems) also sets PMI_RANK/PMI_SIZE: check it before MPICH.
     ("pals", ("PALS_RANKID", "PALS_LOCAL_RANKID"), "PALS_RANKID", "PALS_LOCAL_RANKID", "PMI_SIZE", "PALS_LOCAL_SIZE"),
-    # MPICH's Hydra and Intel MPI (also Hydra) share these names.
-    ("mpich", ("PMI_RANK", "PMI_SIZE"), "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE", "MPI_LOCALNRANKS"),
+    ("mpich", ("PMI_RANK", "PMI_SIZE"), "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE", "MPI_LOCALNRANKS"),  # Intel MPI too
 ]
 _SLURM_SPECIAL_STEP_MIN = 0xFFFFFFFA  # interactive, batch, extern and pending steps are not srun steps
 
@@ -52,16 +46,15 @@ def _int(env: Mapping[str, str], name: str | None) -> int | None:
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """Expand a Slurm hostlist such as 'gpu[001-004,010],login2' into host names."""
-    # Top-level commas separate hosts; commas inside brackets separate ranges.
+    """Expand a Slurm hostlist such as 'gpu[001-004,010],login2' (commas in brackets separate ranges) into hosts."""
     items = re.findall(r"(?:[^,\[\]]|\[[^\[\]]*\])+", hostlist or "")
     if not items or ",".join(items) != hostlist.strip():
         raise LauncherError(f"malformed host list {hostlist!r}")
     hosts: list[str] = []
     for item in items:
         parts = re.split(r"(\[[^\[\]]*\])", item)  # each bracket group multiplies: r[1-2]n[1-2]
-        hosts += ["".join(c) for c in product(*[_expand_ranges(p[1:-1], hostlist) if p.startswith("[")
-                                                else [p] for p in parts])]
+        choices = [_expand_ranges(p[1:-1], hostlist) if p.startswith("[") else [p] for p in parts]
+        hosts += ["".join(c) for c in product(*choices)]
     return hosts
 
 
@@ -100,8 +93,7 @@ def master_address(env: Mapping[str, str]) -> str:
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if env.get("SLURM_JOB_ID") and nodelist:
         return expand_hostlist(nodelist)[0]
-    nodefile = env.get("PBS_NODEFILE")
-    if nodefile:
+    if nodefile := env.get("PBS_NODEFILE"):
         try:
             lines = Path(nodefile).read_text().split()
         except OSError as exc:
@@ -124,8 +116,7 @@ def master_port(env: Mapping[str, str]) -> int:
 
 
 def detect_launcher(rank: int | None = None, world_size: int | None = None) -> LaunchInfo:
-    """This process's launch, read from os.environ (mp.spawn workers pass `rank` and `world_size`);
-    bad input: one `error:` line, exit code 2."""
+    """This process's launch from os.environ (mp.spawn workers pass rank, world_size); bad input exits with code 2."""
     with exit_on_bad_input():
         return launch_info(os.environ, rank, world_size)
 
@@ -166,8 +157,7 @@ def _find(env, rank, world_size):
     if env.get("PMIX_RANK") is not None:  # PMIx alone exports no world size; Slurm (srun --mpi=pmix) does
         ws = _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS")
         return "pmix", _int(env, "PMIX_RANK"), _int(env, "SLURM_LOCALID"), ws, None
-    # srun exports SLURM_STEP_ID; a batch script alone has SLURM_PROCID=0 but no SLURM_STEP_ID (Slurm 22.05).
-    step = env.get("SLURM_STEP_ID", "batch")
+    step = env.get("SLURM_STEP_ID", "batch")  # srun sets it; a batch script alone has SLURM_PROCID=0 but no step id
     if step != "batch" and not (step.isdigit() and int(step) >= _SLURM_SPECIAL_STEP_MIN) and env.get("SLURM_PROCID"):
         ws = _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS")
         spec, node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE"), _int(env, "SLURM_NODEID")

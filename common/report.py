@@ -1,7 +1,4 @@
-"""summary.json: the machine-readable result of a run, which tests and benchmarks read.
-
-    write_summary(cfg.output_dir, model, world_size=..., eval_accuracy=...)   # every rank calls it
-"""
+"""summary.json: a run's machine-readable result, which tests and benchmarks read; every rank calls write_summary."""
 
 import hashlib
 import json
@@ -14,8 +11,7 @@ import torch.distributed as dist
 
 
 def replica_checksums(model: torch.nn.Module) -> list[str]:
-    """Collective: a SHA-256 of every rank's parameters, gathered on all ranks. DDP keeps replicas
-    identical by construction; this shows it instead of assuming it."""
+    """Collective: every rank's SHA-256 of its parameters, on all ranks; shows that DDP replicas are identical."""
     digest = hashlib.sha256()
     for p in model.parameters():
         digest.update(p.detach().float().cpu().numpy().tobytes())
@@ -34,8 +30,7 @@ def write_json_atomic(path: str | Path, data: dict) -> None:
 
 
 def write_summary(output_dir: str | Path, model: torch.nn.Module | None = None, **fields: Any) -> Path:
-    """Rank 0 writes `fields` to <output_dir>/summary.json. With a model it is a collective: every
-    rank's parameter checksum goes in too (replica_checksums, replicas_identical)."""
+    """Rank 0 writes `fields` to <output_dir>/summary.json; with a model, a collective adds replica checksums."""
     if model is not None:
         checksums = replica_checksums(model)
         fields.update(replica_checksums=checksums, replicas_identical=len(set(checksums)) == 1)
