@@ -111,14 +111,16 @@ def test_sbatch_job_completes(slurm_jobs, cluster, name, launcher):
     port = 15000 + int(job_id) % 15000
     # First host from scontrol (node1), its NodeAddr as the rendezvous address, port from the job id.
     assert f"first host node1, rendezvous 127.0.0.1:{port}" in output
-    assert "world size       : 2 (1 per node)" in output
+    # Rank 0's placement table: ranks 0 and 1, each local rank 0 (one per node), on CPU.
+    assert re.search(r"^\s+0\s+0\s+\S+\s+cpu\n\s+1\s+0\s+\S+\s+cpu$", output, re.M), output
+    assert "launcher " + launcher in output
     if launcher == "slurm":
         assert (summary["master_addr"], summary["master_port"]) == ("127.0.0.1", port)
 
 
 def test_slurm_detection_batch_shell_vs_job_step(cluster, tmp_path):
     """The batch shell has SLURM_PROCID=0 but is no rank; srun's tasks are ranks 0 and 1."""
-    probe = ("import json, os; from common.launcher import detect_launcher as d; i = d(os.environ); "
+    probe = ("import json, os; from common.launcher import launch_info; i = launch_info(os.environ); "
              "print(json.dumps([os.environ.get('SLURM_STEP_ID'), i.launcher, i.rank, i.world_size]))")
     (tmp_path / "probe.sh").write_text(
         f"#!/bin/bash\n{PYTHON} -c \"{probe}\"\nsrun {PYTHON} -c \"{probe}\"\n")
