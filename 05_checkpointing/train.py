@@ -3,8 +3,9 @@
 01_basic_ddp/train.py plus what a long job needs to be stopped and started again as if nothing
 happened: a checkpoint holds the model, optimizer, LR scheduler, the step (hence the position in
 the epoch) and every rank's RNG states; rank 0 writes it atomically (checkpoint.py); start-up
-resumes from the newest one that loads. SIGTERM/SIGUSR1 make all ranks save at the same step
-boundary and exit with code 75 (requeue me). `diff 01_basic_ddp/train.py train.py` shows exactly that.
+resumes from the newest one that loads. SIGTERM/SIGUSR1, or the --time-limit-s deadline (PBS
+warns no one before its wall time), make all ranks save at the same step boundary and exit with
+code 75 (requeue me). `diff 01_basic_ddp/train.py train.py` shows exactly that.
 
     torchrun --standalone --nproc_per_node=2 05_checkpointing/train.py --save-every-steps 20
     # stop it (kill -TERM <torchrun pid>) and run the same command again: it resumes where it stopped
@@ -44,6 +45,8 @@ class CheckpointConfig(TrainConfig):
     save_every_steps: int = field(0, "also save every N optimizer steps (0: only at the end of each epoch)", min=0)
     keep_last: int = field(3, "checkpoints to keep (older ones are deleted after a successful save)", min=1)
     resume: bool = field(True, "resume from the newest checkpoint that loads (--no-resume: refuse if there is one)")
+    time_limit_s: float = field(0.0, "save and exit with code 75 after this many seconds (0: no limit); set it "
+                                     "below the job's wall time where the scheduler gives no warning", min=0.0)
 
     @property
     def checkpoints(self) -> Path:
@@ -69,25 +72,26 @@ class ResumableSampler(DistributedSampler):
 
 
 class Preemption:
-    """SIGTERM / SIGUSR1 only set a flag; the ranks act on it together at a step boundary.
-
-    A rank that saved and exited on its own would leave the others hanging in their next
-    all-reduce. requested() is a collective (MAX over ranks): if any rank was signalled, every
-    rank learns it after the same step.
+    """SIGTERM / SIGUSR1 only set a flag, and the deadline is only compared; the ranks act together
+    at a step boundary. A rank that saved and exited on its own would leave the others hanging in
+    their next all-reduce. requested() is a collective (MAX over ranks): if any rank was signalled
+    or is past the deadline, every rank learns it after the same step.
     """
 
-    def __init__(self):
-        self.signum = 0
+    def __init__(self, time_limit_s=0.0):
+        self.signum, self.deadline = 0, time.monotonic() + (time_limit_s or float("inf"))
         for s in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(s, self.handler)
 
     def handler(self, signum, frame):
         self.signum = signum
 
-    def requested(self, device) -> int:
-        flag = torch.tensor([self.signum], device=device)
+    def requested(self, device) -> str:
+        """Why to stop after this step ("SIGTERM", "SIGUSR1", "time limit"), or "" to go on."""
+        flag = torch.tensor([self.signum, time.monotonic() >= self.deadline], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        signum, late = flag.tolist()
+        return signal.Signals(signum).name if signum else "time limit" if late else ""
 
 
 @torch.no_grad()
@@ -106,9 +110,11 @@ def evaluate(model, loader, device):
     return loss_sum / count, correct / count, int(count)
 
 
-def save_checkpoint(cfg, launch, device, model, optimizer, scheduler, step, loss_sum, model_args):
+def save_checkpoint(cfg, launch, device, model, optimizer, scheduler, step, loss_sum, model_args, stop=""):
     """Collective: every rank sends its RNG states and loss sums to rank 0, which writes the one file
-    (the replicas are identical); the barrier keeps all ranks from going on before it is complete."""
+    (the replicas are identical); the barrier keeps all ranks from going on before it is complete.
+    On a stop, rank 0 also writes checkpoints/REQUEUE before the barrier: the job files requeue on it,
+    as the launcher may stop rank 0 once another rank has exited."""
     ranks = [None] * launch.world_size if launch.rank == 0 else None
     dist.gather_object({**ckpt.rng_state(device), "loss_sum": loss_sum.cpu()}, ranks, dst=0)
     if launch.rank == 0:
@@ -117,12 +123,14 @@ def save_checkpoint(cfg, launch, device, model, optimizer, scheduler, step, loss
                           "world_size": launch.world_size, "batch_size": cfg.batch_size,
                           "model_args": model_args}, cfg.checkpoints, step, cfg.keep_last)
         print(f"saved {path}", flush=True)
+        if stop:
+            (cfg.checkpoints / "REQUEUE").write_text(f"{stop} at step {step}\n")
     dist.barrier()  # nobody goes on, resumes or exits before rank 0 has finished writing
 
 
 def train(cfg, launch):
     start_time = time.perf_counter()
-    preemption = Preemption()  # first: a signal from now on is not lost
+    preemption = Preemption(cfg.time_limit_s)  # first: a signal from now on is not lost
     # One accelerator per process, picked by local rank; CPU (gloo) where there is none.
     device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -163,6 +171,8 @@ def train(cfg, launch):
     # Resume: rank 0 picks the newest checkpoint that loads and tells the others which one; every
     # rank loads it onto its own device with weights_only=True (tensors and plain values only).
     step, resumed_sums = 0, None
+    if launch.rank == 0:  # this run's own stop will write a new one
+        (cfg.checkpoints / "REQUEUE").unlink(missing_ok=True)
     found, state = ckpt.find_resumable(cfg.checkpoints, map_location=device) if launch.rank == 0 else (None, None)
     choice = [found]
     dist.broadcast_object_list(choice, src=0)
@@ -215,13 +225,13 @@ def train(cfg, launch):
             if launch.rank == 0 and step % cfg.log_every == 0:
                 print(f"epoch {epoch + 1} step {step} loss {loss.item():.4f} (rank 0's batch)", flush=True)
             # Step boundary: every rank learns whether any rank was signalled.
-            signum = preemption.requested(device)
+            stop = preemption.requested(device)
             periodic = cfg.save_every_steps and step % cfg.save_every_steps == 0
-            if signum or periodic or step % steps_per_epoch == 0 or step == cfg.max_steps:
-                save_checkpoint(cfg, launch, device, model, optimizer, scheduler, step, loss_sum, model_args)
-            if signum:
+            if stop or periodic or step % steps_per_epoch == 0 or step == cfg.max_steps:
+                save_checkpoint(cfg, launch, device, model, optimizer, scheduler, step, loss_sum, model_args, stop)
+            if stop:
                 if launch.rank == 0:
-                    print(f"{signal.Signals(signum).name}: checkpoint at step {step} saved; exiting with code "
+                    print(f"{stop}: checkpoint at step {step} saved; exiting with code "
                           f"{ckpt.REQUEUE_EXIT_CODE} (requeue me)", flush=True)
                 sys.exit(ckpt.REQUEUE_EXIT_CODE)
             if step == cfg.max_steps:
