@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -116,8 +117,10 @@ def test_sigkilled_worker_is_restarted_by_torchrun_and_resumes(reference, tmp_pa
                     TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     result = torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), env=env, timeout=240,
                       launcher_args=("--max-restarts=1", "--monitor-interval=0.2"))
-    assert "injecting SIGKILL at step 57 on rank 1" in result.stderr
-    assert "failed (exitcode: -9) local_rank: 1" in result.stderr  # torchrun saw it and restarted the group
+    assert result.stderr.count("injecting SIGKILL at step 57 on rank 1") == 1
+    # torchrun restarted the group (whichever rank it saw fail first: the killed one, or its peer that
+    # lost the connection), and the new attempt resumed from the last checkpoint.
+    assert re.search(r"failed \(exitcode: -?\d+\) local_rank: [01]", result.stderr), result.stderr[-3000:]
     assert f"resumed from {tmp_path / 'checkpoints' / 'ckpt-00000050.pt'}: step 50, epoch 2" in result.stdout
     assert read_summary(tmp_path)["resumed_from_step"] == 50
     assert_same_params(reference, tmp_path)

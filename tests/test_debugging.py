@@ -41,7 +41,9 @@ def test_demo_mismatched_collective_gloo_aborts_on_the_size_mismatch(tmp_path):
     assert result.returncode != 0
     assert "Received data size doesn't match expected size. Is there a distributed collective mismatch" in out, \
         out[-3000:]
-    assert re.search(r"exitcode\s+: -6 .*\(SIGABRT\)", out), out[-3000:]
+    # The receiving process aborts (SIGABRT). torchrun's summary usually says so, but an abort can leave
+    # that rank's error file half written, and torchrun then fails reading it: check the abort itself.
+    assert "terminate called after throwing an instance of 'gloo::EnforceNotMet'" in out, out[-3000:]
 
 
 def test_demo_mismatched_collective_named_by_debug_detail(tmp_path):
