@@ -110,7 +110,7 @@ def train_and_evaluate(cfg, launch):
                   f"{m['accuracy'] - c / n:>+15.6f}", flush=True)
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         torch.save(net.state_dict(), Path(cfg.output_dir) / "model.pt")
-    write_summary(cfg.output_dir, world_size=w, test_size=len(test), **summary)
+    write_summary(cfg.output_dir, model, world_size=w, test_size=len(test), **summary)
     dist.destroy_process_group()
 
 

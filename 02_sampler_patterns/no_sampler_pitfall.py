@@ -70,7 +70,7 @@ def compare(cfg, launch):
 
     results = {}
     for name, loader in (("no_sampler", plain_loader), ("distributed_sampler", sharded_loader)):
-        per_rank = train_one_epoch(cfg, launch, device, data, loader)  # [indices read by rank 0, by rank 1, ...]
+        per_rank, model = train_one_epoch(cfg, launch, device, data, loader)  # [indices read by rank 0, 1, ...]
         reads = Counter(i for seen in per_rank for i in seen)
         results[name] = r = dict(
             samples_per_rank=[len(seen) for seen in per_rank],
@@ -83,12 +83,13 @@ def compare(cfg, launch):
                   f"{r['total_reads']} reads of {r['distinct_samples']} distinct samples (data set {len(dataset)}), "
                   f"{r['samples_read_by_several_ranks']} read by more than one rank, "
                   f"{100 * (1 - r['distinct_samples'] / r['total_reads']):.0f}% of the compute repeated", flush=True)
-    write_summary(cfg.output_dir, world_size=launch.world_size, dataset_size=len(dataset), **results)
+    write_summary(cfg.output_dir, model, world_size=launch.world_size, dataset_size=len(dataset), **results)
     dist.destroy_process_group()
 
 
 def train_one_epoch(cfg, launch, device, data, loader):
-    """Collective: one epoch of ordinary DDP training; returns the indices every rank read (on all ranks)."""
+    """Collective: one epoch of ordinary DDP training; returns the indices every rank read (on all ranks)
+    and the model."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -102,7 +103,7 @@ def train_one_epoch(cfg, launch, device, data, loader):
         seen += index.tolist()
     everyone = [None] * launch.world_size
     dist.all_gather_object(everyone, seen)
-    return everyone
+    return everyone, model
 
 
 @record

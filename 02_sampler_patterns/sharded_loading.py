@@ -131,7 +131,7 @@ def train(cfg, launch, manifest):
         if rank == 0:
             print(f"epoch {epoch + 1}: {steps} steps on every rank, {read} of {assigned} samples read "
                   f"({assigned - read} left over); shards per rank: {[g['shards'] for g in gathered]}", flush=True)
-    write_summary(cfg.output_dir, world_size=w, total=manifest["total"], shards=len(files), epochs=epochs)
+    write_summary(cfg.output_dir, model, world_size=w, total=manifest["total"], shards=len(files), epochs=epochs)
     dist.destroy_process_group()
 
 

@@ -137,7 +137,7 @@ def train(cfg, launch):
             print(f"epoch {epoch + 1}: drawn per class {total.tolist()} (frequency {min(total) / sum(total):.3f} .. "
                   f"{max(total) / sum(total):.3f}); per rank {per_rank}; indices read by two ranks: {overlap}",
                   flush=True)
-    write_summary(cfg.output_dir, world_size=launch.world_size, dataset_size=len(dataset),
+    write_summary(cfg.output_dir, model, world_size=launch.world_size, dataset_size=len(dataset),
                   labels=labels.tolist(), class_counts_before=before.tolist(), epochs=epochs)
     dist.destroy_process_group()
 

@@ -67,7 +67,7 @@ def train_and_save(cfg, launch, device, model, optimizer, data, folder):
         torch.save({"model": model.module.state_dict(), "optim": optim_sd}, folder.parent / "reference.pt")
         print(f"saved {folder} from {launch.world_size} rank(s) after {cfg.max_steps} steps", flush=True)
     dist.barrier()
-    write_summary(cfg.output_dir, mode="save", world_size=launch.world_size, steps=cfg.max_steps)
+    write_summary(cfg.output_dir, model, mode="save", world_size=launch.world_size, steps=cfg.max_steps)
 
 
 def load_and_check(cfg, launch, device, model, optimizer, folder):
@@ -86,7 +86,7 @@ def load_and_check(cfg, launch, device, model, optimizer, folder):
     if launch.rank == 0:
         print(f"loaded {folder} into {launch.world_size} rank(s): parameters equal {params_equal}, "
               f"momentum buffers equal {momentum_equal}", flush=True)
-    write_summary(cfg.output_dir, mode="load", world_size=launch.world_size, params_equal=params_equal,
+    write_summary(cfg.output_dir, model, mode="load", world_size=launch.world_size, params_equal=params_equal,
                   momentum_equal=momentum_equal, momentum_buffers=len(reference["optim"]["state"]))
 
 

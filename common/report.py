@@ -10,14 +10,23 @@ import torch
 import torch.distributed as dist
 
 
+_LAST_GATHER: list = []  # the last checksum gather's tensors, kept until the process exits (replica_checksums)
+
+
 def replica_checksums(model: torch.nn.Module) -> list[str]:
     """Collective: every rank's SHA-256 of its parameters, on all ranks; shows that DDP replicas are identical."""
     digest = hashlib.sha256()
     for p in model.parameters():
         digest.update(p.detach().float().cpu().numpy().tobytes())
-    gathered: list[str] = [""] * dist.get_world_size()
-    dist.all_gather_object(gathered, digest.hexdigest())
-    return gathered
+    device = next(model.parameters()).device  # nccl gathers device tensors
+    mine = torch.tensor(list(digest.digest()), dtype=torch.uint8, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    # Usually a run's last collective: gloo's worker thread may drop its references after all_gather returns,
+    # and without Python's that drop needs the GIL, which no thread gets once the interpreter exits (torch 2.14
+    # aborts: "terminate called without an active exception"; DDP keeps gloo's threads past destroy).
+    _LAST_GATHER[:] = [mine, gathered]
+    return [bytes(t.cpu().tolist()).hex() for t in gathered]
 
 
 def write_json_atomic(path: str | Path, data: dict) -> None:
