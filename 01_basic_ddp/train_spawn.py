@@ -1,8 +1,8 @@
 """01 - the same training, launched from Python with torch.multiprocessing.spawn.
 
-For readers who start workers themselves (a notebook, a Python driver) instead of with
-torchrun. The parent sets MASTER_ADDR/MASTER_PORT, then spawns one process per rank;
-each process passes its rank and the world size explicitly to the process group.
+For readers who start workers themselves (a notebook, a Python driver) instead of with torchrun.
+The parent picks a free loopback port, then spawns one process per rank; each process passes
+its rank and the world size explicitly.
 
     python 01_basic_ddp/train_spawn.py --nprocs 2
 """
@@ -11,7 +11,6 @@ import dataclasses
 import os
 import socket
 import sys
-from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
@@ -19,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` im
 import torch.multiprocessing as mp
 
 from common.config import TrainConfig, field, load_config
-from common.dist import cleanup_distributed, setup_distributed
-from common.entry import run
-from train import train  # the training loop is train.py's, unchanged
+from common.data import check_data
+from common.launcher import detect_launcher
+from train import train  # the training is train.py's, unchanged
 
 
 @dataclasses.dataclass
@@ -30,35 +29,26 @@ class SpawnConfig(TrainConfig):
 
 
 def worker(rank: int, world_size: int, cfg: SpawnConfig) -> None:
-    """Runs in each spawned process; mp.spawn passes the rank as the first argument."""
-    ctx = setup_distributed(cfg.backend, cfg.timeout_s, cfg.device, rank=rank, world_size=world_size)
-    try:
-        train(cfg, ctx)
-    finally:
-        cleanup_distributed()
-
-
-def free_loopback_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """Runs in each spawned process; mp.spawn passes the rank as the first argument. It must be
+    importable by the children (a module-level function, not one defined in a notebook cell)."""
+    train(cfg, detect_launcher(rank=rank, world_size=world_size))
 
 
 def main():
-    cfg = load_config(SpawnConfig)
+    cfg = load_config(SpawnConfig)  # bad input: one "error:" line, exit code 2
+    check_data(cfg, cfg.nprocs)
     # One machine: rendezvous on loopback, on a port nobody else is using.
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_loopback_port()))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
     try:
-        # Each child reports its own errors (common.entry.run); the parent only passes on the exit code.
-        mp.spawn(run_worker, args=(cfg.nprocs, cfg), nprocs=cfg.nprocs, join=True)
-    except mp.ProcessExitedException as exc:
+        mp.spawn(worker, args=(cfg.nprocs, cfg), nprocs=cfg.nprocs, join=True)
+    except mp.ProcessRaisedException as exc:  # a worker's traceback; the others were stopped
+        sys.exit(f"a worker failed:\n{exc}")
+    except mp.ProcessExitedException as exc:  # a worker exited with a code (2: bad input) or a signal
         sys.exit(exc.exit_code if exc.exit_code and exc.exit_code > 0 else 1)
 
 
-def run_worker(rank: int, world_size: int, cfg: SpawnConfig) -> None:
-    run(partial(worker, rank, world_size, cfg))
-
-
 if __name__ == "__main__":
-    run(main)
+    main()

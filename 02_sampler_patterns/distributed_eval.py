@@ -14,21 +14,23 @@ Run (CPU, 3 processes, embedded digits: 359 test images, 359 = 3 x 119 + 2):
 
 import dataclasses
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from common.config import TrainConfig, field, load_config
-from common.data import load_datasets
-from common.dist import cleanup_distributed, setup_distributed
-from common.entry import run
+from common.data import check_data, load_datasets
+from common.launcher import detect_launcher
 from common.models import build_model
-from common.report import all_reduce_sums, print0, write_summary
+from common.report import write_summary
 
 
 @dataclasses.dataclass
@@ -51,23 +53,27 @@ def local_sums(model, dataset, device, sampler=None, batch_size=64):
     return loss_sum, correct, count
 
 
-def main(argv=None):
-    cfg = load_config(EvalConfig, argv)
-    ctx = setup_distributed(cfg.backend, cfg.timeout_s, cfg.device)
-    try:
-        train_and_evaluate(cfg, ctx)
-    finally:
-        cleanup_distributed()
+def sum_over_ranks(values, device):
+    """Collective: element-wise sums over all ranks (float64, so counts stay exact)."""
+    totals = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    return totals.tolist()
 
 
-def train_and_evaluate(cfg, ctx):
-    device, w, rank = ctx.device, ctx.world_size, ctx.rank
-    data = load_datasets(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.download, rank)
+def train_and_evaluate(cfg, launch):
+    device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
+    w, rank = launch.world_size, launch.rank
+    data = load_datasets(cfg, rank)
     test = data.test
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
-    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
-    train_briefly(cfg, ctx, model, data.train)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    train_briefly(cfg, launch, device, model, data.train)
     net = model.module  # evaluate without the DDP wrapper: ranks may hold different numbers of batches
 
     results = {}
@@ -75,41 +81,43 @@ def train_and_evaluate(cfg, ctx):
     # all-reduce the sums and the count, divide once.
     mine = Subset(test, range(rank, len(test), w))
     local = local_sums(net, mine, device)  # this rank's (loss sum, correct, count)
-    results["exact"] = all_reduce_sums(local, device)
+    results["exact"] = sum_over_ranks(local, device)
 
     # WRONG 1: DistributedSampler pads to ceil(N/W) per rank, so a few samples are counted twice.
     padded = DistributedSampler(test, num_replicas=w, rank=rank, shuffle=False)
-    results["sampler_padded"] = all_reduce_sums(local_sums(net, test, device, padded), device)
+    results["sampler_padded"] = sum_over_ranks(local_sums(net, test, device, padded), device)
     # WRONG 2: drop_last=True keeps floor(N/W) per rank, so the last N mod W samples are never seen.
     dropped = DistributedSampler(test, num_replicas=w, rank=rank, shuffle=False, drop_last=True)
-    results["sampler_drop_last"] = all_reduce_sums(local_sums(net, test, device, dropped), device)
+    results["sampler_drop_last"] = sum_over_ranks(local_sums(net, test, device, dropped), device)
     # WRONG 3: average of per-rank averages (each rank's mean weighs the same, whatever its count).
     l, c, n = local
-    mean_loss, mean_acc = all_reduce_sums([l / n, c / n], device)
+    mean_loss, mean_acc = sum_over_ranks([l / n, c / n], device)
     results["mean_of_rank_means"] = (mean_loss / w * len(test), mean_acc / w * len(test), len(test))
     # WRONG 4: rank 0 reports its own shard only (rank 0's numbers, shared with everyone for printing).
-    results["rank0_only"] = all_reduce_sums([l, c, n] if rank == 0 else [0, 0, 0], device)
+    results["rank0_only"] = sum_over_ranks([l, c, n] if rank == 0 else [0, 0, 0], device)
 
     # Reference: one process over the whole test set (rank 0 alone; no collectives in here).
     summary = {name: dict(loss_sum=l, correct=c, count=n, accuracy=c / n, loss=l / n)
                for name, (l, c, n) in results.items()}
-    if ctx.is_main:
+    if rank == 0:
         l, c, n = local_sums(net, test, device)
         summary["reference"] = dict(loss_sum=l, correct=c, count=n, accuracy=c / n, loss=l / n)
-        print0(f"test set: {len(test)} samples, world size {w}; reference (one process): "
-               f"accuracy {c / n:.6f}, loss {l / n:.6f}")
-        print0(f"{'method':>20} {'samples':>8} {'accuracy':>9} {'loss':>9} {'accuracy error':>15}")
+        print(f"test set: {len(test)} samples, world size {w}; reference (one process): "
+              f"accuracy {c / n:.6f}, loss {l / n:.6f}", flush=True)
+        print(f"{'method':>20} {'samples':>8} {'accuracy':>9} {'loss':>9} {'accuracy error':>15}", flush=True)
         for name, m in summary.items():
-            print0(f"{name:>20} {int(m['count']):>8} {m['accuracy']:>9.6f} {m['loss']:>9.6f} "
-                   f"{m['accuracy'] - c / n:>+15.6f}")
+            print(f"{name:>20} {int(m['count']):>8} {m['accuracy']:>9.6f} {m['loss']:>9.6f} "
+                  f"{m['accuracy'] - c / n:>+15.6f}", flush=True)
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         torch.save(net.state_dict(), Path(cfg.output_dir) / "model.pt")
-    write_summary(cfg.output_dir, world_size=w, test_size=len(test), **summary)
+    write_summary(cfg.output_dir, model, world_size=w, test_size=len(test), **summary)
+    dist.destroy_process_group()
 
 
-def train_briefly(cfg, ctx, model, train_set):
+def train_briefly(cfg, launch, device, model, train_set):
     """A few ordinary DDP steps, so the metric is not chance level."""
-    sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed)
+    sampler = DistributedSampler(train_set, num_replicas=launch.world_size, rank=launch.rank, shuffle=True,
+                                 seed=cfg.seed)
     loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     model.train()
@@ -117,7 +125,7 @@ def train_briefly(cfg, ctx, model, train_set):
     while step < cfg.max_steps:
         sampler.set_epoch(epoch)
         for images, labels in loader:
-            loss = F.cross_entropy(model(images.to(ctx.device)), labels.to(ctx.device))
+            loss = F.cross_entropy(model(images.to(device)), labels.to(device))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -127,5 +135,13 @@ def train_briefly(cfg, ctx, model, train_set):
         epoch += 1
 
 
+@record
+def main():
+    cfg = load_config(EvalConfig)
+    launch = detect_launcher()
+    check_data(cfg, launch.world_size)
+    train_and_evaluate(cfg, launch)
+
+
 if __name__ == "__main__":
-    run(main)
+    main()

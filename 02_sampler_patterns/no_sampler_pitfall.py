@@ -12,6 +12,7 @@ Run (CPU, 2 processes, embedded digits data):
 import dataclasses
 import sys
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
@@ -19,15 +20,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` im
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from common.config import TrainConfig, field, load_config
-from common.data import load_datasets
-from common.dist import cleanup_distributed, setup_distributed
-from common.entry import run
+from common.data import check_data, load_datasets
+from common.launcher import detect_launcher
 from common.models import build_model
-from common.report import print0, write_summary
+from common.report import write_summary
 
 
 @dataclasses.dataclass
@@ -49,29 +50,27 @@ class WithIndex(Dataset):
         return (*self.dataset[i], i)
 
 
-def main(argv=None):
-    cfg = load_config(PitfallConfig, argv)
-    ctx = setup_distributed(cfg.backend, cfg.timeout_s, cfg.device)
-    try:
-        compare(cfg, ctx)
-    finally:
-        cleanup_distributed()
-
-
-def compare(cfg, ctx):
-    data = load_datasets(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.download, ctx.rank)
+def compare(cfg, launch):
+    device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
+    data = load_datasets(cfg, launch.rank)
     dataset = WithIndex(data.train)
 
     # WRONG: what many single-GPU scripts (and some tutorials) do. Nothing here knows about ranks.
     plain_loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True)
     # RIGHT: the sampler hands each rank a disjoint 1/W of the data; shuffling moves into it.
-    sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed)
+    sampler = DistributedSampler(dataset, num_replicas=launch.world_size, rank=launch.rank, shuffle=True,
+                                 seed=cfg.seed)
     sampler.set_epoch(0)
     sharded_loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler)
 
     results = {}
     for name, loader in (("no_sampler", plain_loader), ("distributed_sampler", sharded_loader)):
-        per_rank = train_one_epoch(cfg, ctx, data, loader)  # [indices read by rank 0, by rank 1, ...]
+        per_rank, model = train_one_epoch(cfg, launch, device, data, loader)  # [indices read by rank 0, 1, ...]
         reads = Counter(i for seen in per_rank for i in seen)
         results[name] = r = dict(
             samples_per_rank=[len(seen) for seen in per_rank],
@@ -79,19 +78,21 @@ def compare(cfg, ctx):
             total_reads=sum(reads.values()), distinct_samples=len(reads),
             samples_read_by_several_ranks=sum(1 for c in reads.values() if c > 1),
             same_order_on_all_ranks=all(seen == per_rank[0] for seen in per_rank))
-        print0(f"{name:>20}: samples per rank {r['samples_per_rank']}, steps per rank {r['steps_per_rank']}, "
-               f"{r['total_reads']} reads of {r['distinct_samples']} distinct samples (data set {len(dataset)}), "
-               f"{r['samples_read_by_several_ranks']} read by more than one rank, "
-               f"{100 * (1 - r['distinct_samples'] / r['total_reads']):.0f}% of the compute repeated")
-    write_summary(cfg.output_dir, world_size=ctx.world_size, dataset_size=len(dataset), **results)
+        if launch.rank == 0:
+            print(f"{name:>20}: samples per rank {r['samples_per_rank']}, steps per rank {r['steps_per_rank']}, "
+                  f"{r['total_reads']} reads of {r['distinct_samples']} distinct samples (data set {len(dataset)}), "
+                  f"{r['samples_read_by_several_ranks']} read by more than one rank, "
+                  f"{100 * (1 - r['distinct_samples'] / r['total_reads']):.0f}% of the compute repeated", flush=True)
+    write_summary(cfg.output_dir, model, world_size=launch.world_size, dataset_size=len(dataset), **results)
+    dist.destroy_process_group()
 
 
-def train_one_epoch(cfg, ctx, data, loader):
-    """One epoch of ordinary DDP training; returns the indices every rank read (gathered on all ranks)."""
-    device = ctx.device
+def train_one_epoch(cfg, launch, device, data, loader):
+    """Collective: one epoch of ordinary DDP training; returns the indices every rank read (on all ranks)
+    and the model."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
-    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     seen = []
     for images, labels, index in loader:
@@ -100,10 +101,18 @@ def train_one_epoch(cfg, ctx, data, loader):
         loss.backward()
         optimizer.step()
         seen += index.tolist()
-    everyone = [None] * ctx.world_size
+    everyone = [None] * launch.world_size
     dist.all_gather_object(everyone, seen)
-    return everyone
+    return everyone, model
+
+
+@record
+def main():
+    cfg = load_config(PitfallConfig)
+    launch = detect_launcher()
+    check_data(cfg, launch.world_size)
+    compare(cfg, launch)
 
 
 if __name__ == "__main__":
-    run(main)
+    main()

@@ -16,17 +16,18 @@ Without processes, for any world size (each "rank" is built in this one process)
 import dataclasses
 import math
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DistributedSampler
 
 from common.config import field, load_config
-from common.dist import cleanup_distributed, setup_distributed
-from common.entry import run
-from common.report import print0, write_json_atomic
+from common.launcher import detect_launcher
+from common.report import write_json_atomic
 
 
 @dataclasses.dataclass
@@ -37,7 +38,6 @@ class ViewerConfig:
     epochs: int = field(2, "epochs to show (set_epoch(0), set_epoch(1), ...)", min=1)
     seed: int = field(0, "sampler seed (must be the same on every rank)", min=0)
     simulate_world_size: int = field(0, "0: use the real process group; W > 0: build W ranks' samplers here", min=0)
-    backend: str = field("auto", "process-group backend", choices=("auto", "gloo", "nccl", "xccl"))
     timeout_s: float = field(60.0, "seconds a collective may wait for the other ranks", min=1.0)
     output_dir: str = field("runs/partition_viewer", "where partition.json goes")
 
@@ -51,23 +51,10 @@ def rank_indices(n, world_size, rank, shuffle, drop_last, seed, epoch):
     return list(sampler)
 
 
-def main(argv=None):
-    cfg = load_config(ViewerConfig, argv)
-    if cfg.simulate_world_size:
-        show(cfg, cfg.simulate_world_size, ranks=range(cfg.simulate_world_size), gather=None)
-        return
-    ctx = setup_distributed(cfg.backend, cfg.timeout_s, device="cpu")
-    try:
-        show(cfg, ctx.world_size, ranks=[ctx.rank], gather=dist.all_gather_object)
-    finally:
-        cleanup_distributed()
-
-
-def show(cfg, world_size, ranks, gather):
-    n, w = cfg.num_samples, world_size
-    print0(f"N = {n} samples, W = {w} ranks: padding gives ceil(N/W) = {math.ceil(n / w)} per rank "
-           f"({math.ceil(n / w) * w - n} repeated), drop_last gives floor(N/W) = {n // w} per rank ({n % w} unused)")
-    results = []
+def partitions(cfg, world_size, ranks, gather=False):
+    """Every case's indices per rank and the full order, as the ranks in `ranks` compute them on
+    their own; with gather=True (a collective) each real rank's view is collected on all ranks."""
+    n, w, results = cfg.num_samples, world_size, []
     for shuffle in (False, True):
         for drop_last in (False, True):
             for epoch in range(cfg.epochs if shuffle else 1):  # without shuffle every epoch is the same
@@ -76,25 +63,50 @@ def show(cfg, world_size, ranks, gather):
                 order = {r: rank_indices(n, 1, 0, shuffle, False, cfg.seed, epoch) for r in ranks}
                 if gather:  # real ranks: collect every rank's view on all ranks
                     everyone = [None] * w
-                    gather(everyone, (mine, order))
+                    dist.all_gather_object(everyone, (mine, order))
                     mine = {r: v for m, _ in everyone for r, v in m.items()}
                     order = {r: v for _, o in everyone for r, v in o.items()}
                 results.append(dict(shuffle=shuffle, drop_last=drop_last, epoch=epoch,
                                     indices=[mine[r] for r in range(w)], order=[order[r] for r in range(w)]))
-                print0(f"\nshuffle={shuffle} drop_last={drop_last} seed={cfg.seed} epoch={epoch}"
-                       + (f"   order {order[0]}" if shuffle else ""))
-                for r in range(w):
-                    # Position k of rank r is order[r + k*W]; past the end of the order it wraps around (padding).
-                    repeated = [i for k, i in enumerate(mine[r]) if r + k * w >= n]
-                    print0(f"  rank {r}: {mine[r]}" + (f"   <- repeats {repeated}" if repeated else ""))
-                unused = sorted(set(range(n)) - {i for r in range(w) for i in mine[r]})
-                if unused:
-                    print0(f"  never read this epoch: {unused}")
-    if not gather or dist.get_rank() == 0:
-        path = Path(cfg.output_dir) / "partition.json"
-        write_json_atomic(path, dict(num_samples=n, world_size=w, seed=cfg.seed, results=results))
-        print0(f"\nwritten to {path}")
+    return results
+
+
+def report(cfg, world_size, results):
+    """Print every case and write partition.json (one process: rank 0, or the simulation)."""
+    n, w = cfg.num_samples, world_size
+    print(f"N = {n} samples, W = {w} ranks: padding gives ceil(N/W) = {math.ceil(n / w)} per rank "
+          f"({math.ceil(n / w) * w - n} repeated), drop_last gives floor(N/W) = {n // w} per rank ({n % w} unused)")
+    for case in results:
+        mine, order = case["indices"], case["order"]
+        print(f"\nshuffle={case['shuffle']} drop_last={case['drop_last']} seed={cfg.seed} epoch={case['epoch']}"
+              + (f"   order {order[0]}" if case["shuffle"] else ""))
+        for r in range(w):
+            # Position k of rank r is order[r + k*W]; past the end of the order it wraps around (padding).
+            repeated = [i for k, i in enumerate(mine[r]) if r + k * w >= n]
+            print(f"  rank {r}: {mine[r]}" + (f"   <- repeats {repeated}" if repeated else ""))
+        unused = sorted(set(range(n)) - {i for r in range(w) for i in mine[r]})
+        if unused:
+            print(f"  never read this epoch: {unused}")
+    path = Path(cfg.output_dir) / "partition.json"
+    write_json_atomic(path, dict(num_samples=n, world_size=w, seed=cfg.seed, results=results))
+    print(f"\nwritten to {path}", flush=True)
+
+
+@record
+def main(argv=None):
+    cfg = load_config(ViewerConfig, argv)
+    if cfg.simulate_world_size:  # no processes: build every rank's sampler here
+        report(cfg, cfg.simulate_world_size, partitions(cfg, cfg.simulate_world_size, range(cfg.simulate_world_size)))
+        return
+    launch = detect_launcher()
+    # No tensors move here (all_gather_object pickles on the CPU), so gloo suits any machine.
+    dist.init_process_group("gloo", init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
+    results = partitions(cfg, launch.world_size, [launch.rank], gather=True)
+    if launch.rank == 0:
+        report(cfg, launch.world_size, results)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    run(main)
+    main()

@@ -17,7 +17,7 @@ import torch
 
 from common.config import DATASETS, field, load_config
 from common.data import build_datasets
-from common.entry import run
+from common.errors import exit_on_bad_input
 from common.report import write_json_atomic
 
 
@@ -32,9 +32,10 @@ class PrepareConfig:
     seed: int = field(0, "seed of the fixed order in which samples are written", min=0)
 
 
-def main(argv=None):
-    cfg = load_config(PrepareConfig, argv)
-    data = build_datasets(cfg.dataset, cfg.data_dir)
+def main():
+    cfg = load_config(PrepareConfig)
+    with exit_on_bad_input():  # a missing data set: one "error:" line, exit code 2
+        data = build_datasets(cfg.dataset, cfg.data_dir)
     train = data.train
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed))
     out = Path(cfg.out_dir)
@@ -55,4 +56,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run(main)
+    main()

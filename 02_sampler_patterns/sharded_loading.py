@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import sys
+from datetime import timedelta
 from itertools import islice
 from pathlib import Path
 
@@ -25,15 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` im
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from common.config import TrainConfig, field, load_config
-from common.dist import cleanup_distributed, setup_distributed
-from common.entry import run
-from common.errors import ConfigError, DataError
+from common.errors import ConfigError, DataError, exit_on_bad_input
+from common.launcher import detect_launcher
 from common.models import build_model
-from common.report import all_reduce_sums, print0, write_summary
+from common.report import write_summary
 
 
 @dataclasses.dataclass
@@ -81,24 +82,17 @@ def shards_for(rank, world_size, files, seed, epoch):
     return [files[i] for i in order[rank::world_size]]
 
 
-def main(argv=None):
-    cfg = load_config(ShardConfig, argv)
-    manifest = read_manifest(cfg.shards_dir)  # before the process group: a missing folder fails fast everywhere
-    ctx = setup_distributed(cfg.backend, cfg.timeout_s, cfg.device)
-    try:
-        train(cfg, ctx, manifest)
-    finally:
-        cleanup_distributed()
-
-
-def train(cfg, ctx, manifest):
-    device, w = ctx.device, ctx.world_size
+def train(cfg, launch, manifest):
+    device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
+    w, rank = launch.world_size, launch.rank
     files = [s["file"] for s in manifest["shards"]]
     sizes = {s["file"]: s["samples"] for s in manifest["shards"]}
-    if len(files) < w:
-        raise ConfigError(f"shards_dir: {len(files)} shards cannot feed {w} ranks; run prepare_shards.py "
-                          f"with --num-shards at least {w} (better: a multiple of {w})")
-    access_log = Path(cfg.output_dir) / "access" / f"rank{ctx.rank}.log"
+    access_log = Path(cfg.output_dir) / "access" / f"rank{rank}.log"
     access_log.parent.mkdir(parents=True, exist_ok=True)
     access_log.write_text("")
     stream = ShardStream(cfg.shards_dir, cfg.seed, access_log)
@@ -110,12 +104,13 @@ def train(cfg, ctx, manifest):
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, manifest["num_classes"], manifest["in_channels"], manifest["image_size"]).to(device)
-    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    print0(f"{manifest['total']} samples in {len(files)} shards, {w} ranks")
+    if rank == 0:
+        print(f"{manifest['total']} samples in {len(files)} shards, {w} ranks", flush=True)
     epochs = []
     for epoch in range(cfg.epochs):
-        mine = shards_for(ctx.rank, w, files, cfg.seed, epoch)
+        mine = shards_for(rank, w, files, cfg.seed, epoch)
         stream.set_epoch(epoch, mine)
         # Equal step counts without communication: every rank can compute every rank's batches.
         steps = min(batches(shards_for(r, w, files, cfg.seed, epoch)) for r in range(w))
@@ -127,14 +122,31 @@ def train(cfg, ctx, manifest):
             optimizer.step()
             seen += index.tolist()
             done += 1
-        read, assigned = all_reduce_sums([len(seen), sum(sizes[f] for f in mine)], device)
+        counts = torch.tensor([len(seen), sum(sizes[f] for f in mine)], device=device)
+        dist.all_reduce(counts)  # samples read and samples assigned, summed over the ranks
+        read, assigned = counts.tolist()
         gathered = [None] * w
         dist.all_gather_object(gathered, dict(shards=mine, steps=done, indices=seen))
         epochs.append(gathered)
-        print0(f"epoch {epoch + 1}: {steps} steps on every rank, {int(read)} of {int(assigned)} samples read "
-               f"({int(assigned - read)} left over); shards per rank: {[g['shards'] for g in gathered]}")
-    write_summary(cfg.output_dir, world_size=w, total=manifest["total"], shards=len(files), epochs=epochs)
+        if rank == 0:
+            print(f"epoch {epoch + 1}: {steps} steps on every rank, {read} of {assigned} samples read "
+                  f"({assigned - read} left over); shards per rank: {[g['shards'] for g in gathered]}", flush=True)
+    write_summary(cfg.output_dir, model, world_size=w, total=manifest["total"], shards=len(files), epochs=epochs)
+    dist.destroy_process_group()
+
+
+@record
+def main():
+    cfg = load_config(ShardConfig)
+    launch = detect_launcher()
+    with exit_on_bad_input():  # before the process group: a missing folder fails fast everywhere
+        manifest = read_manifest(cfg.shards_dir)
+        if len(manifest["shards"]) < launch.world_size:
+            raise ConfigError(f"shards_dir: {len(manifest['shards'])} shards cannot feed {launch.world_size} ranks; "
+                              f"run prepare_shards.py with --num-shards at least {launch.world_size} "
+                              f"(better: a multiple of {launch.world_size})")
+    train(cfg, launch, manifest)
 
 
 if __name__ == "__main__":
-    run(main)
+    main()

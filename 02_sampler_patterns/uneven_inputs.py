@@ -9,8 +9,8 @@ the digits, rank r with r * --uneven fewer samples (like per-rank files of diffe
                      last rank's weights to everyone.
     --fix drop_last  every rank runs the smallest rank's number of batches (one all-reduce MIN
                      before the loop), the same idea as DistributedSampler(drop_last=True).
-    --fix none       the hang, on purpose: the process group times out after --hang-timeout-s
-                     and every rank exits with an error that says what happened.
+    --fix none       the hang, on purpose: after --timeout-s gloo gives up; its monitored_barrier
+                     names the rank that never arrived (see the README for what it prints).
 
 Run (CPU, 3 processes, embedded digits data):
     torchrun --standalone --nproc_per_node=3 02_sampler_patterns/uneven_inputs.py --fix join
@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import math
 import sys
+from datetime import timedelta
 from itertools import islice
 from pathlib import Path
 
@@ -29,20 +30,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.join import Join
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 
 from common.config import TrainConfig, field, load_config
-from common.data import load_datasets
-from common.dist import cleanup_distributed, setup_distributed
-from common.entry import run
+from common.data import check_data, load_datasets
+from common.launcher import detect_launcher
 from common.models import build_model
-from common.report import print0, replica_checksums, write_summary
+from common.report import write_summary
 
 
 @dataclasses.dataclass
 class UnevenConfig(TrainConfig):
-    fix: str = field("join", "how to handle uneven inputs (none: hang until the timeout)",
+    fix: str = field("join", "how to handle uneven inputs (none: hang until --timeout-s)",
                      choices=("join", "drop_last", "none"))
     uneven: int = field(64, "rank r reads r * uneven fewer samples than rank 0", min=0)
     epochs: int = field(2, "passes over each rank's slice", min=1)
@@ -50,7 +51,6 @@ class UnevenConfig(TrainConfig):
     # steps, and in the next epoch their weights drift from the others' (DDP re-syncs only the
     # weights, at the end of the Join block; see the README).
     momentum: float = field(0.0, "SGD momentum (see the note on Join in the README)", min=0.0)
-    hang_timeout_s: float = field(10.0, "process-group timeout with --fix none, so the hang ends as an error", min=1.0)
     output_dir: str = field("runs/uneven_inputs", "where summary.json goes")
 
 
@@ -61,28 +61,25 @@ def digest(tensors):
     return h.hexdigest()[:16]
 
 
-def main(argv=None):
-    cfg = load_config(UnevenConfig, argv)
-    timeout = cfg.hang_timeout_s if cfg.fix == "none" else cfg.timeout_s
-    ctx = setup_distributed(cfg.backend, timeout, cfg.device)
-    try:
-        train(cfg, ctx, timeout)
-    finally:
-        cleanup_distributed()
-
-
-def train(cfg, ctx, timeout):
-    device, w, rank = ctx.device, ctx.world_size, ctx.rank
-    data = load_datasets(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.download, rank)
+def train(cfg, launch):
+    device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
+    w, rank = launch.world_size, launch.rank
+    data = load_datasets(cfg, rank)
     sizes = [len(range(r, len(data.train), w)) - r * cfg.uneven for r in range(w)]
     batches = [math.ceil(n / cfg.batch_size) for n in sizes]
     mine = Subset(data.train, list(range(rank, len(data.train), w))[:sizes[rank]])
     loader = DataLoader(mine, batch_size=cfg.batch_size, shuffle=False)
-    print0(f"samples per rank {sizes}, batches per rank {batches}, fix: {cfg.fix}")
+    if rank == 0:
+        print(f"samples per rank {sizes}, batches per rank {batches}, fix: {cfg.fix}", flush=True)
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
-    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     digests = []  # (epoch, step, gradient digest, weights digest) for every step this rank ran
     for epoch in range(cfg.epochs):
@@ -91,36 +88,40 @@ def train(cfg, ctx, timeout):
             count = torch.tensor([steps], device=device)
             dist.all_reduce(count, op=dist.ReduceOp.MIN)
             steps = int(count)
-        try:
-            # Join is a no-op unless enabled; enabled, it lets the ranks that finish early shadow the rest.
-            with Join([model], enable=cfg.fix == "join"):
-                for step, (images, labels) in enumerate(islice(loader, steps)):
-                    loss = F.cross_entropy(model(images.to(device)), labels.to(device))
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()  # the all-reduce that every rank must join, step by step
-                    grads = digest(p.grad for p in model.parameters())
-                    optimizer.step()
-                    digests.append((epoch, step, grads, digest(model.parameters())))
-            # Wait for every rank at the end of the epoch, naming any that does not arrive in time.
+        # Join is a no-op unless enabled; enabled, it lets the ranks that finish early shadow the rest.
+        with Join([model], enable=cfg.fix == "join"):
+            for step, (images, labels) in enumerate(islice(loader, steps)):
+                loss = F.cross_entropy(model(images.to(device)), labels.to(device))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()  # the all-reduce that every rank must join, step by step
+                grads = digest(p.grad for p in model.parameters())
+                optimizer.step()
+                digests.append((epoch, step, grads, digest(model.parameters())))
+        # Every rank waits here for the others. With --fix none a rank that ran out of batches waits
+        # while another waits in its gradient all-reduce, until --timeout-s. gloo's monitored_barrier
+        # then names the rank that never arrived; NCCL has none (and a plain barrier just waits).
+        if backend == "gloo":
             dist.monitored_barrier()
-        except RuntimeError as exc:
-            if cfg.fix != "none" or "timed out" not in str(exc).lower():
-                raise
-            print(f"error: rank {rank}: a collective timed out after {timeout:.0f} s in epoch {epoch + 1}: uneven "
-                  f"inputs (batches per rank {batches}): a rank with batches left waits in DDP's gradient all-reduce "
-                  f"for ranks that have none (on GPUs this hangs). Fix: --fix join or --fix drop_last",
-                  file=sys.stderr, flush=True)
-            raise SystemExit(1)
-        print0(f"epoch {epoch + 1}: ranks ran {batches if cfg.fix != 'drop_last' else [steps] * w} steps")
+        else:
+            dist.barrier()
+        if rank == 0:
+            print(f"epoch {epoch + 1}: ranks ran {batches if cfg.fix != 'drop_last' else [steps] * w} steps",
+                  flush=True)
 
     everyone = [None] * w
     dist.all_gather_object(everyone, digests)
-    checksums = replica_checksums(model)
-    print0(f"replicas identical: {len(set(checksums)) == 1}")
-    write_summary(cfg.output_dir, world_size=w, fix=cfg.fix, samples_per_rank=sizes, batches_per_rank=batches,
-                  steps_per_rank=[len(d) for d in everyone], digests=everyone,
-                  replica_checksums=checksums, replicas_identical=len(set(checksums)) == 1)
+    write_summary(cfg.output_dir, model, world_size=w, fix=cfg.fix, samples_per_rank=sizes,
+                  batches_per_rank=batches, steps_per_rank=[len(d) for d in everyone], digests=everyone)
+    dist.destroy_process_group()
+
+
+@record
+def main():
+    cfg = load_config(UnevenConfig)
+    launch = detect_launcher()
+    check_data(cfg, launch.world_size)
+    train(cfg, launch)
 
 
 if __name__ == "__main__":
-    run(main)
+    main()

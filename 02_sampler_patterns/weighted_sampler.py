@@ -15,6 +15,7 @@ Run (CPU, 2 processes, embedded digits data):
 import dataclasses
 import math
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
@@ -22,16 +23,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` im
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Sampler, Subset
 
 from common.config import TrainConfig, field, load_config
-from common.data import load_datasets
-from common.dist import cleanup_distributed, setup_distributed
-from common.entry import run
+from common.data import check_data, load_datasets
 from common.errors import ConfigError
+from common.launcher import detect_launcher
 from common.models import build_model
-from common.report import print0, write_summary
+from common.report import write_summary
 
 
 @dataclasses.dataclass
@@ -39,6 +40,11 @@ class WeightedConfig(TrainConfig):
     epochs: int = field(2, "passes (each draws len(data set) samples in total)", min=1)
     imbalance: float = field(10.0, "ratio of the most to the least frequent class", min=1.0)
     output_dir: str = field("runs/weighted_sampler", "where summary.json goes")
+
+    def validate(self):  # called by load_config: before any process group
+        if self.dataset == "fake":
+            raise ConfigError("dataset: fake does not list its labels; use digits, cifar10, mnist, "
+                              "fashion_mnist or imagefolder")
 
 
 class DistributedClassBalancedSampler(Sampler):
@@ -71,23 +77,11 @@ class DistributedClassBalancedSampler(Sampler):
         return iter(share[picks].tolist())
 
 
-def main(argv=None):
-    cfg = load_config(WeightedConfig, argv)
-    ctx = setup_distributed(cfg.backend, cfg.timeout_s, cfg.device)
-    try:
-        train(cfg, ctx)
-    finally:
-        cleanup_distributed()
-
-
 def labels_of(dataset):
     """Every label of a data set without loading its images (torchvision sets: .targets)."""
-    if getattr(dataset, "targets", None) is not None:
-        return torch.as_tensor(dataset.targets)
     if hasattr(dataset, "tensors"):  # TensorDataset (the embedded digits)
         return dataset.tensors[1]
-    raise ConfigError(f"dataset: {type(dataset).__name__} does not list its labels; use digits, cifar10, "
-                      "mnist, fashion_mnist or imagefolder")
+    return torch.as_tensor(dataset.targets)
 
 
 def imbalanced(dataset, labels, num_classes, imbalance):
@@ -100,21 +94,26 @@ def imbalanced(dataset, labels, num_classes, imbalance):
     return Subset(dataset, keep.tolist()), labels[keep]
 
 
-def train(cfg, ctx):
-    device = ctx.device
-    data = load_datasets(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.download, ctx.rank)
+def train(cfg, launch):
+    device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
+    data = load_datasets(cfg, launch.rank)
     k = data.num_classes
-    all_labels = labels_of(data.train)
-    dataset, labels = imbalanced(data.train, all_labels, k, cfg.imbalance)
+    dataset, labels = imbalanced(data.train, labels_of(data.train), k, cfg.imbalance)
     before = torch.bincount(labels, minlength=k)
-    print0(f"imbalanced training set: {len(dataset)} samples; class counts {before.tolist()} "
-           f"(frequency {min(before) / len(labels):.3f} .. {max(before) / len(labels):.3f})")
+    if launch.rank == 0:
+        print(f"imbalanced training set: {len(dataset)} samples; class counts {before.tolist()} "
+              f"(frequency {min(before) / len(labels):.3f} .. {max(before) / len(labels):.3f})", flush=True)
 
-    sampler = DistributedClassBalancedSampler(labels, ctx.world_size, ctx.rank, seed=cfg.seed)
+    sampler = DistributedClassBalancedSampler(labels, launch.world_size, launch.rank, seed=cfg.seed)
     loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler)  # no shuffle: the sampler does it
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, k, data.in_channels, data.image_size).to(device)
-    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
 
     epochs = []
@@ -127,18 +126,29 @@ def train(cfg, ctx):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-        gathered = [None] * ctx.world_size
+        gathered = [None] * launch.world_size
         dist.all_gather_object(gathered, (list(sampler), histogram.tolist()))
         per_rank = [h for _, h in gathered]
         total = torch.tensor(per_rank).sum(0)
         overlap = sum(len(set(a) & set(b)) for i, (a, _) in enumerate(gathered) for b, _ in gathered[i + 1:])
         epochs.append(dict(indices=[ix for ix, _ in gathered], histograms=per_rank, total=total.tolist(),
                            indices_in_several_ranks=overlap))
-        print0(f"epoch {epoch + 1}: drawn per class {total.tolist()} (frequency {min(total) / sum(total):.3f} .. "
-               f"{max(total) / sum(total):.3f}); per rank {per_rank}; indices read by two ranks: {overlap}")
-    write_summary(cfg.output_dir, world_size=ctx.world_size, dataset_size=len(dataset),
+        if launch.rank == 0:
+            print(f"epoch {epoch + 1}: drawn per class {total.tolist()} (frequency {min(total) / sum(total):.3f} .. "
+                  f"{max(total) / sum(total):.3f}); per rank {per_rank}; indices read by two ranks: {overlap}",
+                  flush=True)
+    write_summary(cfg.output_dir, model, world_size=launch.world_size, dataset_size=len(dataset),
                   labels=labels.tolist(), class_counts_before=before.tolist(), epochs=epochs)
+    dist.destroy_process_group()
+
+
+@record
+def main():
+    cfg = load_config(WeightedConfig)
+    launch = detect_launcher()
+    check_data(cfg, launch.world_size)
+    train(cfg, launch)
 
 
 if __name__ == "__main__":
-    run(main)
+    main()

@@ -11,8 +11,10 @@ the same thing in plain PyTorch so the example runs, and can be tested, on any m
   The all-reduce is torch.distributed.nn's differentiable one, whose backward all-reduces the
   gradients of the sums, so the input gradients are those of BatchNorm over the global batch.
 
-  eval mode (or a single process): plain BatchNorm; eval uses the running statistics, no collective.
+  eval mode (or no process group): plain BatchNorm; eval uses the running statistics, no collective.
 
+It subclasses nn.BatchNorm2d (parameters, buffers and state_dict keys are BatchNorm2d's) and
+converts BatchNorm2d layers, the only kind the lesson's models have; nn.SyncBatchNorm also takes 1d and 3d.
 Use it like nn.SyncBatchNorm: convert the model BEFORE wrapping it in DDP:
     model = convert_to_cpu_sync_batchnorm(model)
     model = DDP(model)
@@ -32,24 +34,22 @@ from torch import nn
 warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_reduce is deprecated",
                         category=FutureWarning)
 
-class CpuSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm whose training-mode statistics are those of the global batch over all ranks."""
+
+class CpuSyncBatchNorm(nn.BatchNorm2d):
+    """BatchNorm2d whose training-mode statistics are those of the global batch over all ranks."""
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, process_group=None, device=None, dtype=None):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.process_group = process_group  # None: all ranks
 
-    def _check_input_dim(self, input):
-        if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input (N, C, ...), got {input.dim()}D")
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input_dim(x)
         group = self.process_group or dist.group.WORLD
         if not (self.training and dist.is_available() and dist.is_initialized()
                 and dist.get_world_size(group) > 1):
             return super().forward(x)  # eval mode or one process: plain BatchNorm, no communication
+        if x.dim() != 4:
+            raise ValueError(f"expected 4D input (N, C, H, W), got {x.dim()}D")
 
         channels = x.shape[1]
         dims = [0] + list(range(2, x.dim()))  # every dimension but the channel
@@ -80,10 +80,10 @@ class CpuSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
 
 def convert_to_cpu_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
-    """Replace every BatchNorm1d/2d/3d in `module` by a CpuSyncBatchNorm sharing its parameters and
-    running statistics (like nn.SyncBatchNorm.convert_sync_batchnorm). Call it before the DDP wrap."""
+    """Replace every BatchNorm2d in `module` by a CpuSyncBatchNorm sharing its parameters and running
+    statistics (like nn.SyncBatchNorm.convert_sync_batchnorm). Call it before the DDP wrap."""
     converted = module
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, CpuSyncBatchNorm):
+    if isinstance(module, nn.BatchNorm2d) and not isinstance(module, CpuSyncBatchNorm):
         converted = CpuSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
                                      module.track_running_stats, process_group)
         if module.affine:

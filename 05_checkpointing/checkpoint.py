@@ -1,14 +1,13 @@
 """Checkpoint files for 05_checkpointing: atomic writes, keep-last-K, a `latest` pointer,
 safe loading with fallback, and RNG states as plain tensors.
 
-Plain file I/O only (no collectives): train.py calls the writers on rank 0 and puts the
-barrier around them itself, where a reader sees it.
+Plain file I/O only (no collectives): train.py calls save() on rank 0 and puts the
+gather and the barrier around it itself, where a reader sees them.
 
 Folder layout:
     ckpt-00000040.pt     one complete checkpoint per saved step (the last `keep` are kept)
     latest               a one-line text file naming the newest complete checkpoint
-    REQUEUE              present after a preemption save: the job should be requeued
-    .ckpt-*.tmp-<pid>    a write in progress (or one killed mid-write); never read
+    .ckpt-*.tmp-<pid>    a write in progress, or one killed mid-write (removed by the next save); never read
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import torch
 # Distinct from 143 (128 + SIGTERM), which is what a process killed by SIGTERM *without* saving reports.
 REQUEUE_EXIT_CODE = 75
 NAME_RE = re.compile(r"^ckpt-(\d{8})\.pt$")
-REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "step_in_epoch", "step", "ranks")
+REQUIRED_KEYS = ("model", "optimizer", "scheduler", "step", "ranks", "world_size", "batch_size")
 
 
 def checkpoint_name(step: int) -> str:
@@ -59,7 +58,8 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
 
 
 def save(state: dict, folder: str | Path, step: int, keep: int) -> Path:
-    """Rank 0: write ckpt-<step>.pt atomically, then point `latest` at it, then prune to `keep` files."""
+    """Rank 0: write ckpt-<step>.pt atomically, then point `latest` at it, then prune to `keep` files
+    and remove the leftovers of writes that were killed."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / checkpoint_name(step)
@@ -68,6 +68,7 @@ def save(state: dict, folder: str | Path, step: int, keep: int) -> Path:
     atomic_write(folder / "latest", lambda f: f.write(f"{path.name}\n".encode()))
     for old in list_checkpoints(folder)[keep:]:
         old.unlink(missing_ok=True)
+    remove_partial_files(folder)
     return path
 
 
@@ -108,7 +109,11 @@ def load(path: str | Path, map_location: Any = "cpu") -> dict:
     return state
 
 
-def find_resumable(folder: str | Path, log: Callable[[str], None] = print,
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def find_resumable(folder: str | Path, log: Callable[[str], None] = _print,
                    map_location: Any = "cpu") -> tuple[Path | None, dict | None]:
     """The newest checkpoint that loads, and its contents: `latest` first, then older files by step.
 
@@ -129,7 +134,8 @@ def find_resumable(folder: str | Path, log: Callable[[str], None] = print,
 
 
 def remove_partial_files(folder: str | Path) -> list[Path]:
-    """Rank 0 at start-up: delete `.tmp-` leftovers of a write that was killed (never complete files)."""
+    """Delete `.tmp-` leftovers of writes that were killed (never complete files). Only the one writer
+    (rank 0) calls it, after its own write has completed."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -142,7 +148,8 @@ def remove_partial_files(folder: str | Path) -> list[Path]:
 # --- RNG states as plain tensors (weights_only-loadable) ---------------------------------------
 
 def rng_state(device: torch.device) -> dict:
-    """This process's RNG states: torch CPU and accelerator, Python `random`, NumPy."""
+    """This process's RNG states: torch CPU and accelerator, and Python `random` and NumPy for
+    augmentation code that draws from them."""
     py_version, py_state, py_gauss = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     state = {

@@ -16,6 +16,7 @@ when a single-writer save of a large model takes too long.
 
 import dataclasses
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
@@ -25,16 +26,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common.config import TrainConfig, field, load_config
-from common.data import load_datasets
-from common.dist import cleanup_distributed, setup_distributed
-from common.entry import run
-from common.errors import DataError
+from common.data import check_data, load_datasets
+from common.errors import ConfigError
+from common.launcher import detect_launcher
 from common.models import build_model
-from common.report import print0, write_summary
+from common.report import write_summary
 
 
 @dataclasses.dataclass
@@ -44,59 +45,78 @@ class DcpConfig(TrainConfig):
     output_dir: str = field("runs/dcp", "checkpoint/ (the DCP folder), reference.pt and summary.json go here")
     max_steps: int = field(10, "optimizer steps to train before saving", min=1)
 
+    def validate(self):  # called by load_config: one error line, exit code 2
+        folder = Path(self.output_dir) / "checkpoint"
+        if self.mode == "load" and not (folder / ".metadata").is_file():
+            raise ConfigError(f"no DCP checkpoint in {folder}: run with --mode save first")
 
-def main(argv=None):
-    cfg = load_config(DcpConfig, argv)
-    ctx = setup_distributed(cfg.backend, cfg.timeout_s, cfg.device)
-    try:
-        torch.manual_seed(cfg.seed)
-        data = load_datasets(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.download, ctx.rank)
-        model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(ctx.device)
-        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type != "cpu" else None)
-        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-        out = Path(cfg.output_dir)
-        folder = out / "checkpoint"
 
-        if cfg.mode == "save":
-            sampler = DistributedSampler(data.train, ctx.world_size, ctx.rank, seed=cfg.seed)
-            for step, (images, labels) in enumerate(DataLoader(data.train, cfg.batch_size, sampler=sampler)):
-                if step == cfg.max_steps:
-                    break
-                loss = F.cross_entropy(model(images.to(ctx.device)), labels.to(ctx.device))
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-            # get_state_dict: plain keys (no "module."), optimizer state keyed by parameter name.
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)  # collective: all ranks write
-            if ctx.is_main:  # a plain copy, only to compare against after loading
-                torch.save({"model": model.module.state_dict(), "optim": optim_sd}, out / "reference.pt")
-            dist.barrier()
-            print0(f"saved {folder} from {ctx.world_size} rank(s) after {cfg.max_steps} steps")
-            write_summary(out, mode="save", world_size=ctx.world_size, steps=cfg.max_steps)
-            return
+def train_and_save(cfg, launch, device, model, optimizer, data, folder):
+    sampler = DistributedSampler(data.train, num_replicas=launch.world_size, rank=launch.rank, seed=cfg.seed)
+    for step, (images, labels) in enumerate(DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler)):
+        if step == cfg.max_steps:
+            break
+        loss = F.cross_entropy(model(images.to(device)), labels.to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    # get_state_dict: plain keys (no "module."), optimizer state keyed by parameter name.
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)  # collective: all ranks write
+    if launch.rank == 0:  # a plain copy, only to compare against after loading
+        torch.save({"model": model.module.state_dict(), "optim": optim_sd}, folder.parent / "reference.pt")
+        print(f"saved {folder} from {launch.world_size} rank(s) after {cfg.max_steps} steps", flush=True)
+    dist.barrier()
+    write_summary(cfg.output_dir, model, mode="save", world_size=launch.world_size, steps=cfg.max_steps)
 
-        if not (folder / ".metadata").is_file():
-            raise DataError(f"no DCP checkpoint in {folder}: run with --mode save first")
-        # Load in place: the state_dict of a freshly built model says which tensors (and, with
-        # sharded models, which shards) this rank needs; dcp.load fills them from the files.
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=folder)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
-        reference = torch.load(out / "reference.pt", map_location=ctx.device, weights_only=True)
-        params_equal = all(torch.equal(v, reference["model"][k]) for k, v in model.module.state_dict().items())
-        _, optim_now = get_state_dict(model, optimizer)
-        momentum_equal = all(torch.equal(optim_now["state"][k]["momentum_buffer"], v["momentum_buffer"])
-                             for k, v in reference["optim"]["state"].items())
-        print0(f"loaded {folder} into {ctx.world_size} rank(s): parameters equal {params_equal}, "
-               f"momentum buffers equal {momentum_equal}")
-        write_summary(out, mode="load", world_size=ctx.world_size, params_equal=params_equal,
-                      momentum_equal=momentum_equal, momentum_buffers=len(reference["optim"]["state"]))
-    finally:
-        cleanup_distributed()
+def load_and_check(cfg, launch, device, model, optimizer, folder):
+    # Load in place: the state_dict of a freshly built model says which tensors (and, with
+    # sharded models, which shards) this rank needs; dcp.load fills them from the files.
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=folder)  # collective
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    reference = torch.load(folder.parent / "reference.pt", map_location=device, weights_only=True)
+    params_equal = all(torch.equal(v, reference["model"][k]) for k, v in model.module.state_dict().items())
+    _, optim_now = get_state_dict(model, optimizer)
+    momentum_equal = all(torch.equal(optim_now["state"][k]["momentum_buffer"], v["momentum_buffer"])
+                         for k, v in reference["optim"]["state"].items())
+    if launch.rank == 0:
+        print(f"loaded {folder} into {launch.world_size} rank(s): parameters equal {params_equal}, "
+              f"momentum buffers equal {momentum_equal}", flush=True)
+    write_summary(cfg.output_dir, model, mode="load", world_size=launch.world_size, params_equal=params_equal,
+                  momentum_equal=momentum_equal, momentum_buffers=len(reference["optim"]["state"]))
+
+
+def save_or_load(cfg, launch):
+    device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
+    torch.manual_seed(cfg.seed)
+    data = load_datasets(cfg, launch.rank)
+    model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    folder = Path(cfg.output_dir) / "checkpoint"
+    if cfg.mode == "save":
+        train_and_save(cfg, launch, device, model, optimizer, data, folder)
+    else:
+        load_and_check(cfg, launch, device, model, optimizer, folder)
+    dist.destroy_process_group()
+
+
+@record
+def main():
+    cfg = load_config(DcpConfig)
+    launch = detect_launcher()
+    check_data(cfg, launch.world_size)
+    save_or_load(cfg, launch)
 
 
 if __name__ == "__main__":
-    run(main)
+    main()

@@ -21,16 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` im
 import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-import checkpoint as ckpt
-from common.entry import run
-from common.errors import ConfigError, DataError
+import checkpoint as ckpt  # 05_checkpointing/checkpoint.py
+from common.errors import ConfigError, DataError, exit_on_bad_input
 from common.models import build_model
 
 
 def read_state_dict(source: Path) -> tuple[dict, dict | None]:
     """(model state_dict without `module.`, model_args or None) from a folder, checkpoint or state_dict."""
     if source.is_dir():
-        path, state = ckpt.find_resumable(source, log=lambda line: print(line, file=sys.stderr))
+        path, state = ckpt.find_resumable(source, log=lambda line: print(line, file=sys.stderr, flush=True))
         if path is None:
             raise DataError(f"no usable checkpoint in {source}")
         print(f"using {path}")
@@ -51,6 +50,7 @@ def read_state_dict(source: Path) -> tuple[dict, dict | None]:
 
 
 def main(argv=None):
+    """Bad input (a missing or unusable file, weights that do not fit): one `error:` line, exit code 2."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("source", type=Path, help="checkpoint folder, checkpoint file or state_dict")
     parser.add_argument("output", type=Path, help="where to write the plain state_dict")
@@ -60,18 +60,19 @@ def main(argv=None):
     parser.add_argument("--image-size", type=int, default=8)
     args = parser.parse_args(argv)
 
-    weights, model_args = read_state_dict(args.source)
-    model_args = model_args or dict(name=args.model, num_classes=args.num_classes,
-                                    in_channels=args.in_channels, image_size=args.image_size)
-    model = build_model(**model_args)
-    try:
-        model.load_state_dict(weights)  # strict: every key must match the plain model
-    except RuntimeError as exc:
-        raise ConfigError(f"{args.source} does not fit {model_args}: {str(exc).splitlines()[1].strip()}") from None
+    with exit_on_bad_input():
+        weights, model_args = read_state_dict(args.source)
+        model_args = model_args or dict(name=args.model, num_classes=args.num_classes,
+                                        in_channels=args.in_channels, image_size=args.image_size)
+        model = build_model(**model_args)
+        try:
+            model.load_state_dict(weights)  # strict: every key must match the plain model
+        except RuntimeError as exc:
+            raise ConfigError(f"{args.source} does not fit {model_args}: {str(exc).splitlines()[1].strip()}") from None
     args.output.parent.mkdir(parents=True, exist_ok=True)
     ckpt.atomic_write(args.output, lambda f: torch.save(model.state_dict(), f))
     print(f"wrote {args.output}: {len(weights)} tensors of {model_args['name']}, loadable without DDP")
 
 
 if __name__ == "__main__":
-    run(main)
+    main()

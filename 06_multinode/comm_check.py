@@ -28,13 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` im
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from common.config import field, load_config
-from common.dist import cleanup_distributed, prepare_device
-from common.entry import run
-from common.errors import LauncherError
+from common.errors import ConfigError, LauncherError, exit_on_bad_input
 from common.launcher import detect_launcher
-from common.report import print0, write_json_atomic
+from common.report import write_json_atomic
 
 MIB = 1 << 20
 CHECK_VARIABLES = ("MASTER_ADDR/MASTER_PORT (reachable from every node, port open)",
@@ -50,14 +49,17 @@ class CommConfig:
     max_bytes: int = field(256 * MIB, "largest message in bytes (doubling from --min-bytes)", min=4)
     iters: int = field(20, "timed all-reduces per size (fewer above 1 MiB, at least 3)", min=1)
     warmup: int = field(2, "untimed all-reduces per size", min=0)
-    backend: str = field("auto", "process-group backend", choices=("auto", "gloo", "nccl", "xccl"))
-    device: str = field("auto", "device type", choices=("auto", "cpu", "cuda", "xpu"))
+    backend: str = field("auto", "process-group backend (auto: nccl on GPUs, gloo on CPUs)",
+                         choices=("auto", "gloo", "nccl"))
+    device: str = field("auto", "device type (auto: cuda if there is a GPU, else cpu)", choices=("auto", "cpu", "cuda"))
     timeout_s: float = field(60.0, "seconds to wait for every rank to check in, and for each collective", min=1.0)
     output_dir: str = field("", "if set, rank 0 writes comm_check.json here")
 
-    def validate(self):
+    def validate(self):  # called by load_config
         if self.max_bytes < self.min_bytes:
-            raise LauncherError(f"--max-bytes {self.max_bytes} is below --min-bytes {self.min_bytes}")
+            raise ConfigError(f"--max-bytes {self.max_bytes} is below --min-bytes {self.min_bytes}")
+        if self.backend == "nccl" and self.device == "cpu":
+            raise ConfigError("backend: nccl does not support cpu tensors (use gloo or auto)")
 
 
 def hint() -> str:
@@ -150,30 +152,18 @@ def _sync(device):
         getattr(torch, device.type).synchronize(device)
 
 
-def main(argv=None):
-    cfg = load_config(CommConfig, argv)
-    info = detect_launcher(os.environ)
-    device, backend = prepare_device(info, cfg.device, cfg.backend)
-    store, table = check_in(info, device, cfg.timeout_s)
-    dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
-                            timeout=timedelta(seconds=cfg.timeout_s),
-                            device_id=device if device.type != "cpu" else None)
-    try:
-        check(cfg, info, device, backend, table)
-    finally:
-        cleanup_distributed()
-
-
 def check(cfg, info, device, backend, table):
     n = info.world_size
-    print0(f"comm_check: {n} ranks, launcher {info.launcher} (scheduler: {info.scheduler}), backend {backend}, "
-           f"rendezvous {info.master_addr}:{info.master_port}")
-    print0(f"{'rank':>5} {'local':>5}  {'host':<24} device")
-    for rank, (host, local_rank, dev) in enumerate(table):
-        print0(f"{rank:>5} {local_rank:>5}  {host:<24} {dev}")
-    hosts = sorted({h for h, _, _ in table})
-    print0(f"{n} ranks on {len(hosts)} host(s): {', '.join(hosts)}")
-    print0(f"{'size(B)':>12} {'iters':>6} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}  correct")
+    if info.rank == 0:
+        hosts = sorted({h for h, _, _ in table})
+        print("\n".join([f"comm_check: {n} ranks, launcher {info.launcher} (scheduler: {info.scheduler}), "
+                         f"backend {backend}, rendezvous {info.master_addr}:{info.master_port}",
+                         f"{'rank':>5} {'local':>5}  {'host':<24} device",
+                         *(f"{rank:>5} {local_rank:>5}  {host:<24} {dev}"
+                           for rank, (host, local_rank, dev) in enumerate(table)),
+                         f"{n} ranks on {len(hosts)} host(s): {', '.join(hosts)}",
+                         f"{'size(B)':>12} {'iters':>6} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
+                         "  correct"]), flush=True)
     results = []
     for size in sizes(cfg):
         try:
@@ -187,9 +177,12 @@ def check(cfg, info, device, backend, table):
         busbw = algbw * 2 * (n - 1) / n
         results.append(dict(bytes=size, iters=iters, time_us=seconds * 1e6, algbw_gbps=algbw,
                             busbw_gbps=busbw, correct=correct))
-        print0(f"{size:>12} {iters:>6} {seconds * 1e6:>12.1f} {algbw:>12.4f} {busbw:>12.4f}  {correct}")
+        if info.rank == 0:
+            print(f"{size:>12} {iters:>6} {seconds * 1e6:>12.1f} {algbw:>12.4f} {busbw:>12.4f}  {correct}", flush=True)
     big = [r["busbw_gbps"] for r in results if r["bytes"] >= MIB] or [r["busbw_gbps"] for r in results]
-    print0(f"peak busbw {max(big):.3f} GB/s; all results correct: {all(r['correct'] for r in results)}")
+    if info.rank == 0:
+        print(f"peak busbw {max(big):.3f} GB/s; all results correct: {all(r['correct'] for r in results)}",
+              flush=True)
     if cfg.output_dir and info.rank == 0:
         write_json_atomic(Path(cfg.output_dir) / "comm_check.json",
                           dict(world_size=n, launcher=info.launcher, scheduler=info.scheduler, backend=backend,
@@ -201,5 +194,26 @@ def check(cfg, info, device, backend, table):
         raise LauncherError("all-reduce returned wrong sums: the backend or the network corrupts data")
 
 
+@record
+def main():
+    cfg = load_config(CommConfig)
+    info = detect_launcher()
+    # One GPU per process, picked by local rank (as in 01); CPU (gloo) where there is none.
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", info.local_rank) if use_cuda else torch.device("cpu")
+    backend = cfg.backend if cfg.backend != "auto" else "nccl" if use_cuda else "gloo"
+    with exit_on_bad_input():  # whatever fails to connect: one "error:" line naming rank, host, address; exit code 2
+        if use_cuda and info.local_rank >= torch.cuda.device_count():
+            raise LauncherError(f"local rank {info.local_rank} needs cuda:{info.local_rank} but this node has "
+                                f"{torch.cuda.device_count()} GPU(s): start at most one process per GPU")
+        if use_cuda:
+            torch.cuda.set_device(device)  # before the process group, so its collectives use this device
+        store, table = check_in(info, device, cfg.timeout_s)
+        dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
+                                timeout=timedelta(seconds=cfg.timeout_s))
+        check(cfg, info, device, backend, table)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    run(main)
+    main()

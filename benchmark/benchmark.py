@@ -1,11 +1,11 @@
 """Benchmark: throughput, scaling efficiency and where a step's time goes, per world size.
 
-For each world size it starts a real `torchrun` of a training example twice, with DDP and
-with `--no-ddp` (the same loop without gradient communication), each with
-`--profile-steps`, and prints one table:
+For each world size it starts a real `torchrun` of benchmark/train.py (the script with every
+performance knob) twice, with DDP and with `--no-ddp` (the same loop without gradient
+communication), each with `--profile-steps`, and prints one table:
 
     world size | images/s | per rank | scaling efficiency | step ms split into data wait /
-    forward+backward / exposed communication / optimizer | no-DDP images/s and step ms
+    forward+backward / exposed communication / optimizer / other | no-DDP images/s and step ms
 
 scaling efficiency = images/s at N ranks / (N x images/s at 1 rank), at a fixed local batch.
 Every figure is the median over the profiled steps (warm-up left out) of the mean over ranks;
@@ -33,12 +33,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
 
 from common.config import field, load_config
-from common.entry import run
-from common.errors import ConfigError
+from common.errors import ConfigError, exit_on_bad_input
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The knobs `--sweep` compares with the default (flags of the training examples).
+# The knobs `--sweep` compares with the default (flags of benchmark/train.py).
 KNOBS = {
     "bucket_1mb": ["--bucket-cap-mb", "1"],
     "bucket_5mb": ["--bucket-cap-mb", "5"],
@@ -56,9 +55,9 @@ KNOBS = {
     "workers_2": ["--num-workers", "2"],
 }
 DEFAULT_SWEEP = "bucket_1mb,bucket_5mb,bucket_100mb,grad_as_bucket_view,static_graph,bf16_compress,fp16_compress"
-PARTS = ("data_wait", "forward_backward", "exposed_comm", "optimizer")
+PARTS = ("data_wait", "forward_backward", "exposed_comm", "optimizer", "other")
 SCALING_COLUMNS = ["world_size", "images_per_s", "images_per_s_per_rank", "scaling_efficiency", "step_ms",
-                   "data_wait_ms", "forward_backward_ms", "exposed_comm_ms", "optimizer_ms",
+                   "data_wait_ms", "forward_backward_ms", "exposed_comm_ms", "optimizer_ms", "other_ms",
                    "data_wait_pct", "exposed_comm_pct", "no_ddp_images_per_s", "no_ddp_step_ms",
                    "ddp_overhead_ms"]
 SWEEP_COLUMNS = ["knob", "flags", "world_size", "images_per_s", "step_ms", "exposed_comm_ms", "data_wait_ms",
@@ -67,14 +66,14 @@ SWEEP_COLUMNS = ["knob", "flags", "world_size", "images_per_s", "step_ms", "expo
 
 @dataclasses.dataclass
 class BenchConfig:
-    """Throughput and scaling efficiency of a training example over world sizes."""
+    """Throughput and scaling efficiency of benchmark/train.py over world sizes."""
 
-    script: str = field("01_basic_ddp/train.py", "training example to run (accepts the knob flags); "
-                        "may carry leading arguments, e.g. 'tests/perf_cifar.py run 01_basic_ddp/train.py'")
+    script: str = field("benchmark/train.py", "training script to run (must take benchmark/train.py's knob "
+                        "flags); may carry leading arguments, e.g. 'tests/perf_cifar.py run benchmark/train.py'")
     world_sizes: str = field("1,2", "comma-separated processes per run; must include 1")
-    dataset: str = field("digits", "data set (--dataset of the example)")
-    data_dir: str = field("data", "data folder (--data-dir of the example)")
-    model: str = field("small_cnn", "network (--model of the example)")
+    dataset: str = field("digits", "data set (--dataset of the script)")
+    data_dir: str = field("data", "data folder (--data-dir of the script)")
+    model: str = field("small_cnn", "network (--model of the script)")
     image_size: int = field(0, "resize images (0: the data set's size)", min=0)
     batch_size: int = field(32, "local batch per rank (fixed over world sizes: weak scaling)", min=1)
     warmup: int = field(5, "steps left out before measuring", min=0)
@@ -100,7 +99,7 @@ def parse_world_sizes(text: str) -> list[int]:
 
 
 def launch(cfg: BenchConfig, nproc: int, name: str, flags: list[str], extra: list[str], threads: int) -> dict:
-    """One `torchrun` of the example; returns its summary.json."""
+    """One `torchrun` of the script; returns its summary.json. A failed run ends the benchmark (exit code 1)."""
     out = Path(cfg.output_dir) / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            *shlex.split(cfg.script), "--dataset", cfg.dataset, "--data-dir", cfg.data_dir, "--model", cfg.model,
@@ -112,15 +111,15 @@ def launch(cfg: BenchConfig, nproc: int, name: str, flags: list[str], extra: lis
     try:
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=cfg.timeout_s)
     except subprocess.TimeoutExpired:
-        raise ConfigError(f"run {name} took longer than timeout_s={cfg.timeout_s:g} s (raise --timeout-s)") from None
+        sys.exit(f"error: run {name} took longer than timeout_s={cfg.timeout_s:g} s (raise --timeout-s)")
     if proc.returncode != 0:
         lines = (proc.stdout + proc.stderr).strip().splitlines()
         tail = "\n".join([line for line in lines if line.startswith("error: ")] or lines[-15:])
-        raise RuntimeError(f"run {name} failed with exit code {proc.returncode}:\n{tail}")
+        sys.exit(f"error: run {name} failed with exit code {proc.returncode}:\n{tail}")
     summary = json.loads((out / "summary.json").read_text())
     prof = summary.get("profile") or {}
     if not prof.get("steps"):
-        raise RuntimeError(f"run {name}: {cfg.script} wrote no step profile (does it implement --profile-steps?)")
+        sys.exit(f"error: run {name}: {cfg.script} wrote no step profile (does it take --profile-steps?)")
     return summary
 
 
@@ -129,7 +128,8 @@ def figures(summary: dict) -> dict:
     median = summary["profile"]["median_s"]
     step = median["step"]
     row = {"images_per_s": summary["global_batch_size"] / step, "step_ms": 1000 * step}
-    row.update({f"{part}_ms": 1000 * median[part] for part in PARTS})
+    # A part no profiled step reached (the GradScaler skipped every optimizer step) stays empty.
+    row.update({f"{part}_ms": None if median[part] is None else 1000 * median[part] for part in PARTS})
     return row
 
 
@@ -167,17 +167,22 @@ def write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+def percent(part, whole):
+    return None if part is None else 100 * part / whole
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []  # flags for every training run
     cfg = load_config(BenchConfig, argv[:argv.index("--")] if "--" in argv else argv)
-    sizes = parse_world_sizes(cfg.world_sizes)
-    knobs = [k.strip() for k in cfg.sweep_knobs.split(",") if k.strip()] if cfg.sweep else []
-    unknown = [k for k in knobs if k not in KNOBS]
-    if unknown:
-        raise ConfigError(f"sweep_knobs: unknown {', '.join(unknown)} (choose from {', '.join(KNOBS)})")
-    if not (REPO / shlex.split(cfg.script)[0]).is_file():
-        raise ConfigError(f"script: no file {shlex.split(cfg.script)[0]} in {REPO}")
+    with exit_on_bad_input():  # bad input: one "error:" line, exit code 2
+        sizes = parse_world_sizes(cfg.world_sizes)
+        knobs = [k.strip() for k in cfg.sweep_knobs.split(",") if k.strip()] if cfg.sweep else []
+        unknown = [k for k in knobs if k not in KNOBS]
+        if unknown:
+            raise ConfigError(f"sweep_knobs: unknown {', '.join(unknown)} (choose from {', '.join(KNOBS)})")
+        if not (REPO / shlex.split(cfg.script)[0]).is_file():
+            raise ConfigError(f"script: no file {shlex.split(cfg.script)[0]} in {REPO}")
     threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // sizes[-1])
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -196,8 +201,8 @@ def main(argv=None):
         ddp, noddp = result[f"ws{n}_ddp"], result[f"ws{n}_noddp"]
         rows.append({"world_size": n, **ddp, "images_per_s_per_rank": ddp["images_per_s"] / n,
                      "scaling_efficiency": ddp["images_per_s"] / (n * base),
-                     "data_wait_pct": 100 * ddp["data_wait_ms"] / ddp["step_ms"],
-                     "exposed_comm_pct": 100 * ddp["exposed_comm_ms"] / ddp["step_ms"],
+                     "data_wait_pct": percent(ddp["data_wait_ms"], ddp["step_ms"]),
+                     "exposed_comm_pct": percent(ddp["exposed_comm_ms"], ddp["step_ms"]),
                      "no_ddp_images_per_s": noddp["images_per_s"], "no_ddp_step_ms": noddp["step_ms"],
                      "ddp_overhead_ms": ddp["step_ms"] - noddp["step_ms"]})
     print()
@@ -210,7 +215,8 @@ def main(argv=None):
     writer = SummaryWriter(str(out / "tensorboard"))
     for row in rows:  # x axis: world size
         for column in SCALING_COLUMNS[1:]:
-            writer.add_scalar(f"scaling/{column}", row[column], row["world_size"])
+            if row[column] is not None:
+                writer.add_scalar(f"scaling/{column}", row[column], row["world_size"])
 
     if knobs:
         n = sizes[-1]
@@ -223,7 +229,8 @@ def main(argv=None):
                                "images_per_s_ratio": r["images_per_s"] / default["images_per_s"],
                                # > 1: the knob exposes less communication than the default
                                "exposed_comm_ratio": (default["exposed_comm_ms"] / r["exposed_comm_ms"]
-                                                      if r["exposed_comm_ms"] > 0 else None),
+                                                      if default["exposed_comm_ms"] is not None
+                                                      and r["exposed_comm_ms"] else None),
                                # relative to the DEFAULT's 1-rank throughput: what the knob buys at N
                                "scaling_efficiency": r["images_per_s"] / (n * base)})
         print()
@@ -242,4 +249,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run(main)
+    main()

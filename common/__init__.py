@@ -1,6 +1,7 @@
-"""Thin helpers shared by the numbered examples.
-
-Only what would otherwise be copied into every script lives here: launcher
-detection, process-group setup, data sets, models, config and rank-0 reporting.
-The DDP lines a reader should study stay in the example scripts themselves.
-"""
+"""Thin helpers shared by the examples, only what every script would otherwise copy (the DDP lines stay in them):
+    config.py    defaults < YAML < flags; bad input is one `error:` line and exit code 2
+    launcher.py  which launcher started this process: rank, world size, where rank 0 listens
+    data.py      the data sets (embedded digits by default) and their checks
+    models.py    a small CNN and torchvision ResNets
+    report.py    summary.json, with every rank's parameter checksum
+    errors.py    the bad-input contract shared by the above"""

@@ -1,12 +1,5 @@
-"""Data sets: the embedded digits (offline, default), CIFAR-10, MNIST, Fashion-MNIST,
-any ImageFolder tree and FakeData.
-
-Downloads happen once: rank 0 downloads while the others wait at a barrier, or ahead
-of time with `python -m common.prepare` on a login node (compute nodes are often
-offline). A missing data set is a DataError that names the command that prepares it.
-"""
-
-from __future__ import annotations
+"""Data sets: the embedded digits (offline, default), CIFAR-10, MNIST, Fashion-MNIST, ImageFolder, FakeData. Rank 0
+downloads while others wait, or a login node runs `python -m common.prepare` first (compute nodes are often offline)."""
 
 import importlib.util
 from dataclasses import dataclass
@@ -17,34 +10,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, TensorDataset
 
-from common.errors import DataError
+from common.errors import DataError, exit_on_bad_input
 
 DOWNLOADABLE = ("cifar10", "mnist", "fashion_mnist")
 FAKE_TRAIN_SIZE, FAKE_TEST_SIZE = 2048, 512
-DIGITS_TEST_FRACTION = 0.2
-DIGITS_SIZE = 1797  # scikit-learn's bundled digits
-
-
-def known_train_size(name: str) -> int | None:
-    """Training-set size of the sets that need no files (known before anything is loaded)."""
-    if name == "digits":
-        return DIGITS_SIZE - int(DIGITS_SIZE * DIGITS_TEST_FRACTION)
-    if name == "fake":
-        return FAKE_TRAIN_SIZE
-    return None
-
-
-def check_world_size(name: str, train_size: int, world_size: int) -> None:
-    if world_size > train_size:
-        raise DataError(f"world size {world_size} is larger than the {name} training set "
-                        f"({train_size} samples): some ranks would get no data; use fewer processes")
-
-_STATS = {  # per-channel mean and std of the training sets
-    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "mnist": ((0.1307,), (0.3081,)),
-    "fashion_mnist": ((0.2860,), (0.3530,)),
-    "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
-}
+DIGITS_SIZE, DIGITS_TEST_FRACTION = 1797, 0.2  # scikit-learn's bundled digits; 20% held out
+KNOWN_TRAIN_SIZE = {"digits": DIGITS_SIZE - int(DIGITS_SIZE * DIGITS_TEST_FRACTION), "fake": FAKE_TRAIN_SIZE}
+STATS = {  # per-channel mean and std of the training sets
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)), "mnist": ((0.1307,), (0.3081,)),
+    "fashion_mnist": ((0.2860,), (0.3530,)), "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}
 
 
 @dataclass
@@ -57,50 +31,25 @@ class DataBundle:
 
 
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """(images N x 8 x 8 with pixel values 0..16, labels) of scikit-learn's bundled digits.
-
-    Read from the file sklearn.datasets.load_digits reads, without importing scikit-learn
-    (about a second per process, paid by every rank of every run); load_digits as a fallback.
-    """
-    spec = importlib.util.find_spec("sklearn")
-    if spec is None:
+    """(images N x 8 x 8 with pixels 0..16, labels), read from scikit-learn's file: its import costs a second a rank."""
+    if (spec := importlib.util.find_spec("sklearn")) is None:
         raise DataError("the digits data set ships with scikit-learn: pip install scikit-learn")
-    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
-    if path.is_file():
-        table = np.loadtxt(path, delimiter=",")
-        return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
-    from sklearn.datasets import load_digits
-
-    raw = load_digits()
-    return raw.images, raw.target
+    table = np.loadtxt(Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz", delimiter=",")
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
 
 
 def digits(image_size: int = 0) -> DataBundle:
-    """scikit-learn's bundled 1,797 real 8x8 handwritten digits: no download, ever."""
+    """1,797 real 8x8 handwritten digits: no download, ever."""
     pixels, targets = digits_arrays()
-    images = torch.tensor(pixels, dtype=torch.float32).unsqueeze(1) / 16.0  # pixels are 0..16
-    images = (images - 0.5) / 0.5
+    images = (torch.tensor(pixels, dtype=torch.float32).unsqueeze(1) / 16.0 - 0.5) / 0.5  # pixels are 0..16
     labels = torch.tensor(targets, dtype=torch.long)
     if image_size:
         images = torch.nn.functional.interpolate(images, size=image_size, mode="bilinear", align_corners=False)
-    # A fixed permutation (not the global RNG), so every rank and every run splits alike.
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))  # same on all ranks and runs
     n_test = int(len(labels) * DIGITS_TEST_FRACTION)
     test_idx, train_idx = order[:n_test], order[n_test:]
     return DataBundle(TensorDataset(images[train_idx], labels[train_idx]),
-                      TensorDataset(images[test_idx], labels[test_idx]),
-                      num_classes=10, in_channels=1, image_size=images.shape[-1])
-
-
-def _torchvision_set(name: str, root: Path, train: bool, download: bool, transform):
-    from torchvision import datasets
-
-    cls = {"cifar10": datasets.CIFAR10, "mnist": datasets.MNIST, "fashion_mnist": datasets.FashionMNIST}[name]
-    return cls(root=str(root), train=train, download=download, transform=transform)
-
-
-def dataset_root(name: str, data_dir: str | Path) -> Path:
-    return Path(data_dir) / name
+                      TensorDataset(images[test_idx], labels[test_idx]), 10, 1, images.shape[-1])
 
 
 def prepare_command(name: str, data_dir: str | Path) -> str:
@@ -109,45 +58,31 @@ def prepare_command(name: str, data_dir: str | Path) -> str:
 
 def _transforms(name: str, image_size: int):
     from torchvision import transforms as T
-
-    mean, std = _STATS["imagenet" if name in ("imagefolder", "fake") else name]
+    resize = [T.Resize(image_size)] if image_size else []
+    train, test = list(resize), list(resize)
     if name == "imagefolder":
         size = image_size or 224
         train = [T.RandomResizedCrop(size), T.RandomHorizontalFlip()]
-        test = [T.Resize(int(size * 256 / 224)), T.CenterCrop(size)]
-    else:
-        resize = [T.Resize(image_size)] if image_size else []
-        train, test = list(resize), list(resize)
-        if name == "cifar10":  # the standard CIFAR augmentation
-            size = image_size or 32
-            train += [T.RandomCrop(size, padding=size // 8), T.RandomHorizontalFlip()]
-    tail = [T.ToTensor(), T.Normalize(mean, std)]
+        test = [T.Resize(size * 256 // 224), T.CenterCrop(size)]
+    elif name == "cifar10":  # the standard CIFAR augmentation
+        train += [T.RandomCrop(image_size or 32, padding=(image_size or 32) // 8), T.RandomHorizontalFlip()]
+    tail = [T.ToTensor(), T.Normalize(*STATS["imagenet" if name in ("imagefolder", "fake") else name])]
     return T.Compose(train + tail), T.Compose(test + tail)
 
 
-def build_datasets(name: str, data_dir: str | Path = "data", image_size: int = 0,
-                   download: bool = False) -> DataBundle:
-    """Open a data set that is already on disk (or download it when `download`).
-
-    In a process group use `load_datasets`, which downloads on rank 0 only.
-    """
+def build_datasets(name: str, data_dir: str | Path = "data", image_size: int = 0, download: bool = False) -> DataBundle:
+    """Open a data set that is on disk (or download it). In a process group use `load_datasets`."""
     if name == "digits":
         return digits(image_size)
-    if name == "fake":
-        from torchvision import datasets
-
-        size = image_size or 32
-        train_tf, test_tf = _transforms(name, image_size)
-        # Different offsets keep train and test images apart; each index always gives the same image.
-        return DataBundle(
-            datasets.FakeData(FAKE_TRAIN_SIZE, (3, size, size), 10, transform=train_tf, random_offset=0),
-            datasets.FakeData(FAKE_TEST_SIZE, (3, size, size), 10, transform=test_tf, random_offset=FAKE_TRAIN_SIZE),
-            num_classes=10, in_channels=3, image_size=size)
+    from torchvision import datasets
     train_tf, test_tf = _transforms(name, image_size)
+    if name == "fake":  # different offsets keep train and test images apart; an index always gives one image
+        size = image_size or 32
+        return DataBundle(datasets.FakeData(FAKE_TRAIN_SIZE, (3, size, size), 10, train_tf, random_offset=0),
+                          datasets.FakeData(FAKE_TEST_SIZE, (3, size, size), 10, test_tf,
+                                            random_offset=FAKE_TRAIN_SIZE), 10, 3, size)
+    root = Path(data_dir)
     if name == "imagefolder":
-        from torchvision import datasets
-
-        root = Path(data_dir)
         if not (root / "train").is_dir() or not (root / "val").is_dir():
             raise DataError(f"no ImageFolder tree at {root}: expected {root}/train/<class>/<image> "
                             f"and {root}/val/<class>/<image> (set --data-dir)")
@@ -161,10 +96,11 @@ def build_datasets(name: str, data_dir: str | Path = "data", image_size: int = 0
         return DataBundle(train, test, len(train.classes), 3, image_size or 224)
     if name not in DOWNLOADABLE:
         raise DataError(f"unknown data set {name!r}")
-    root = dataset_root(name, data_dir)
+    cls = {"cifar10": datasets.CIFAR10, "mnist": datasets.MNIST, "fashion_mnist": datasets.FashionMNIST}[name]
+    root = root / name
     try:
-        train = _torchvision_set(name, root, True, download, train_tf)
-        test = _torchvision_set(name, root, False, download, test_tf)
+        train = cls(root=str(root), train=True, download=download, transform=train_tf)
+        test = cls(root=str(root), train=False, download=download, transform=test_tf)
     except RuntimeError as exc:  # torchvision: "Dataset not found or corrupted"
         if download:
             raise DataError(f"{name}: download into {root} failed ({str(exc).splitlines()[0].rstrip(': ')}); "
@@ -178,17 +114,34 @@ def build_datasets(name: str, data_dir: str | Path = "data", image_size: int = 0
     return DataBundle(train, test, 10, sample.shape[0], sample.shape[-1])
 
 
-def load_datasets(name: str, data_dir: str | Path, image_size: int, download: bool, rank: int) -> DataBundle:
-    """Rank 0 downloads (if asked) while the others wait at a barrier; then every rank opens the files."""
-    if download and name in DOWNLOADABLE:
-        if rank == 0:
+def check_world_size(name: str, train_size: int, world_size: int) -> None:
+    if world_size > train_size:
+        raise DataError(f"world size {world_size} is larger than the {name} training set "
+                        f"({train_size} samples): some ranks would get no data; use fewer processes")
+
+
+def check_data(cfg, world_size: int) -> None:
+    """Before any process group: a missing data folder or more ranks than (known) training samples exits with 2."""
+    with exit_on_bad_input():
+        if cfg.dataset in KNOWN_TRAIN_SIZE:
+            check_world_size(cfg.dataset, KNOWN_TRAIN_SIZE[cfg.dataset], world_size)
+        if cfg.dataset in ("digits", "fake") or (cfg.download and cfg.dataset != "imagefolder"):
+            return  # embedded, synthetic, or about to be downloaded
+        if not Path(cfg.data_dir).is_dir():
+            hint = ("pass --data-dir with train/ and val/ folders" if cfg.dataset == "imagefolder" else
+                    f"prepare it with `{prepare_command(cfg.dataset, cfg.data_dir)}` or pass --download")
+            raise DataError(f"data_dir: folder '{cfg.data_dir}' does not exist ({cfg.dataset}); {hint}")
+
+
+def load_datasets(cfg, rank: int) -> DataBundle:
+    """Collective when downloading (rank 0 downloads, the others wait); a data problem exits with 2 on every rank."""
+    with exit_on_bad_input():
+        if cfg.download and cfg.dataset in DOWNLOADABLE:
             try:
-                build_datasets(name, data_dir, image_size, download=True)
+                if rank == 0:
+                    build_datasets(cfg.dataset, cfg.data_dir, cfg.image_size, download=True)
             finally:
-                dist.barrier()  # release the others even when the download failed; they then fail alike
-        else:
-            dist.barrier()
-    data = build_datasets(name, data_dir, image_size, download=False)
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    check_world_size(name, len(data.train), world_size)  # every rank alike: one line, exit code 2
-    return data
+                dist.barrier()  # the others wait; released even when the download failed (then all fail alike)
+        data = build_datasets(cfg.dataset, cfg.data_dir, cfg.image_size, download=False)
+        check_world_size(cfg.dataset, len(data.train), dist.get_world_size() if dist.is_initialized() else 1)
+        return data

@@ -1,8 +1,15 @@
-"""The one exception type for bad input: a config key, a data folder, a launcher environment.
+"""Bad input the user can fix is not a crash: one `error:` line from one rank and exit code 2, as with argparse."""
 
-A UsageError is reported as a single line on stderr, by one rank, with exit code 2
-(see common.entry.run). Anything else is a bug and keeps its traceback.
-"""
+import os
+import sys
+import time
+from contextlib import contextmanager
+
+BAD_INPUT_EXIT_CODE = 2
+SILENT_RANK_DELAY_S = 2.0  # silent ranks exit later: a launcher stops all ranks once one exits, the reporting one too
+RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PALS_RANKID", "PMIX_RANK", "SLURM_PROCID")
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PALS_LOCAL_RANKID",
+                        "SLURM_LOCALID")  # each launcher's: torchrun, Open MPI, MPICH/Intel MPI, HPE PALS, PMIx, Slurm
 
 
 class UsageError(Exception):
@@ -10,7 +17,7 @@ class UsageError(Exception):
 
 
 class ConfigError(UsageError):
-    """A config key, type or value is wrong."""
+    """A config key, type or value is wrong: the same on every rank."""
 
 
 class LauncherError(UsageError):
@@ -18,4 +25,24 @@ class LauncherError(UsageError):
 
 
 class DataError(UsageError):
-    """A data set is missing or unusable."""
+    """A data set is missing or unusable (possibly on one node only)."""
+
+
+def _first(names: tuple[str, ...]) -> int | None:
+    return next((int(os.environ[name]) for name in names if os.environ.get(name, "").isdigit()), None)
+
+
+@contextmanager
+def exit_on_bad_input():
+    """Turn a UsageError into one `error:` line and exit code 2. A config error is the same on every rank, so global
+    rank 0 says it; anything else (say, a data folder missing on one node) is said by each node's local rank 0."""
+    try:
+        yield
+    except UsageError as exc:
+        rank, local_rank = _first(RANK_VARIABLES), _first(LOCAL_RANK_VARIABLES)
+        reporter = rank if isinstance(exc, ConfigError) else local_rank
+        if reporter in (None, 0):
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        elif rank is not None:
+            time.sleep(SILENT_RANK_DELAY_S)
+        sys.exit(BAD_INPUT_EXIT_CODE)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.data import DOWNLOADABLE, build_datasets, dataset_root
-from common.entry import run
+from common.data import DOWNLOADABLE, build_datasets
+from common.errors import exit_on_bad_input
 
 
 def main():
@@ -18,10 +18,11 @@ def main():
     parser.add_argument("--dataset", required=True, choices=DOWNLOADABLE)
     parser.add_argument("--data-dir", default="data")
     args = parser.parse_args()
-    data = build_datasets(args.dataset, args.data_dir, download=True)
+    with exit_on_bad_input():  # no network here: one line, exit code 2
+        data = build_datasets(args.dataset, args.data_dir, download=True)
     print(f"{args.dataset}: {len(data.train)} training and {len(data.test)} test images "
-          f"in {dataset_root(args.dataset, args.data_dir)}")
+          f"in {Path(args.data_dir) / args.dataset}")
 
 
 if __name__ == "__main__":
-    run(main)
+    main()

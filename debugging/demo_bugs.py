@@ -1,7 +1,7 @@
 """The classic DDP bugs, one flag each, so you can see what they look like and how to diagnose them.
 
-Off by default: without --bug this is a short, correct DDP run. Every bug fails within
-seconds (process-group timeout --timeout-s, default 10 s here) instead of hanging.
+Off by default: without --bug this is a short, correct DDP run. Every bug ends within seconds
+(the process-group timeout, --timeout-s, is 10 s here) instead of hanging for gloo's 30 minutes.
 
     torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug mismatched_collective
     TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc_per_node=2 \\
@@ -16,6 +16,7 @@ See debugging/README.md for what each prints and why.
 
 import dataclasses
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
@@ -24,26 +25,28 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.config import TrainConfig, field, load_config
-from common.dist import cleanup_distributed, setup_distributed
-from common.entry import run
-from common.report import print0
+from common.config import field, load_config
+from common.launcher import detect_launcher
+from common.report import write_summary
 
 BUGS = ("none", "mismatched_collective", "unused_parameter", "rank0_barrier")
 FIXES = ("none", "find_unused", "use_all")
 
 
 @dataclasses.dataclass
-class DemoConfig(TrainConfig):
+class DemoConfig:
     """Demonstrate one classic DDP bug (or none)."""
 
     bug: str = field("none", "the bug to demonstrate", choices=BUGS)
     fix: str = field("none", "for --bug unused_parameter: find_unused (DDP flag) or use_all "
                      "(every parameter takes part in the loss)", choices=FIXES)
     steps: int = field(4, "training steps", min=1)
+    seed: int = field(0, "seed for the model's initial weights", min=0)
     timeout_s: float = field(10.0, "process-group timeout: the bugs fail this fast instead of in minutes", min=1.0)
+    output_dir: str = field("runs/demo_bugs", "where summary.json goes")
 
 
 class TwoHeads(nn.Module):
@@ -61,31 +64,29 @@ class TwoHeads(nn.Module):
         return out + self.aux_head(h) if use_aux else out
 
 
-def main(argv=None):
-    cfg = load_config(DemoConfig, argv)
-    ctx = setup_distributed(cfg.backend, cfg.timeout_s, cfg.device)
-    try:
-        train(cfg, ctx)
-    finally:
-        cleanup_distributed()
-
-
-def train(cfg, ctx):
+def train(cfg, launch):
+    device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
     torch.manual_seed(cfg.seed)
-    model = TwoHeads().to(ctx.device)
+    model = TwoHeads().to(device)
     if cfg.bug != "mismatched_collective":
         # Fix 1 for an unused parameter: let DDP look for parameters that got no gradient
         # (costs a walk of the autograd graph every step).
-        model = DDP(model, find_unused_parameters=cfg.fix == "find_unused")
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                    find_unused_parameters=cfg.fix == "find_unused")
     # (The mismatched-collective demo leaves DDP out: it is about the two all-reduces below, and
     # with TORCH_DISTRIBUTED_DEBUG=DETAIL, DDP on CPU crashed intermittently (SIGSEGV) here.)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     # Fix 2: make every parameter take part in the loss (or delete the module you do not use).
     use_aux = cfg.bug != "unused_parameter" or cfg.fix == "use_all"
-    generator = torch.Generator().manual_seed(ctx.rank)
+    generator = torch.Generator().manual_seed(launch.rank)  # each rank its own batches
     for step in range(1, cfg.steps + 1):
-        x = torch.randn(16, 8, generator=generator).to(ctx.device)
-        y = torch.randint(0, 4, (16,), generator=generator).to(ctx.device)
+        x = torch.randn(16, 8, generator=generator).to(device)
+        y = torch.randint(0, 4, (16,), generator=generator).to(device)
         logits = model(x, use_aux=use_aux)
         loss = F.cross_entropy(logits, y)
         optimizer.zero_grad(set_to_none=True)
@@ -93,24 +94,34 @@ def train(cfg, ctx):
         optimizer.step()
 
         # Metrics: every rank all-reduces the loss, then (correct, count).
-        loss_sum = torch.tensor([loss.item()], device=ctx.device)
-        counts = torch.tensor([(logits.argmax(1) == y).sum().item(), len(y)], device=ctx.device,
-                              dtype=torch.float64)
-        if cfg.bug == "mismatched_collective" and ctx.rank == 1:
+        loss_sum = torch.tensor([loss.item()], device=device)
+        counts = torch.tensor([(logits.argmax(1) == y).sum().item(), len(y)], device=device, dtype=torch.float64)
+        if cfg.bug == "mismatched_collective" and launch.rank == 1:
             pass  # BUG: rank 1 skips this all-reduce (think `if loss < threshold:`, true on some
             # ranks only), so its next collective, the counts below, meets rank 0's loss all-reduce.
         else:
             dist.all_reduce(loss_sum)
         dist.all_reduce(counts)
-        print0(f"step {step} mean loss {loss_sum.item() / ctx.world_size:.4f} "
-               f"accuracy {counts[0].item() / counts[1].item():.3f}")
+        if launch.rank == 0:
+            print(f"step {step} mean loss {loss_sum.item() / launch.world_size:.4f} "
+                  f"accuracy {counts[0].item() / counts[1].item():.3f}", flush=True)
 
         if cfg.bug == "rank0_barrier" and step == 2:
-            if ctx.is_main:
+            if launch.rank == 0:
                 print("rank 0 writes a checkpoint", flush=True)  # plain I/O: fine on rank 0 alone
                 dist.barrier()  # BUG: a collective inside a rank-0-only block; the others never come
-    print0("done: no bug")
+    write_summary(cfg.output_dir, model, world_size=launch.world_size, bug=cfg.bug, fix=cfg.fix, steps=cfg.steps)
+    if launch.rank == 0:
+        print("done: no bug", flush=True)
+    dist.destroy_process_group()
+
+
+@record  # under torchrun, a failing rank's exception and traceback show in torchrun's summary
+def main():
+    cfg = load_config(DemoConfig)
+    launch = detect_launcher()
+    train(cfg, launch)
 
 
 if __name__ == "__main__":
-    run(main)
+    main()

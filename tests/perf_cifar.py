@@ -1,7 +1,7 @@
 """CIFAR-10-format files written locally, for measuring the CIFAR input pipeline offline.
 
     python tests/perf_cifar.py write DATA_DIR [IMAGES_PER_BATCH]      # DATA_DIR/cifar10/cifar-10-batches-py
-    torchrun ... tests/perf_cifar.py run SCRIPT [flags...]             # SCRIPT with torchvision's MD5 check off
+    torchrun ... tests/perf_cifar.py run SCRIPT [flags...]             # e.g. benchmark/train.py, MD5 check off
 
 The files are the python pickle batches torchvision reads (uint8 images, 3072 bytes each),
 filled with random pixels. torchvision compares each file's MD5 with the real data set's,

@@ -1,18 +1,14 @@
-"""Run under torchrun (2 ranks, gloo): checks of 04_syncbn at module level; rank 0 prints one JSON line.
+"""Run under torchrun (2 ranks, gloo): 04_syncbn's CpuSyncBatchNorm at module level; rank 0 prints one JSON line.
 
-    torchrun --standalone --nproc_per_node=2 tests/syncbn_worker.py math OUTPUT_DIR
-    torchrun --standalone --nproc_per_node=2 tests/syncbn_worker.py wrap OUTPUT_DIR
+    torchrun --standalone --nproc_per_node=2 tests/syncbn_worker.py
 
-math: CpuSyncBatchNorm on 2 ranks x half batch vs plain BatchNorm in this process on the full batch
-      (forward output, DDP-averaged gradients, running statistics, over 3 SGD steps); plain BatchNorm
-      on 2 ranks for contrast; and the number of all-reduces in train and eval mode.
-wrap: runs 04_syncbn/train.py's main() with DDP replaced by a subclass that records which
-      BatchNorm classes the model holds at the moment it is wrapped.
+CpuSyncBatchNorm on 2 ranks x half batch vs plain BatchNorm in this process on the full batch
+(forward output, DDP-averaged gradients, running statistics, over 3 SGD steps); plain BatchNorm
+on 2 ranks for contrast; and the number of all-reduces in train and eval mode.
 """
 
 import copy
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -27,10 +23,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "04_syncbn"))
 
 from cpu_sync_batchnorm import CpuSyncBatchNorm, convert_to_cpu_sync_batchnorm  # noqa: E402
-from tests.helpers import load_script  # noqa: E402
 
-from common.dist import cleanup_distributed, setup_distributed  # noqa: E402
-from common.entry import run  # noqa: E402
 from common.models import SmallCNN  # noqa: E402
 
 STEPS, FULL_BATCH = 3, 16
@@ -124,29 +117,12 @@ def math_checks() -> dict:
 
 
 def main():
-    mode, output_dir = sys.argv[1], sys.argv[2]
-    if mode == "wrap":
-        script = load_script("04_syncbn/train.py", "syncbn_train")
-        seen = []
-
-        class RecordingDDP(DDP):
-            def __init__(self, module, *args, **kwargs):
-                seen.append(sorted({type(m).__name__ for m in module.modules()
-                                    if isinstance(m, nn.modules.batchnorm._BatchNorm)}))
-                super().__init__(module, *args, **kwargs)
-
-        script.DDP = RecordingDDP
-        script.main(["--batch-norm", "compare", "--max-steps", "1", "--output-dir", output_dir])
-        result = {"norm_classes_at_wrap": seen}
-    else:
-        setup_distributed("gloo", 60, "cpu")
-        try:
-            result = math_checks()
-        finally:
-            cleanup_distributed()
-    if os.environ["RANK"] == "0":
+    dist.init_process_group("gloo")  # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    result = math_checks()
+    if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    run(main)  # as the examples: a clean end skips gloo's teardown, which can abort a finished process
+    main()

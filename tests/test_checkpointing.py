@@ -1,10 +1,17 @@
-"""05_checkpointing: exact resume, a SIGKILLed worker under torchrun --max-restarts, preemption
-signals, corrupt checkpoints, weights_only, export to a plain model, and a DCP round trip."""
+"""05_checkpointing: exact resume (mid-epoch, after a SIGKILLed worker under torchrun --max-restarts,
+after a preemption signal), every sample read once, per-rank RNG states, corrupt checkpoints,
+weights_only, refusals, export to a plain model, and a DCP round trip.
+
+The lesson has no test options: the tests watch it from outside. tests/record (a sitecustomize
+on PYTHONPATH) writes the sample indices of every training batch each rank loads; tests/inject
+SIGKILLs a worker at a chosen step.
+"""
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -15,18 +22,37 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cifar_files import write_cifar10
 from tests.helpers import PYTHON, REPO, clean_env, free_port, kill_group, load_script, read_summary, run, torchrun
 
 SCRIPT = "05_checkpointing/train.py"
-# 2 epochs of 45 steps (digits, 2 ranks x 16), noise drawn from each rank's RNG, a checkpoint every 10 steps.
-ARGS = ("--epochs", "2", "--batch-size", "16", "--input-noise", "0.1", "--save-every-steps", "10",
-        "--record-batches", "--log-every", "100")
-STEPS_PER_EPOCH = 45  # 1438 digits / 2 ranks / batch 16; a checkpoint is also written at each epoch's end
+# 2 epochs of 45 steps (digits, 2 ranks x 16), a checkpoint every 10 steps and at each epoch's end.
+ARGS = ("--epochs", "2", "--batch-size", "16", "--save-every-steps", "10", "--log-every", "100")
+TRAIN_SIZE = 1438  # digits training set: 719 per rank, no padding
+STEPS_PER_EPOCH = 45  # ceil(719 / 16)
 TOTAL_STEPS = 2 * STEPS_PER_EPOCH
 REQUEUE = 75
 
-
 ckpt = load_script("05_checkpointing/checkpoint.py", "checkpoint")
+
+
+def record_env(output_dir: Path, **extra: str) -> dict[str, str]:
+    """Environment that records every training batch's sample indices into <output_dir>/record."""
+    return clean_env(PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'record'}",
+                     DDP_TEST_RECORD_DIR=str(Path(output_dir) / "record"), **extra)
+
+
+def batches(output_dir: Path, rank: int) -> list[tuple[int, list[int]]]:
+    """(epoch, sample indices) of every training batch `rank` loaded, in order, over all runs."""
+    path = Path(output_dir) / "record" / f"batches.rank{rank}.txt"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(int(epoch), [int(i) for i in indices.split(",")]) for epoch, indices in (ln.split() for ln in lines)]
+
+
+def assert_every_sample_once_per_epoch(output_dir: Path, epochs: int) -> None:
+    for epoch in range(epochs):
+        seen = sorted(i for rank in (0, 1) for e, batch in batches(output_dir, rank) if e == epoch for i in batch)
+        assert seen == list(range(TRAIN_SIZE)), f"epoch {epoch}: {len(seen)} reads, {len(set(seen))} distinct"
 
 
 def params(output_dir: Path) -> dict:
@@ -40,105 +66,76 @@ def assert_same_params(a: Path, b: Path) -> None:
         assert torch.equal(pa[k], pb[k]), f"{k} differs: max |diff| {(pa[k] - pb[k]).abs().max().item()}"
 
 
-def batches(output_dir: Path, rank: int) -> dict[int, str]:
-    """step -> 'epoch step fingerprint' of that rank; a step redone after a restart keeps its last line."""
-    lines = (Path(output_dir) / f"batches.rank{rank}.txt").read_text().splitlines()
-    return {int(line.split()[1]): line for line in lines}
-
-
-def wait_for_step(output_dir: Path, rank: int, step: int, proc: subprocess.Popen, timeout: float = 120) -> int:
-    """Poll the batch record until `rank` has started `step`; returns the step it is at."""
-    path = Path(output_dir) / f"batches.rank{rank}.txt"
+def wait_for_batches(output_dir: Path, rank: int, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Poll the record until `rank` has loaded `n` training batches."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if path.exists():
-            n = len(path.read_text().splitlines())
-            if n >= step:
-                return n
+        if len(batches(output_dir, rank)) >= n:
+            return
         if proc.poll() is not None:
-            pytest.fail(f"run ended (code {proc.returncode}) before step {step}:\n{proc.communicate()}")
-        time.sleep(0.005)
+            pytest.fail(f"run ended (code {proc.returncode}) before batch {n}:\n{proc.communicate()}")
+        time.sleep(0.01)
     kill_group(proc)
-    pytest.fail(f"step {step} not reached in {timeout}s")
+    pytest.fail(f"batch {n} not reached in {timeout}s")
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """The uninterrupted run every other run must reproduce."""
     out = tmp_path_factory.mktemp("reference")
-    torchrun(SCRIPT, *ARGS, "--output-dir", str(out), timeout=180)
-    assert read_summary(out)["steps"] == TOTAL_STEPS
+    torchrun(SCRIPT, *ARGS, "--output-dir", str(out), env=record_env(out), timeout=180)
+    summary = read_summary(out)
+    assert summary["steps"] == TOTAL_STEPS and summary["resumed_from_step"] == 0 and summary["replicas_identical"]
+    assert len(batches(out, 0)) == len(batches(out, 1)) == TOTAL_STEPS
+    assert_every_sample_once_per_epoch(out, 2)
     return out
 
 
-def test_stop_mid_epoch_and_resume_is_bitwise_identical(reference, tmp_path):
-    first = torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), "--max-steps", "57", timeout=180)
-    assert "ckpt-00000057.pt" in first.stdout  # 57 = 12 steps into epoch 2 of 45-step epochs
-    second = torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), timeout=180)
-    assert "resumed from" in second.stdout and "epoch 2, step 57 (12 of 45 in the epoch)" in second.stdout
+def test_stop_mid_epoch_and_resume_reads_every_sample_once_and_is_bitwise_identical(reference, tmp_path):
+    first = torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), "--max-steps", "57", env=record_env(tmp_path),
+                     timeout=180)
+    assert f"saved {tmp_path / 'checkpoints' / 'ckpt-00000057.pt'}" in first.stdout  # 12 steps into epoch 2
+    second = torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), env=record_env(tmp_path), timeout=180)
+    assert f"resumed from {tmp_path / 'checkpoints' / 'ckpt-00000057.pt'}: step 57, epoch 2" in second.stdout
     summary, ref = read_summary(tmp_path), read_summary(reference)
     assert summary["resumed_from_step"] == 57 and summary["steps"] == TOTAL_STEPS
     assert_same_params(reference, tmp_path)
-    assert summary["final_train_loss"] == ref["final_train_loss"]  # epoch loss sums were restored too
-    for rank in (0, 1):  # the same batches in the same order, before and after the resume
-        ref_lines = (reference / f"batches.rank{rank}.txt").read_text().splitlines()
-        lines = (tmp_path / f"batches.rank{rank}.txt").read_text().splitlines()
-        assert len(ref_lines) == TOTAL_STEPS and lines == ref_lines
-
-
-def _worker_pid(launcher_pid: int, rank: int) -> int:
-    """The pid of torchrun's worker with RANK=rank (a child of the launcher)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-            ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, StopIteration):
-            continue
-        if ppid == launcher_pid and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    pytest.fail(f"no worker with RANK={rank} under pid {launcher_pid}")
-
-
-def test_sigkilled_worker_is_restarted_by_torchrun_and_resumes(reference, tmp_path):
-    kill_at = random.randint(15, 60)
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=2",
-           "--monitor-interval=0.2", str(REPO / SCRIPT), *ARGS, "--output-dir", str(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        reached = wait_for_step(tmp_path, 1, kill_at, proc)
-        os.kill(_worker_pid(proc.pid, 1), signal.SIGKILL)
-        out, err = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        pytest.fail(f"timed out: {proc.communicate()}")
-    finally:
-        kill_group(proc)
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
-    assert reached < TOTAL_STEPS
-    assert "failed (exitcode: -9)" in err  # torchrun saw the SIGKILL and restarted the group
-    resumed = read_summary(tmp_path)["resumed_from_step"]
-    # The last save before the kill: every 10 steps, and at the end of epoch 1 (step 45).
-    assert 10 <= resumed <= reached and (resumed % 10 == 0 or resumed == STEPS_PER_EPOCH), (resumed, reached)
-    assert_same_params(reference, tmp_path)
+    assert summary["final_train_loss"] == ref["final_train_loss"]  # the epoch's loss sums were restored too
+    # The two runs together loaded every sample exactly once per epoch, in the uninterrupted order.
+    assert_every_sample_once_per_epoch(tmp_path, 2)
     for rank in (0, 1):
         assert batches(tmp_path, rank) == batches(reference, rank)
 
 
-def _launch_env_ranks(output_dir: Path, *extra: str) -> list[subprocess.Popen]:
-    """Two ranks started directly (as srun or mpiexec would), in one process group."""
+def test_sigkilled_worker_is_restarted_by_torchrun_and_resumes(reference, tmp_path):
+    """tests/inject SIGKILLs rank 1 right after its 57th optimizer step; torchrun restarts the group,
+    which resumes from step 50 (the restarted rank 1 counts from 0 again: 40 steps, no second kill)."""
+    env = clean_env(PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}", DDP_TEST_FAIL_AT_STEP="57",
+                    DDP_TEST_FAIL_RANK="1", DDP_TEST_FAIL_MODE="kill",
+                    # torch 2.14: with the rendezvous store shared across restarts, the restarted workers
+                    # can read the dead workers' addresses (pytorch/pytorch#135712, #167288).
+                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    result = torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), env=env, timeout=240,
+                      launcher_args=("--max-restarts=1", "--monitor-interval=0.2"))
+    assert result.stderr.count("injecting SIGKILL at step 57 on rank 1") == 1
+    # torchrun restarted the group (whichever rank it saw fail first: the killed one, or its peer that
+    # lost the connection), and the new attempt resumed from the last checkpoint.
+    assert re.search(r"failed \(exitcode: -?\d+\) local_rank: [01]", result.stderr), result.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'checkpoints' / 'ckpt-00000050.pt'}: step 50, epoch 2" in result.stdout
+    assert read_summary(tmp_path)["resumed_from_step"] == 50
+    assert_same_params(reference, tmp_path)
+
+
+def _launch_env_ranks(output_dir: Path) -> list[subprocess.Popen]:
+    """Two ranks started directly (as srun or mpiexec would), in one new process group."""
     port = str(free_port())
     procs = []
     for rank in (0, 1):
-        env = clean_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        group = {"process_group": 0 if rank == 0 else procs[0].pid}  # one new process group
-        procs.append(subprocess.Popen([PYTHON, str(REPO / SCRIPT), *ARGS, "--output-dir", str(output_dir), *extra],
-                                      cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, **group))
+        env = record_env(output_dir, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                         MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([PYTHON, str(REPO / SCRIPT), *ARGS, "--output-dir", str(output_dir)],
+                                      cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      process_group=0 if rank == 0 else procs[0].pid))
     return procs
 
 
@@ -146,7 +143,7 @@ def _launch_env_ranks(output_dir: Path, *extra: str) -> list[subprocess.Popen]:
 def test_preemption_signal_saves_and_exits_with_requeue_code(reference, tmp_path, target):
     procs = _launch_env_ranks(tmp_path)
     try:
-        wait_for_step(tmp_path, 0, 5, procs[0])
+        wait_for_batches(tmp_path, 0, 5, procs[0])
         if target == "group-SIGTERM":  # what Slurm and PBS do: every process of the job gets it
             os.killpg(procs[0].pid, signal.SIGTERM)
         else:  # only one rank is told; the all-reduced flag must still stop both at the same step
@@ -154,24 +151,41 @@ def test_preemption_signal_saves_and_exits_with_requeue_code(reference, tmp_path
         outputs = [p.communicate(timeout=120) for p in procs]
     finally:
         kill_group(procs[0])
-    codes = [p.returncode for p in procs]
-    assert codes == [REQUEUE, REQUEUE], (codes, outputs)
-    signame = target.split("-")[1]
-    assert f"{signame}: checkpoint at step" in outputs[0][0]
-    folder = tmp_path / "checkpoints"
-    latest = ckpt.read_latest(folder)
+    assert [p.returncode for p in procs] == [REQUEUE, REQUEUE], outputs
+    latest = ckpt.read_latest(tmp_path / "checkpoints")
     state = ckpt.load(latest)  # complete, loadable with weights_only=True
     stopped = state["step"]
     assert 5 <= stopped < TOTAL_STEPS and latest.name == ckpt.checkpoint_name(stopped)
+    assert f"{target.split('-')[1]}: checkpoint at step {stopped} saved; exiting with code 75" in outputs[0][0]
     assert len(state["ranks"]) == 2
-    assert (folder / "REQUEUE").read_text().startswith(f"{signame} at step {stopped}")
-    # both ranks stopped after the same step
-    assert max(batches(tmp_path, 0)) == max(batches(tmp_path, 1)) == stopped
+    # Both ranks stopped after the same step: each loaded exactly `stopped` training batches.
+    assert len(batches(tmp_path, 0)) == len(batches(tmp_path, 1)) == stopped
     if target == "group-SIGTERM":  # the requeued job resumes from it and ends like the uninterrupted run
-        torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), timeout=180)
+        torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), env=record_env(tmp_path), timeout=180)
         assert read_summary(tmp_path)["resumed_from_step"] == stopped
-        assert not (folder / "REQUEUE").exists()
         assert_same_params(reference, tmp_path)
+        for rank in (0, 1):
+            assert batches(tmp_path, rank) == batches(reference, rank)
+
+
+def test_sigterm_to_torchrun_reaches_the_workers_which_save(tmp_path):
+    """`kill -TERM <torchrun pid>`: torchrun passes SIGTERM on to its workers, which save and exit 75;
+    torchrun itself exits with 1, so a job script must remember that it sent the signal."""
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", REPO / SCRIPT, *ARGS,
+           "--output-dir", tmp_path]
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=record_env(tmp_path), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        wait_for_batches(tmp_path, 0, 5, proc)
+        proc.send_signal(signal.SIGTERM)  # torchrun only
+        out, err = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 1, out[-2000:] + err[-2000:]
+    assert "Received 15 death signal, shutting down workers" in err
+    stopped = ckpt.load(ckpt.read_latest(tmp_path / "checkpoints"))["step"]
+    assert f"SIGTERM: checkpoint at step {stopped} saved; exiting with code 75" in out
+    assert len(batches(tmp_path, 0)) == len(batches(tmp_path, 1)) == stopped
 
 
 def test_truncated_latest_checkpoint_falls_back_to_the_previous_one(reference, tmp_path):
@@ -184,13 +198,96 @@ def test_truncated_latest_checkpoint_falls_back_to_the_previous_one(reference, t
     result = torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), timeout=180)
     warnings = [line for line in result.output.splitlines() if "unusable" in line]
     assert len(warnings) == 1 and "ckpt-00000090.pt" in warnings[0], result.output
-    assert f"resumed from {folder / 'ckpt-00000080.pt'}" in result.stdout
+    assert f"resumed from {folder / 'ckpt-00000080.pt'}: step 80" in result.stdout
     assert_same_params(reference, tmp_path)  # 80 -> 90 replayed exactly
 
 
+def test_finished_run_started_again_does_nothing(reference, tmp_path):
+    shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
+    result = torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), timeout=120)
+    assert f"nothing to do: {tmp_path / 'checkpoints' / 'ckpt-00000090.pt'} is the end of this run" in result.stdout
+    assert not (tmp_path / "summary.json").exists()
+
+
+def _error_lines(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize("change", ["world size", "batch size"])
+def test_resume_with_another_world_or_batch_size_is_refused(reference, tmp_path, change):
+    shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
+    args = {"world size": ARGS, "batch size": (*ARGS, "--batch-size", "8")}[change]
+    result = torchrun(SCRIPT, *args, "--output-dir", str(tmp_path), nproc=1 if change == "world size" else 2,
+                      check=False, timeout=120)
+    assert result.returncode != 0
+    lines = _error_lines(result)
+    assert len(lines) == 1, result.output[-3000:]
+    assert "was written with world size 2 and batch size 16; an exact resume needs the same" in lines[0]
+    assert "exitcode  : 2" in result.stderr  # torchrun's summary: the bad-input exit code
+
+
+def test_no_resume_with_existing_checkpoints_is_refused(reference, tmp_path):
+    shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    result = torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), "--no-resume", check=False, timeout=120)
+    lines = _error_lines(result)
+    assert result.returncode != 0 and len(lines) == 1, result.output[-3000:]
+    assert lines[0] == (f"error: --no-resume but {tmp_path / 'checkpoints'} holds checkpoints of an earlier run: "
+                        "remove them or pass another --checkpoint-dir")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
+# --- per-rank RNG states: CIFAR-10-format files, whose RandomCrop/RandomHorizontalFlip draw from
+# torch's global RNG in each rank's main process (num_workers=0) ---------------------------------
+
+CIFAR_STEPS_PER_EPOCH = 7  # 100 images, 50 per rank, batches of 8 (the last one of 2)
+
+
+@pytest.fixture(scope="module")
+def cifar(tmp_path_factory) -> tuple[Path, tuple[str, ...]]:
+    """Fake CIFAR-10 files and the uninterrupted 3-epoch run on them."""
+    data_dir = tmp_path_factory.mktemp("cifar_data")
+    write_cifar10(data_dir / "cifar10", per_batch=20, test_size=30)
+    args = ("--dataset", "cifar10", "--data-dir", str(data_dir), "--epochs", "3", "--batch-size", "8",
+            "--log-every", "100")
+    out = tmp_path_factory.mktemp("cifar_reference")
+    cifar_run(args, out)
+    assert read_summary(out)["steps"] == 3 * CIFAR_STEPS_PER_EPOCH
+    return out, args
+
+
+def cifar_run(args: tuple[str, ...], output_dir: Path, *extra: str):
+    # tests/perf_cifar.py runs the script with torchvision's MD5 check of the files off.
+    return torchrun("tests/perf_cifar.py", "run", SCRIPT, *args, "--output-dir", str(output_dir), *extra,
+                    timeout=180)
+
+
+def test_every_ranks_rng_state_is_restored(cifar, tmp_path):
+    reference, args = cifar
+    run_dir = tmp_path / "resumed"
+    cifar_run(args, run_dir, "--max-steps", "10")  # 3 steps into epoch 2
+    mid = ckpt.load(run_dir / "checkpoints" / ckpt.checkpoint_name(10))
+    # The ranks draw different augmentations, so their saved RNG states differ.
+    assert not torch.equal(mid["ranks"][0]["torch"], mid["ranks"][1]["torch"])
+    control = tmp_path / "rank0_rng_everywhere"
+    ckpt.save({**mid, "ranks": [mid["ranks"][0], {**mid["ranks"][1], "torch": mid["ranks"][0]["torch"]}]},
+              control / "checkpoints", 10, keep=3)
+
+    result = cifar_run(args, run_dir)
+    assert "resumed from" in result.stdout and read_summary(run_dir)["resumed_from_step"] == 10
+    assert_same_params(reference, run_dir)  # both ranks continued their own random streams
+    # Control: rank 1 given rank 0's RNG state crops and flips differently, and the result differs.
+    cifar_run(args, control)
+    assert read_summary(control)["resumed_from_step"] == 10
+    pa, pb = params(reference), params(control)
+    assert any(not torch.equal(pa[k], pb[k]) for k in pa)
+
+
+# --- checkpoint.py on its own ---------------------------------------------------------------------
+
 def _checkpoint_like(step: int) -> dict:
-    return {"model": {"w": torch.full((4,), float(step))}, "optimizer": {}, "scheduler": {}, "scaler": {},
-            "epoch": 0, "step_in_epoch": step, "step": step, "ranks": []}
+    return {"model": {"w": torch.full((4,), float(step))}, "optimizer": {}, "scheduler": {}, "step": step,
+            "ranks": [], "world_size": 1, "batch_size": 1}
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
@@ -225,7 +322,7 @@ start = ckpt.load(ckpt.read_latest({out!r}))["step"] + 1 if ckpt.read_latest({ou
 print("ready", flush=True)
 for step in range(start, start + 1000):
     state = {{"model": {{"w": torch.full((8_000_000,), float(step))}}, "optimizer": {{}}, "scheduler": {{}},
-             "scaler": {{}}, "epoch": 0, "step_in_epoch": step, "step": step, "ranks": []}}
+             "step": step, "ranks": [], "world_size": 1, "batch_size": 1}}
     ckpt.save(state, {out!r}, step, keep=2)
 """
 
@@ -253,8 +350,8 @@ def test_kill_during_save_never_leaves_latest_pointing_at_a_partial_file(tmp_pat
         assert latest == newest or (newest.name == ckpt.checkpoint_name(state["step"] + 1)
                                     and ckpt.load(newest)["step"] == state["step"] + 1)
     assert ckpt.read_latest(tmp_path) is not None, "no save completed in three attempts"
-    removed = ckpt.remove_partial_files(tmp_path)
-    assert {p.name for p in removed} == partial and not any(".tmp-" in p.name for p in tmp_path.iterdir())
+    ckpt.save(_checkpoint_like(10_000), tmp_path, 10_000, keep=2)  # the next save removes the leftovers
+    assert not any(".tmp-" in p.name for p in tmp_path.iterdir())
     print(f"kills that hit a write in progress: {len(partial)}/3")
 
 
@@ -281,6 +378,8 @@ def test_weights_only_refuses_a_checkpoint_with_a_pickled_object(tmp_path):
     torch.load(evil, weights_only=False)  # control: a plain load would have run it
     assert marker.exists()
 
+
+# --- export_model.py and dcp_example.py -------------------------------------------------------------
 
 def _digits_test_outputs(state_dict: dict) -> torch.Tensor:
     sys.path.insert(0, str(REPO))
@@ -317,6 +416,11 @@ def test_exported_state_dict_loads_into_a_plain_model(reference, tmp_path):
         run([PYTHON, REPO / "05_checkpointing/export_model.py", tmp_path / source, tmp_path / f"x_{source}"], 60,
             check=True)
         assert torch.equal(_digits_test_outputs(torch.load(tmp_path / f"x_{source}", weights_only=True)), outputs)
+
+
+def test_export_from_a_folder_without_checkpoints_is_one_error_line(tmp_path):
+    result = run([PYTHON, REPO / "05_checkpointing/export_model.py", tmp_path, tmp_path / "model.pt"], 60)
+    assert result.returncode == 2 and _error_lines(result) == [f"error: no usable checkpoint in {tmp_path}"]
 
 
 def test_dcp_save_on_two_ranks_loads_on_one(tmp_path):

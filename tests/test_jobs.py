@@ -9,18 +9,18 @@ import re
 import signal
 import socket
 import subprocess
-import textwrap
 import time
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, clean_env, kill_group, read_summary, run
+from tests.helpers import PYTHON, REPO, clean_env, kill_group, load_script, read_summary, run, torchrun
 from tests.launcher_tools import need_root, need_tools
 from tests.slurm_cluster import TOOLS as SLURM_TOOLS, SlurmCluster
 
 JOBS = sorted((REPO / "jobs").glob("*.*"))
 SLURM_JOBS = ["slurm_srun.sbatch", "slurm_torchrun.sbatch"]
 SMALL = "--max-steps 3 --epochs 1 --batch-size 16"
+REQUEUE_EXIT_CODE = load_script("05_checkpointing/checkpoint.py", "checkpoint").REQUEUE_EXIT_CODE
 
 
 def test_job_files_exist():
@@ -62,11 +62,23 @@ def test_job_file_static(job):
 def test_slurm_file_settings(name):
     text = (REPO / "jobs" / name).read_text()
     assert "--kill-on-bad-exit=1" in text
-    assert re.search(r"^#SBATCH --signal=B:USR1@\d+$", text, re.M)
-    assert re.search(r"^#SBATCH --requeue$", text, re.M)
+    # The warning goes to the job steps (the ranks), not only to the batch shell (B:).
+    assert re.search(r"^#SBATCH --signal=USR1@\d+$", text, re.M)
+    assert re.search(r"^#SBATCH --requeue$", text, re.M) and re.search(r"^#SBATCH --open-mode=append$", text, re.M)
     assert "scontrol show hostnames" in text
     assert "$((15000 + SLURM_JOB_ID % 15000))" in text  # common.launcher derives the same port
-    assert len(re.findall(r"^REQUEUE_EXIT_CODE=", text, re.M)) == 1  # one place to align it
+    assert '--cpus-per-task="${SLURM_CPUS_PER_TASK:-1}"' in text  # srun does not inherit it (Slurm 22.05-23.02)
+    assert "SCRIPT=${SCRIPT:-05_checkpointing/train.py}" in text  # the default script can resume
+    assert f"REQUEUE_EXIT_CODE={REQUEUE_EXIT_CODE}" in text
+
+
+def test_pbs_file_settings():
+    for name in ("pbs_mpiexec.pbs", "pbs_torchrun.pbs"):
+        text = (REPO / "jobs" / name).read_text()
+        hours, minutes, seconds = re.search(r"^#PBS -l walltime=(\d+):(\d+):(\d+)$", text, re.M).groups()
+        assert f"WALLTIME_S=${{WALLTIME_S:-{int(hours) * 3600 + int(minutes) * 60 + int(seconds)}}}" in text, name
+        assert "qrerun" not in text.split("#PBS")[-1]  # needs operator rights: resubmit instead
+        assert f"REQUEUE_EXIT_CODE={REQUEUE_EXIT_CODE}" in text and f"JOB_FILE=${{JOB_FILE:-jobs/{name}}}" in text
 
 
 # -- a real two-node Slurm cluster ---------------------------------------------------------------
@@ -91,7 +103,8 @@ def slurm_jobs(cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("slurm_jobs")
     start, jobs = time.perf_counter(), {}
     for name in SLURM_JOBS:
-        env = clean_env(PYTHON=PYTHON, GPUS_PER_NODE="1", TRAIN_ARGS=f"{SMALL} --output-dir {out / name}")
+        env = clean_env(PYTHON=PYTHON, GPUS_PER_NODE="1", SCRIPT="06_multinode/train.py", TRAIN_ARGS=SMALL,
+                        RUN_DIR=str(out / name))
         job_id = cluster.sbatch(["-o", str(out / f"{name}.out"), *SBATCH_SMALL, f"jobs/{name}"], env, REPO)
         jobs[name] = job_id
     states = {name: cluster.wait(job_id, timeout=240) for name, job_id in jobs.items()}
@@ -111,14 +124,16 @@ def test_sbatch_job_completes(slurm_jobs, cluster, name, launcher):
     port = 15000 + int(job_id) % 15000
     # First host from scontrol (node1), its NodeAddr as the rendezvous address, port from the job id.
     assert f"first host node1, rendezvous 127.0.0.1:{port}" in output
-    assert "world size       : 2 (1 per node)" in output
+    # Rank 0's placement table: ranks 0 and 1, each local rank 0 (one per node), on CPU.
+    assert re.search(r"^\s+0\s+0\s+\S+\s+cpu\n\s+1\s+0\s+\S+\s+cpu$", output, re.M), output
+    assert "launcher " + launcher in output
     if launcher == "slurm":
         assert (summary["master_addr"], summary["master_port"]) == ("127.0.0.1", port)
 
 
 def test_slurm_detection_batch_shell_vs_job_step(cluster, tmp_path):
     """The batch shell has SLURM_PROCID=0 but is no rank; srun's tasks are ranks 0 and 1."""
-    probe = ("import json, os; from common.launcher import detect_launcher as d; i = d(os.environ); "
+    probe = ("import json, os; from common.launcher import launch_info; i = launch_info(os.environ); "
              "print(json.dumps([os.environ.get('SLURM_STEP_ID'), i.launcher, i.rank, i.world_size]))")
     (tmp_path / "probe.sh").write_text(
         f"#!/bin/bash\n{PYTHON} -c \"{probe}\"\nsrun {PYTHON} -c \"{probe}\"\n")
@@ -130,40 +145,127 @@ def test_slurm_detection_batch_shell_vs_job_step(cluster, tmp_path):
     assert sorted(rows[1:]) == [["0", "slurm", 0, 2], ["0", "slurm", 1, 2]]
 
 
-def test_slurm_requeue_on_exit_code(cluster, tmp_path):
-    """A run that exits with REQUEUE_EXIT_CODE is requeued by the job file and runs again."""
-    # Behaves as 05 does on preemption: the ranks agree (here: wait until every task of this run
-    # has written its line), all exit 75, and a SIGTERM while exiting changes nothing (05's
-    # handler only sets a flag). Without the agreement, a task that exits 75 before the other
-    # has started makes srun --kill-on-bad-exit terminate it, and srun no longer returns 75.
-    script = tmp_path / "preempted_once.py"
-    script.write_text(textwrap.dedent("""\
-        import os, signal, sys, time
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        restart = os.environ.get("SLURM_RESTART_COUNT", "0")
-        runs = os.environ["RUNS_FILE"]
-        with open(runs, "a") as f:
-            f.write(f"{os.environ['SLURM_PROCID']} {restart}\\n")
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if open(runs).read().count(f" {restart}\\n") == int(os.environ["SLURM_NTASKS"]):
-                break
-            time.sleep(0.1)
-        sys.exit(75 if restart == "0" else 0)
-        """))
-    env = clean_env(PYTHON=PYTHON, SCRIPT=str(script), TRAIN_ARGS="", RUNS_FILE=str(tmp_path / "runs"))
+# -- preemption and requeue: 05_checkpointing/train.py under each job file, on the two-node cluster --
+
+# Long enough (8 epochs of 45 steps) to be stopped mid-run; a checkpoint every 20 steps.
+PREEMPT_ARGS = "--epochs 8 --batch-size 16 --save-every-steps 20 --log-every 1000"
+SLURM_DELIVERIES = ("signal", "grace", "requeue")
+
+
+def load_params(path):
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_bitwise_equal(a, b):
+    import torch
+
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: the same training on 2 ranks, never stopped (OMP_NUM_THREADS=1 in both, as in the jobs)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    torchrun("05_checkpointing/train.py", *PREEMPT_ARGS.split(), "--output-dir", out, nproc=2, timeout=300)
+    return load_params(out / "model.pt")
+
+
+def delivery_command(name: str, delivery: str, job_id: str) -> list[str]:
+    """How Slurm delivers each: the file's own --signal (to the job steps, as at the time limit), a
+    preemption with a grace time (SIGTERM to the whole job, batch shell included), an operator's requeue."""
+    if delivery == "signal":
+        sig = re.search(r"^#SBATCH --signal=(\w+)@\d+$", (REPO / "jobs" / name).read_text(), re.M).group(1)
+        return ["scancel", f"--signal={sig}", job_id]
+    return {"grace": ["scancel", "--full", "--signal=TERM", job_id], "requeue": ["scontrol", "requeue", job_id]}[delivery]
+
+
+@pytest.fixture(scope="module")
+def preempted_jobs(cluster, tmp_path_factory):
+    """Each job file x each delivery, submitted together (the cluster runs two at a time); each one gets
+    its delivery once its first checkpoint exists, and is released as soon as it is requeued."""
+    root = tmp_path_factory.mktemp("preempted")
+    jobs = {}
+    for name in SLURM_JOBS:
+        for delivery in SLURM_DELIVERIES:
+            run_dir = root / f"{name}-{delivery}"
+            env = clean_env(PYTHON=PYTHON, GPUS_PER_NODE="1", RUN_DIR=str(run_dir), TRAIN_ARGS=PREEMPT_ARGS)
+            log = root / f"{name}-{delivery}.out"
+            job_id = cluster.sbatch(["-o", str(log), *SBATCH_SMALL, f"jobs/{name}"], env, REPO)
+            jobs[(name, delivery)] = {"job": job_id, "run_dir": run_dir, "log": log, "delivered": False}
+    deadline = time.monotonic() + 900
+    running = dict(jobs)
+    while running and time.monotonic() < deadline:
+        for key, job in list(running.items()):
+            if not job["delivered"] and (job["run_dir"] / "checkpoints" / "latest").exists():
+                subprocess.run(delivery_command(*key, job["job"]), env=cluster.env(), check=True, timeout=30,
+                               capture_output=True)
+                job["delivered"] = True
+            state = cluster.job_state(job["job"])
+            if state[0] == "PENDING" and job["delivered"]:
+                # Slurm holds a requeued job back for a while (BeginTime); release it now.
+                subprocess.run(["scontrol", "update", f"JobId={job['job']}", "StartTime=now"], env=cluster.env(),
+                               capture_output=True, timeout=30)
+            if state[0] in cluster.FINAL_STATES:
+                job["state"] = state
+                shown = subprocess.run(["scontrol", "show", "job", job["job"]], env=cluster.env(), text=True,
+                                       capture_output=True, timeout=30).stdout
+                job["restarts"] = int(re.search(r"Restarts=(\d+)", shown).group(1))
+                del running[key]
+        time.sleep(0.5)
+    assert not running, f"jobs still running after 900 s: {sorted(running)}"
+    return jobs
+
+
+def stop_and_resume_steps(log: str) -> tuple[int | None, int]:
+    """(the step a signal's save happened at, or None; the step the requeued run resumed from)."""
+    saved = re.search(r"^SIG\w+: checkpoint at step (\d+) saved; exiting with code 75", log, re.M)
+    resumed = re.findall(r"^resumed from \S+ckpt-(\d+)\.pt: step (\d+)", log, re.M)
+    assert len(resumed) == 1 and int(resumed[0][0]) == int(resumed[0][1]), log[-3000:]
+    return (int(saved.group(1)) if saved else None), int(resumed[0][1])
+
+
+@pytest.mark.parametrize("name", SLURM_JOBS)
+@pytest.mark.parametrize("delivery", SLURM_DELIVERIES)
+def test_preempted_job_requeues_once_and_resumes_bitwise(preempted_jobs, uninterrupted, cluster, name, delivery):
+    job = preempted_jobs[(name, delivery)]
+    log = job["log"].read_text()
+    assert job["state"][0] == "COMPLETED", f"{job['state']}\n{log[-3000:]}\n{cluster.logs()}"
+    assert job["restarts"] == 1 and "(restart 0)" in log and "(restart 1)" in log, log[-3000:]  # appended log
+    saved_at, resumed_from = stop_and_resume_steps(log)
+    print(f"{name} {delivery}: saved on the signal at step {saved_at}, resumed from step {resumed_from}, "
+          f"restarts {job['restarts']}")
+    if delivery == "signal":
+        # Every rank saved at the next step boundary after the signal, and the job resumed right there.
+        sig = delivery_command(name, delivery, "")[1].split("=")[1]
+        assert f"SIG{sig}: checkpoint at step {resumed_from} saved" in log, log[-3000:]
+        assert saved_at == resumed_from
+    assert_bitwise_equal(load_params(job["run_dir"] / "model.pt"), uninterrupted)
+
+
+def test_crashed_job_is_not_requeued(cluster, tmp_path):
+    """A crash is not a preemption: the job fails and is not requeued (05 fails at step 2 here)."""
+    env = clean_env(PYTHON=PYTHON, RUN_DIR=str(tmp_path / "run"), TRAIN_ARGS=SMALL,
+                    PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}", DDP_TEST_FAIL_AT_STEP="2", DDP_TEST_FAIL_RANK="1")
     job = cluster.sbatch(["-o", str(tmp_path / "out"), *SBATCH_SMALL, "jobs/slurm_srun.sbatch"], env, REPO)
-    deadline, state = time.monotonic() + 240, ("", "")
-    while time.monotonic() < deadline and state[0] not in cluster.FINAL_STATES:
-        state = cluster.job_state(job)
-        if state[0] == "PENDING":
-            # Slurm holds a requeued job back for a while (BeginTime); release it now.
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster.env(),
-                           capture_output=True, timeout=30)
-        time.sleep(1)
-    runs = sorted(r for r in (tmp_path / "runs").read_text().splitlines() if r)
-    assert runs == ["0 0", "0 1", "1 0", "1 1"], (tmp_path / "out").read_text()
-    assert state[0] == "COMPLETED"
+    state = cluster.wait(job, 180)
+    log = (tmp_path / "out").read_text()
+    assert state[0] == "FAILED" and "injected failure" in log and "requeueing" not in log, log[-3000:]
+
+
+def test_requeues_stop_at_max_restarts(cluster, tmp_path):
+    env = clean_env(PYTHON=PYTHON, RUN_DIR=str(tmp_path / "run"), TRAIN_ARGS=PREEMPT_ARGS, MAX_RESTARTS="0")
+    job = cluster.sbatch(["-o", str(tmp_path / "out"), *SBATCH_SMALL, "jobs/slurm_srun.sbatch"], env, REPO)
+    deadline = time.monotonic() + 180
+    while not (tmp_path / "run" / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    subprocess.run(delivery_command("slurm_srun.sbatch", "signal", job), env=cluster.env(), check=True, timeout=30)
+    state = cluster.wait(job, 180)
+    log = (tmp_path / "out").read_text()
+    assert state[0] == "FAILED", log[-3000:]
+    assert "not requeueing job" in log and "MAX_RESTARTS=0" in log and "(restart 1)" not in log, log[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / "REQUEUE").exists()  # the save happened; only the requeue is refused
 
 
 # -- PBS: the job files under bash, with PBS's variables and a real mpiexec ------------------------
@@ -179,8 +281,8 @@ def pbs_env(tmp_path, job_id, **extra):
 def test_pbs_mpiexec_job(tmp_path):
     need_tools("mpiexec.mpich")
     # MPICH's Hydra takes --ppn but not PALS's --cpu-bind depth: MPIEXEC_BIND is emptied.
-    env = pbs_env(tmp_path, "4321.pbs01", NRANKS_PER_NODE="1", MPIEXEC_BIND="",
-                  TRAIN_ARGS=f"{SMALL} --output-dir {tmp_path / 'run'}")
+    env = pbs_env(tmp_path, "4321.pbs01", NRANKS_PER_NODE="1", MPIEXEC_BIND="", SCRIPT="06_multinode/train.py",
+                  DEADLINE_ARGS="", TRAIN_ARGS=SMALL, RUN_DIR=str(tmp_path / "run"))
     start = time.perf_counter()
     result = run(["bash", REPO / "jobs/pbs_mpiexec.pbs"], 180, env=env, check=True, cwd=tmp_path)
     summary = read_summary(tmp_path / "run")
@@ -194,7 +296,8 @@ def test_pbs_mpiexec_job(tmp_path):
 
 def test_pbs_torchrun_job(tmp_path):
     need_tools("mpiexec.mpich")
-    env = pbs_env(tmp_path, "4322.pbs01", GPUS_PER_NODE="1", TRAIN_ARGS=f"{SMALL} --output-dir {tmp_path / 'run'}")
+    env = pbs_env(tmp_path, "4322.pbs01", GPUS_PER_NODE="1", SCRIPT="06_multinode/train.py", DEADLINE_ARGS="",
+                  TRAIN_ARGS=SMALL, RUN_DIR=str(tmp_path / "run"))
     start = time.perf_counter()
     result = run(["bash", REPO / "jobs/pbs_torchrun.pbs"], 180, env=env, check=True, cwd=tmp_path)
     summary = read_summary(tmp_path / "run")
@@ -204,64 +307,74 @@ def test_pbs_torchrun_job(tmp_path):
     print(f"PBS torchrun job: {time.perf_counter() - start:.1f} s")
 
 
-# Stands in for 05 under PBS: `exit N` exits with N at once; `preempted DIR` writes a ready file
-# into DIR, then waits and, on SIGTERM, exits with the requeue code (as 05 does once it has saved).
-PBS_STAND_IN = textwrap.dedent("""\
-    import os, signal, sys, time
-    if sys.argv[1] == "exit":
-        sys.exit(int(sys.argv[2]))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
-    rank = os.environ.get("PMI_RANK") or os.environ.get("RANK")
-    open(os.path.join(sys.argv[2], f"ready.{rank}"), "w").close()
-    time.sleep(120)
-    """)
-
-
-def pbs_requeue_env(tmp_path, job_file, job_id, train_args):
-    """PBS variables, the stand-in as SCRIPT, and a `qrerun` that records its arguments (no PBS server here)."""
-    (tmp_path / "stand_in.py").write_text(PBS_STAND_IN)
+def pbs_chain_env(tmp_path, job_file, job_id, **extra):
+    """PBS variables, real 05 and mpiexec, and a `qsub` that records the resubmission (no PBS server
+    can be installed here): its arguments and the RUN_DIR and RESTART_COUNT it hands on (qsub -V)."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "qrerun").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "qrerun.calls"}\n')
-    (bin_dir / "qrerun").chmod(0o755)
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "qsub").write_text(f'#!/bin/sh\necho "$* RUN_DIR=$RUN_DIR RESTART_COUNT=$RESTART_COUNT" '
+                                  f'>> {tmp_path / "qsub.calls"}\necho 9999.pbs01\n')
+    (bin_dir / "qsub").chmod(0o755)
     per_node = {"NRANKS_PER_NODE": "1", "MPIEXEC_BIND": ""} if "mpiexec" in job_file else {"GPUS_PER_NODE": "1"}
-    return pbs_env(tmp_path, job_id, SCRIPT=str(tmp_path / "stand_in.py"), TRAIN_ARGS=train_args,
-                   PATH=f"{bin_dir}:{clean_env()['PATH']}", **per_node)
-
-
-def test_pbs_job_requeues_when_the_ranks_exit_with_the_requeue_code(tmp_path):
-    need_tools("mpiexec.mpich")
-    env = pbs_requeue_env(tmp_path, "pbs_mpiexec.pbs", "4323.pbs01", "exit 75")
-    result = run(["bash", REPO / "jobs/pbs_mpiexec.pbs"], 60, env=env, check=True, cwd=tmp_path)
-    assert "requeueing job 4323.pbs01 (exit code 75, preempted=0)" in result.stdout, result.output
-    assert (tmp_path / "qrerun.calls").read_text() == "4323.pbs01\n"
-    # Any other failure is the job's exit code, with no requeue.
-    other = tmp_path / "other"
-    other.mkdir()
-    env = pbs_requeue_env(other, "pbs_mpiexec.pbs", "4324.pbs01", "exit 3")
-    result = run(["bash", REPO / "jobs/pbs_mpiexec.pbs"], 60, env=env, cwd=other)
-    assert result.returncode == 3 and not (other / "qrerun.calls").exists(), result.output
+    return pbs_env(tmp_path, job_id, RUN_DIR=str(tmp_path / "run"), TRAIN_ARGS=PREEMPT_ARGS,
+                   PATH=f"{bin_dir}:{clean_env()['PATH']}", **per_node, **extra)
 
 
 @pytest.mark.parametrize("job_file", ["pbs_mpiexec.pbs", "pbs_torchrun.pbs"])
-def test_pbs_job_requeues_after_sigterm_to_the_whole_job(job_file, tmp_path):
-    """As PBS does at the walltime or on preemption: SIGTERM to every process of the job."""
+def test_pbs_deadline_saves_resubmits_and_the_next_job_resumes_bitwise(job_file, uninterrupted, tmp_path):
+    """PBS warns no one before the wall time: 05's --time-limit-s (WALLTIME_S - SAVE_MARGIN_S) stops it,
+    the job file submits itself again after this job (afterany), and that job resumes in the same RUN_DIR."""
     need_tools("mpiexec.mpich")
-    env = pbs_requeue_env(tmp_path, job_file, "4325.pbs01", f"preempted {tmp_path}")
-    proc = subprocess.Popen(["bash", REPO / "jobs" / job_file], cwd=tmp_path, env=env, text=True,
+    env = pbs_chain_env(tmp_path, job_file, "4323.pbs01", WALLTIME_S="9", SAVE_MARGIN_S="5")  # stop after 4 s
+    first = run(["bash", REPO / "jobs" / job_file], 180, env=env, check=True, cwd=tmp_path)
+    saved_at = int(re.search(r"^time limit: checkpoint at step (\d+) saved", first.stdout, re.M).group(1))
+    assert (tmp_path / "qsub.calls").read_text() == (
+        f"-V -W depend=afterany:4323.pbs01 jobs/{job_file} RUN_DIR={tmp_path / 'run'} RESTART_COUNT=1\n")
+    # The resubmitted job, as qsub -V starts it: the same RUN_DIR, RESTART_COUNT=1, a new job id.
+    env = pbs_chain_env(tmp_path, job_file, "9999.pbs01", RESTART_COUNT="1")
+    second = run(["bash", REPO / "jobs" / job_file], 300, env=env, check=True, cwd=tmp_path)
+    assert re.search(rf"^resumed from \S+: step {saved_at}, ", second.stdout, re.M), second.output[-3000:]
+    assert len((tmp_path / "qsub.calls").read_text().splitlines()) == 1  # finished: no more resubmission
+    print(f"{job_file}: deadline save at step {saved_at}, resumed from step {saved_at}, restart count 1")
+    assert_bitwise_equal(load_params(tmp_path / "run" / "model.pt"), uninterrupted)
+
+
+def test_pbs_sigterm_to_the_whole_job_saves_and_resubmits(tmp_path):
+    """As PBS does at the wall time or on preemption: SIGTERM to every process of the job; 05 saves
+    at the next step boundary (within kill_delay) and the job file resubmits."""
+    need_tools("mpiexec.mpich")
+    env = pbs_chain_env(tmp_path, "pbs_mpiexec.pbs", "4325.pbs01")
+    proc = subprocess.Popen(["bash", REPO / "jobs" / "pbs_mpiexec.pbs"], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("ready.*"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "run" / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert len(list(tmp_path.glob("ready.*"))) == 2, "the two ranks never started"
         os.killpg(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     finally:
         kill_group(proc)
     assert proc.returncode == 0, out
-    assert "requeueing job 4325.pbs01" in out and "preempted=1" in out, out
-    assert (tmp_path / "qrerun.calls").read_text() == "4325.pbs01\n"
+    assert re.search(r"^SIGTERM: checkpoint at step \d+ saved", out, re.M), out[-3000:]
+    assert "depend=afterany:4325.pbs01" in (tmp_path / "qsub.calls").read_text()
+
+
+def test_pbs_crash_is_not_resubmitted_and_restarts_are_capped(tmp_path):
+    need_tools("mpiexec.mpich")
+    crash = tmp_path / "crash"
+    crash.mkdir()
+    env = pbs_chain_env(crash, "pbs_mpiexec.pbs", "4326.pbs01", PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}",
+                        DDP_TEST_FAIL_AT_STEP="2", DDP_TEST_FAIL_RANK="1")
+    result = run(["bash", REPO / "jobs/pbs_mpiexec.pbs"], 120, env=env, cwd=crash)
+    assert result.returncode != 0 and "injected failure" in result.output, result.output[-3000:]
+    assert not (crash / "qsub.calls").exists()
+    capped = tmp_path / "capped"
+    capped.mkdir()
+    env = pbs_chain_env(capped, "pbs_mpiexec.pbs", "4327.pbs01", WALLTIME_S="9", SAVE_MARGIN_S="5",
+                        RESTART_COUNT="5", MAX_RESTARTS="5")
+    result = run(["bash", REPO / "jobs/pbs_mpiexec.pbs"], 180, env=env, cwd=capped)
+    assert result.returncode == 1 and "not resubmitting: restarted 5 times already" in result.stdout, result.output
+    assert not (capped / "qsub.calls").exists()
 
 
 def test_pbs_job_refuses_to_run_outside_pbs(tmp_path):

@@ -3,7 +3,7 @@
 import pytest
 
 from common.errors import LauncherError
-from common.launcher import DEFAULT_PORT, PORT_BASE, PORT_SPAN, detect_launcher, expand_hostlist, master_port
+from common.launcher import DEFAULT_PORT, PORT_BASE, PORT_SPAN, launch_info, expand_hostlist, master_port
 
 # (id, environment, expected (launcher, rank, local_rank, world_size, local_world_size, master_addr))
 CASES = [
@@ -51,14 +51,14 @@ CASES = [
 
 
 @pytest.mark.parametrize("env,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_detect_launcher(env, expected):
-    info = detect_launcher(env)
+def test_launch_info(env, expected):
+    info = launch_info(env)
     assert (info.launcher, info.rank, info.local_rank, info.world_size, info.local_world_size,
             info.master_addr) == expected
 
 
 def test_explicit_rank_is_mp_spawn():
-    info = detect_launcher({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4000"}, rank=1, world_size=3)
+    info = launch_info({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4000"}, rank=1, world_size=3)
     assert (info.launcher, info.rank, info.local_rank, info.world_size, info.master_port) == ("mp.spawn", 1, 1, 3, 4000)
 
 
@@ -67,17 +67,17 @@ def test_pbs_master_is_first_line_of_nodefile(tmp_path):
     nodefile.write_text("x1001c0s0b0n0\nx1001c0s0b0n0\nx1002c0s0b0n0\n")
     env = {"PBS_JOBID": "4321.pbs01", "PBS_NODEFILE": str(nodefile), "PALS_RANKID": "0",
            "PALS_LOCAL_RANKID": "0", "PALS_LOCAL_SIZE": "2", "PMI_SIZE": "4"}
-    info = detect_launcher(env)
+    info = launch_info(env)
     assert (info.launcher, info.scheduler, info.master_addr) == ("pals", "pbs", "x1001c0s0b0n0")
     assert info.master_port == PORT_BASE + 4321 % PORT_SPAN
 
 
 def test_unreadable_or_empty_nodefile_is_an_error(tmp_path):
     with pytest.raises(LauncherError, match="PBS_NODEFILE"):
-        detect_launcher({"PBS_JOBID": "1", "PBS_NODEFILE": str(tmp_path / "missing")})
+        launch_info({"PBS_JOBID": "1", "PBS_NODEFILE": str(tmp_path / "missing")})
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(LauncherError, match="is empty"):
-        detect_launcher({"PBS_JOBID": "1", "PBS_NODEFILE": str(tmp_path / "empty")})
+        launch_info({"PBS_JOBID": "1", "PBS_NODEFILE": str(tmp_path / "empty")})
 
 
 @pytest.mark.parametrize("env,port", [
@@ -111,7 +111,7 @@ def test_jobs_on_one_node_get_different_ports():
 ])
 def test_inconsistent_environment_is_a_clear_error(env, message):
     with pytest.raises(LauncherError, match=message):
-        detect_launcher(env)
+        launch_info(env)
 
 
 @pytest.mark.parametrize("hostlist,hosts", [

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, clean_env, free_port, read_summary, run, torchrun
+from tests.helpers import PYTHON, REPO, clean_env, free_port, load_script, read_summary, run, torchrun
 from tests.launcher_tools import need_root, need_tools, openmpi_env, unavailable
 
 TRAIN = REPO / "06_multinode" / "train.py"
@@ -69,6 +69,21 @@ def test_torchrun_two_nodes_c10d_agrees_with_one_node(tmp_path):
     assert two["replica_checksums"] == one["replica_checksums"]
     banner = (tmp_path / "node0.log").read_text() + (tmp_path / "node1.log").read_text()
     assert re.search(r"^\s+1\s+0\s+\S+\s+cpu$", banner, re.M), "placement table row for rank 1 missing"
+
+
+def test_placement_table_warns_when_two_ranks_share_a_gpu(capsys):
+    """Two torchruns started on one node (a classic mistake) put two ranks on each of its GPUs."""
+    train = load_script("06_multinode/train.py", "multinode_train")
+    train.print_placement([dict(host="gpu1", rank=0, local_rank=0, device="cuda:0"),
+                           dict(host="gpu1", rank=1, local_rank=0, device="cuda:0"),
+                           dict(host="gpu2", rank=2, local_rank=0, device="cuda:0"),
+                           dict(host="gpu2", rank=3, local_rank=1, device="cuda:1")])
+    out = capsys.readouterr().out
+    assert re.search(r"^\s+1\s+0\s+gpu1\s+cuda:0$", out, re.M)
+    assert "4 ranks on 2 host(s): gpu1, gpu2" in out
+    assert out.count("WARNING") == 1 and "WARNING: ranks [0, 1] share cuda:0 on gpu1" in out
+    train.print_placement([dict(host="vm", rank=r, local_rank=r, device="cpu") for r in range(2)])
+    assert "WARNING" not in capsys.readouterr().out  # CPU processes share the cores by design
 
 
 @pytest.mark.parametrize("flavour", ["openmpi", "mpich"])

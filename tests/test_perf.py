@@ -1,229 +1,362 @@
-"""Performance knobs of the training examples, the --no-ddp baseline, the step profile and the benchmark."""
+"""benchmark/train.py, the script with every performance knob, and benchmark/benchmark.py.
+
+Every knob is read back from summary.json's "perf" (taken from the objects the script built) or
+watched from outside while the script trains: one real 2-rank torchrun with most knobs combined,
+the rest in this process as a world of one (gloo on loopback), where spies watch the comm hook,
+the GradScaler, the all-reduces and torch.compile.
+"""
 
 from __future__ import annotations
 
 import csv
-import functools
 import math
+import re
+import shutil
 import sys
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from common.config import TrainConfig, load_config
-from common.dist import DistContext
+from common.config import parse_config
 from common.errors import ConfigError
 from common.launcher import LaunchInfo
 from common.models import SmallCNN
-from common.perf import COMM_HOOKS, NoDDP, check_perf_config, loader_kwargs, unwrap
-from tests.helpers import PYTHON, REPO, load_script, read_summary, run, torchrun
+from tests.cifar_files import write_cifar10
+from tests.helpers import PYTHON, REPO, clean_env, free_port, load_script, read_summary, run, torchrun
 
+# benchmark/train.py imports its helpers as `perf` (its own folder is on sys.path when it runs); here
+# they are registered under that name instead, so this file puts no folder with a train.py on sys.path.
+perf = sys.modules["perf"] = load_script("benchmark/perf.py", "perf")
+
+SCRIPT = "benchmark/train.py"
 CPU = torch.device("cpu")
 SMALL = ["--epochs", "1", "--batch-size", "8", "--log-every", "1000"]
+FAKE = ["--dataset", "fake", "--image-size", "8"]  # 3 channels: channels_last differs from the default layout
+HAS_C_COMPILER = any(shutil.which(cc) for cc in ("cc", "gcc", "clang"))
 
-
-def load_train_module():
-    return load_script("01_basic_ddp/train.py", "basic_ddp_train")
+train_script = load_script(SCRIPT, "benchmark_train")
 
 
 @pytest.fixture
-def one_rank():
-    """A one-process gloo group in this process, so 01's train() can run under test instrumentation."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    info = LaunchInfo("single", 0, 0, 1, 1, "127.0.0.1", 0)
-    try:
-        yield DistContext(info, CPU, "gloo", "test")
-    finally:
+def here():
+    """Run the script's train() in this process as rank 0 of 1; returns summary.json."""
+    def train_here(output_dir, *flags) -> dict:
+        cfg = parse_config(train_script.PerfConfig, [*SMALL, "--output-dir", str(output_dir), *flags])
+        train_script.train(cfg, LaunchInfo("single", 0, 0, 1, 1, "127.0.0.1", free_port()))
+        return read_summary(output_dir)
+
+    yield train_here
+    if dist.is_initialized():  # a failed run left its group behind
         dist.destroy_process_group()
 
 
-def train_in_process(ctx, tmp_path, *flags):
-    cfg = load_config(TrainConfig, [*SMALL, "--output-dir", str(tmp_path), *flags])
-    load_train_module().train(cfg, ctx)
-    return read_summary(tmp_path)
+def error_lines(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
 
 
-# --- knobs reach what they configure ---------------------------------------------------------------
+# --- the knobs, read back ---------------------------------------------------------------------------
 
-def test_knobs_reach_ddp_under_torchrun(tmp_path):
-    """2 ranks: hook, bucket size, bucket views, static graph, channels_last weights, fp16 + GradScaler."""
-    torchrun("01_basic_ddp/train.py", *SMALL, "--dataset", "fake", "--image-size", "16", "--max-steps", "3",
-             "--channels-last", "--precision", "fp16", "--comm-hook", "fp16_compress", "--bucket-cap-mb", "1",
-             "--gradient-as-bucket-view", "--static-graph", "--output-dir", str(tmp_path), timeout=180)
-    s = read_summary(tmp_path)
-    perf = s["perf"]
-    assert perf["ddp"] == "DistributedDataParallel"
-    assert perf["ddp_comm_hook"] == "fp16_compress_hook"
-    assert perf["ddp_bucket_cap_bytes"] == 1024 * 1024
-    assert perf["ddp_gradient_as_bucket_view"] is True and perf["ddp_static_graph"] is True
-    assert perf["ddp_find_unused_parameters"] is False
-    assert perf["channels_last_weights"] is True
-    assert perf["grad_scaler_enabled"] is True and perf["grad_scale"] > 1
-    assert s["replicas_identical"] and math.isfinite(s["final_train_loss"])
-
-
-def test_knobs_reach_ddp_under_spawn(tmp_path):
-    result = run([PYTHON, REPO / "01_basic_ddp" / "train_spawn.py", "--nprocs", "2", *SMALL, "--max-steps", "2",
-                  "--precision", "bf16", "--comm-hook", "bf16_compress", "--find-unused-parameters",
-                  "--bucket-cap-mb", "2", "--output-dir", tmp_path], timeout=180, check=True)
-    perf = read_summary(tmp_path)["perf"]
-    assert perf["ddp_comm_hook"] == "bf16_compress_hook", result.output
-    assert perf["ddp_find_unused_parameters"] is True
-    assert perf["ddp_bucket_cap_bytes"] == 2 * 1024 * 1024
-    assert perf["grad_scaler_enabled"] is False  # bf16 needs no loss scaling
-
-
-def test_defaults_leave_ddp_plain(one_rank, tmp_path):
-    perf = train_in_process(one_rank, tmp_path, "--max-steps", "1")["perf"]
-    assert perf["ddp_comm_hook"] is None and perf["ddp_bucket_cap_bytes"] == 25 * 1024 * 1024
-    assert not (perf["ddp_static_graph"] or perf["ddp_gradient_as_bucket_view"] or perf["compiled"])
-    assert perf["grad_scaler_enabled"] is False
-
-
-def test_channels_last_inputs_reach_the_model(one_rank, tmp_path, monkeypatch):
-    train = load_train_module()
-    seen = []
-
-    class Recorder(SmallCNN):
-        def forward(self, x):
-            seen.append(x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous())
-            return super().forward(x)
-
-    monkeypatch.setattr(train, "build_model", lambda name, classes, channels, size: Recorder(channels, classes))
-    for flags, expected in (([], False), (["--channels-last"], True)):
-        seen.clear()
-        cfg = load_config(TrainConfig, [*SMALL, "--dataset", "fake", "--image-size", "8", "--max-steps", "2",
-                                        "--output-dir", str(tmp_path), *flags])
-        train.train(cfg, one_rank)
-        assert seen and set(seen) == {expected}, flags  # training and evaluation batches alike
+def test_every_knob_on_two_ranks(tmp_path):
+    """fp16 + GradScaler, channels_last, fp16 hook, 1 MiB buckets, bucket views, static graph, loader
+    settings, step profile, progress lines and TensorBoard, under torchrun; on CIFAR-10-format files
+    through tests/perf_cifar.py (as the benchmark README's CIFAR figures were taken)."""
+    write_cifar10(tmp_path / "data" / "cifar10", per_batch=20, test_size=30)
+    out = tmp_path / "out"
+    result = torchrun("tests/perf_cifar.py", "run", SCRIPT, *SMALL, "--dataset", "cifar10", "--data-dir",
+                      str(tmp_path / "data"), "--image-size", "16", "--max-steps", "4", "--log-every", "2",
+                      "--device", "cpu", "--backend", "gloo", "--precision", "fp16", "--channels-last",
+                      "--comm-hook", "fp16_compress", "--bucket-cap-mb", "1", "--gradient-as-bucket-view",
+                      "--static-graph", "--num-workers", "1", "--prefetch-factor", "3", "--no-persistent-workers",
+                      "--profile-warmup", "1", "--profile-steps", "2", "--output-dir", str(out), timeout=240)
+    summary = read_summary(out)
+    assert summary["perf"] == {
+        "ddp": "DistributedDataParallel", "autocast_dtype": "float16", "grad_scaler_enabled": True,
+        "grad_scale": summary["perf"]["grad_scale"], "compiled": False,
+        "channels_last_weights": True, "channels_last_inputs": True,
+        "ddp_bucket_cap_bytes": 1024 * 1024, "ddp_gradient_as_bucket_view": True, "ddp_static_graph": True,
+        "ddp_find_unused_parameters": False, "ddp_comm_hook": "fp16_compress_hook",
+        "loader_num_workers": 1, "loader_pin_memory": False,  # pinning is for GPUs only
+        "loader_persistent_workers": False, "loader_prefetch_factor": 3}
+    assert summary["perf"]["grad_scale"] > 1
+    assert (summary["world_size"], summary["steps"], summary["backend"], summary["device"]) == (2, 4, "gloo", "cpu")
+    assert summary["replicas_identical"] and math.isfinite(summary["final_train_loss"])
+    profile = summary["profile"]
+    assert (profile["warmup_steps"], profile["steps"]) == (1, 2)
+    assert profile["median_s"]["step"] > 0 and profile["median_s"]["forward_backward"] > 0
+    assert profile["images_per_second"] > 0 and 0 <= profile["data_wait_fraction"] < 1
+    assert result.stdout.count("images/s") == 3 and "data-wait" in result.stdout  # 2 progress lines + epoch
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    keys = torch.load(out / "model.pt", weights_only=True).keys()
+    assert keys and not any(k.startswith("module.") for k in keys)
 
 
-@pytest.mark.parametrize("precision,scaled", [("fp16", True), ("bf16", False), ("fp32", False)])
-def test_grad_scaler_scales_the_loss_with_fp16_only(one_rank, tmp_path, monkeypatch, precision, scaled):
-    """On CPU this torch supports fp16 autocast, so fp16 runs here too, with a real GradScaler."""
-    calls = []
-    original = torch.amp.GradScaler.scale
+@pytest.mark.parametrize("precision,flags", [
+    ("fp32", []),
+    ("bf16", ["--comm-hook", "bf16_compress", "--find-unused-parameters", "--bucket-cap-mb", "2"]),
+    ("fp16", []),
+])
+def test_precision_scaler_and_hook_in_process(here, tmp_path, monkeypatch, precision, flags):
+    """bf16 and fp16 autocast run on CPU too; only fp16 scales the loss (65536 at first). The bf16 hook
+    is the one DDP calls for every bucket. fp32 is the default: every DDP setting as DDP's own."""
+    factors, hook_calls = [], []
+    real_scale, real_hook = torch.amp.GradScaler.scale, perf.COMM_HOOKS["bf16_compress"]
 
-    def spy(self, outputs):
-        result = original(self, outputs)
-        calls.append((outputs.dtype, float(result / outputs)))
+    def scale(self, outputs):
+        result = real_scale(self, outputs)
+        factors.append(float(result.detach() / outputs.detach()))
         return result
 
-    monkeypatch.setattr(torch.amp.GradScaler, "scale", spy)
-    summary = train_in_process(one_rank, tmp_path, "--max-steps", "2", "--precision", precision)
-    assert len(calls) == 2
-    factors = {factor for _, factor in calls}
-    assert (factors == {65536.0}) if scaled else (factors == {1.0})
-    assert summary["perf"]["grad_scaler_enabled"] is scaled
+    def bf16_compress_hook(state, bucket):
+        hook_calls.append(bucket.index())
+        return real_hook(state, bucket)
+
+    monkeypatch.setattr(torch.amp.GradScaler, "scale", scale)
+    monkeypatch.setitem(perf.COMM_HOOKS, "bf16_compress", bf16_compress_hook)
+    summary = here(tmp_path, *FAKE, "--max-steps", "2", "--precision", precision, *flags)
+    p = summary["perf"]
+    assert factors == [65536.0 if precision == "fp16" else 1.0] * 2
+    assert p["grad_scaler_enabled"] is (precision == "fp16")
+    assert p["autocast_dtype"] == {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
+    assert math.isfinite(summary["final_train_loss"])
+    if precision == "bf16":
+        assert len(hook_calls) >= 2 and p["ddp_comm_hook"] == "bf16_compress_hook"
+        assert p["ddp_find_unused_parameters"] is True and p["ddp_bucket_cap_bytes"] == 2 * 1024 * 1024
+    if precision == "fp32":
+        assert p == {"ddp": "DistributedDataParallel", "autocast_dtype": "float32", "grad_scaler_enabled": False,
+                     "grad_scale": None, "compiled": False, "channels_last_weights": False,
+                     "channels_last_inputs": False, "ddp_bucket_cap_bytes": 25 * 1024 * 1024,
+                     "ddp_gradient_as_bucket_view": False, "ddp_static_graph": False,
+                     "ddp_find_unused_parameters": False, "ddp_comm_hook": None, "loader_num_workers": 0,
+                     "loader_pin_memory": False, "loader_persistent_workers": False, "loader_prefetch_factor": None}
+        assert summary["profile"] == {"warmup_steps": 5, "steps": 0, "median_s": None,
+                                      "images_per_second": summary["profile"]["images_per_second"],
+                                      "data_wait_fraction": summary["profile"]["data_wait_fraction"]}
+        base = set(read_summary_keys_of_01())
+        assert set(summary) == base | {"perf", "profile"}
 
 
-def test_compile_wraps_the_module_before_ddp(one_rank, tmp_path, monkeypatch):
-    """torch.compile with its 'eager' backend: the same wrapping, without minutes of C++ compilation."""
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
-    summary = train_in_process(one_rank, tmp_path, "--max-steps", "1", "--compile")
-    assert summary["perf"]["compiled"] is True
-    # model.pt holds the plain module's weights: loads into an uncompiled SmallCNN.
-    state = torch.load(tmp_path / "model.pt", weights_only=True)
-    SmallCNN(1, 10).load_state_dict(state)
+def read_summary_keys_of_01() -> list[str]:
+    """The keys 01_basic_ddp/train.py passes to write_summary (plus what write_summary adds)."""
+    source = (REPO / "01_basic_ddp" / "train.py").read_text()
+    call = source[source.index("write_summary(cfg.output_dir"):]
+    call = call[:call.index("dist.destroy_process_group")]
+    return re.findall(r"(\w+)=", call) + ["replica_checksums", "replicas_identical"]
 
 
-def count_all_reduces(ctx, tmp_path, *flags) -> int:
+def count_all_reduces(here, output_dir, *flags) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        train_in_process(ctx, tmp_path, *flags)
+        here(output_dir, *flags)
     return sum(e.name == "gloo:all_reduce" for e in prof.events())
 
 
-def test_no_ddp_baseline_performs_no_gradient_all_reduce(one_rank, tmp_path):
-    """All-reduces counted by the profiler: DDP adds at least one per step, --no-ddp none
-    (what remains are the per-epoch metric sums, the same whatever the number of steps)."""
-    ddp = [count_all_reduces(one_rank, tmp_path / f"d{n}", "--max-steps", str(n)) for n in (2, 6)]
-    base = [count_all_reduces(one_rank, tmp_path / f"n{n}", "--max-steps", str(n), "--no-ddp") for n in (2, 6)]
-    assert ddp[1] - ddp[0] >= 4
+def test_no_ddp_baseline_makes_no_gradient_all_reduce(here, tmp_path):
+    """All-reduces counted by the profiler: DDP adds at least one per step, --no-ddp none (what remains
+    are the per-epoch sums, the same whatever the number of steps)."""
+    flags = ["--batch-size", "64"]  # digits: few ops to profile
+    ddp = [count_all_reduces(here, tmp_path / f"ddp{n}", *flags, "--max-steps", str(n)) for n in (1, 3)]
+    base = [count_all_reduces(here, tmp_path / f"base{n}", *flags, "--no-ddp", "--max-steps", str(n)) for n in (1, 3)]
+    assert ddp[1] - ddp[0] >= 2
     assert base[0] == base[1] and base[0] < ddp[0]
-    assert read_summary(tmp_path / "n6")["perf"]["ddp"] == "NoDDP"
+    perf_of = read_summary(tmp_path / "base3")["perf"]
+    assert perf_of["ddp"] == "NoDDP" and perf_of["ddp_comm_hook"] is None and perf_of["ddp_bucket_cap_bytes"] is None
 
 
-# --- configuration ----------------------------------------------------------------------------------
+def test_compile_in_place_before_the_wrap(here, tmp_path, monkeypatch):
+    """model.compile() traces the module that DDP then wraps; no wrapper module, so model.pt's keys are
+    the plain module's. A counting backend stands in for inductor (no C++ compilation here)."""
+    graphs, built = [], []
+    real_compile, real_build = torch.compile, train_script.build_model
 
-def test_no_ddp_flag_switches_the_baseline_on():
-    assert load_config(TrainConfig, ["--no-ddp"]).no_ddp is True
-    assert load_config(TrainConfig, []).no_ddp is False
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
 
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **{**kw, "backend": counting_backend}))
+    monkeypatch.setattr(train_script, "build_model", lambda *a, **kw: built.append(real_build(*a, **kw)) or built[-1])
+    summary = here(tmp_path, "--max-steps", "2", "--compile")
+    assert graphs and type(built[0]) is SmallCNN
+    assert summary["perf"]["compiled"] is True and summary["perf"]["ddp"] == "DistributedDataParallel"
+    SmallCNN(1, 10).load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+
+
+@pytest.mark.skipif(not HAS_C_COMPILER, reason="torch.compile's inductor needs a C compiler on CPU")
+def test_compile_with_inductor(tmp_path):
+    """The real thing, one process: train and evaluation batches of 359 (one shape each, few compilations)."""
+    result = run([PYTHON, REPO / SCRIPT, "--epochs", "1", "--max-steps", "1", "--batch-size", "359", "--compile",
+                  "--output-dir", tmp_path], timeout=420, env=clean_env(OMP_NUM_THREADS="2", TORCH_LOGS="graph_code"),
+                 check=True)
+    assert "TRACED GRAPH" in result.stderr  # dynamo traced the model
+    summary = read_summary(tmp_path)
+    assert summary["perf"]["compiled"] is True and math.isfinite(summary["final_train_loss"])
+    SmallCNN(1, 10).load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+
+
+# --- the step profile ---------------------------------------------------------------------------------
+
+class SlowLoader:
+    """Batches of 4 digits-sized images, each after a 30 ms wait."""
+
+    def __iter__(self):
+        for _ in range(6):
+            time.sleep(0.03)
+            yield torch.zeros(4, 1, 8, 8), torch.zeros(4, dtype=torch.long)
+
+
+class SlowModel(SmallCNN):
+    def forward(self, x):
+        time.sleep(0.02)
+        return super().forward(x)
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_step_profile_splits_each_step(one_rank_group):
+    """Known sleeps land in their parts: loader -> data_wait, forward -> forward_backward, between
+    backward and optimizer.step() -> exposed_comm, inside step() -> optimizer, after it -> other.
+    Warm-up steps are left out; a step without an optimizer step (GradScaler skip) has no such parts."""
+    model = SlowModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    optimizer.register_step_post_hook(lambda *args: time.sleep(0.01))  # runs inside the timed step()
+    timer = perf.StepTimer(model, optimizer, CPU, warmup=1, steps=4)
+    for i, (images, labels) in enumerate(timer.iterate(SlowLoader())):
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+        time.sleep(0.015)
+        if i != 3:  # step 4 (the 3rd profiled) skips the optimizer, as a GradScaler does on overflow
+            optimizer.step()
+        time.sleep(0.005)
+    assert len(timer.rows) == 4 and timer.index == 6
+    for row in timer.rows:
+        parts = dict(zip(perf.StepTimer.PARTS, row))
+        assert parts["data_wait"] >= 0.03 and parts["forward_backward"] >= 0.02
+        assert parts["step"] >= 0.07
+        if math.isnan(parts["optimizer"]):
+            assert math.isnan(parts["exposed_comm"]) and math.isnan(parts["other"])
+            continue
+        assert parts["exposed_comm"] >= 0.015 and parts["optimizer"] >= 0.01 and parts["other"] >= 0.005
+        assert sum(row[:-1]) == pytest.approx(parts["step"], rel=1e-9)
+    assert sum(math.isnan(row[3]) for row in timer.rows) == 1
+    profile = timer.profile()
+    assert profile["steps"] == 4 and profile["warmup_steps"] == 1
+    assert profile["median_s"]["exposed_comm"] >= 0.015  # the skipped step left out
+    assert timer.images == 24 and timer.wait_s >= 6 * 0.03  # since iterate() started
+    images_per_s, data_wait = timer.rates()
+    assert 0 < images_per_s < 24 / 0.18 and 0 < data_wait < 1
+
+
+# --- refusals -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flags,message", [
-    (["--no-ddp", "--comm-hook", "bf16_compress"], "comm_hook"),
-    (["--no-ddp", "--static-graph"], "static_graph"),
+    (["--no-ddp", "--comm-hook", "bf16_compress"], "ddp: comm_hook configure DDP"),
+    (["--no-ddp", "--static-graph", "--bucket-cap-mb", "5"], "ddp: bucket_cap_mb, static_graph configure DDP"),
+    (["--backend", "nccl", "--device", "cpu"], "backend: nccl needs CUDA tensors"),
+    (["--precision", "fp8"], "config key 'precision' must be one of fp32, bf16, fp16"),
 ])
-def test_ddp_settings_with_no_ddp_are_refused(flags, message):
+def test_bad_knob_combinations_are_refused(flags, message):
     with pytest.raises(ConfigError, match=message):
-        check_perf_config(load_config(TrainConfig, flags), CPU)
+        parse_config(train_script.PerfConfig, flags)
 
 
-def test_refusals_end_in_one_line_exit_2(tmp_path):
-    result = run([PYTHON, REPO / "01_basic_ddp/train.py", "--no-ddp", "--bucket-cap-mb", "5",
-                  "--output-dir", tmp_path], timeout=120)
-    assert result.returncode == 2, result.output[-3000:]
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: no_ddp: bucket_cap_mb configure DDP"), result.stderr
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refuses --device cuda only where there is no GPU")
+def test_cuda_without_a_gpu_is_refused():
+    with pytest.raises(ConfigError, match="device: cuda was asked for"):
+        parse_config(train_script.PerfConfig, ["--device", "cuda"])
 
 
 def test_compile_without_a_compiler_is_refused(monkeypatch):
-    monkeypatch.setattr("common.perf.shutil.which", lambda name: None)
+    monkeypatch.setattr(perf.shutil, "which", lambda name: None)
     with pytest.raises(ConfigError, match="C/C.. compiler"):
-        check_perf_config(load_config(TrainConfig, ["--compile"]), CPU)
+        parse_config(train_script.PerfConfig, ["--compile", "--device", "cpu"])
 
+
+def test_cpu_takes_bf16_and_fp16():
+    for precision in ("bf16", "fp16"):
+        cfg = parse_config(train_script.PerfConfig, ["--precision", precision, "--device", "cpu"])
+        assert cfg.precision == precision
+
+
+def test_refusals_are_one_line_and_exit_2_before_the_process_group(tmp_path):
+    result = torchrun(SCRIPT, "--no-ddp", "--bucket-cap-mb", "5", "--output-dir", str(tmp_path), timeout=120,
+                      check=False)
+    assert result.returncode != 0 and "exitcode  : 2" in result.stderr, result.output[-3000:]
+    assert error_lines(result) == ["error: ddp: bucket_cap_mb configure DDP, which --no-ddp leaves out "
+                                   "(drop them or drop --no-ddp)"], result.stderr
+    # torchrun prints its own ChildFailedError summary; the script itself shows no traceback.
+    assert 'train.py", line' not in result.output and not (tmp_path / "summary.json").exists()
+    result = run([PYTHON, REPO / SCRIPT, "--backend", "nccl", "--device", "cpu", "--output-dir", tmp_path],
+                 timeout=60)
+    assert result.returncode == 2 and len(error_lines(result)) == 1, result.output
+    assert "Traceback" not in result.output
+
+
+# --- helpers ----------------------------------------------------------------------------------------
 
 def test_loader_kwargs():
-    cfg = load_config(TrainConfig, ["--num-workers", "0"])
-    assert loader_kwargs(cfg, CPU) == {"num_workers": 0, "pin_memory": False}
-    cfg = load_config(TrainConfig, ["--num-workers", "3", "--prefetch-factor", "4", "--no-persistent-workers"])
-    assert loader_kwargs(cfg, torch.device("cuda", 0)) == {"num_workers": 3, "pin_memory": True,
-                                                           "persistent_workers": False, "prefetch_factor": 4}
+    cfg = parse_config(train_script.PerfConfig, ["--num-workers", "0"])
+    assert perf.loader_kwargs(cfg, CPU) == {"num_workers": 0, "pin_memory": False}
+    cfg = parse_config(train_script.PerfConfig, ["--num-workers", "3", "--prefetch-factor", "4",
+                                                 "--no-persistent-workers"])
+    assert perf.loader_kwargs(cfg, torch.device("cuda", 0)) == {"num_workers": 3, "pin_memory": True,
+                                                                "persistent_workers": False, "prefetch_factor": 4}
 
 
-def test_no_ddp_stand_in_and_unwrap():
+def test_no_ddp_stand_in():
     inner = SmallCNN()
-    model = NoDDP(inner)
+    model = perf.NoDDP(inner)
     with model.no_sync():
         out = model(torch.zeros(2, 1, 8, 8))
-    assert out.shape == (2, 10) and unwrap(model) is inner
-    assert COMM_HOOKS["bf16_compress"].__name__ == "bf16_compress_hook"
+    assert out.shape == (2, 10) and model.module is inner
+    assert perf.COMM_HOOKS["bf16_compress"].__name__ == "bf16_compress_hook"
 
 
 # --- the benchmark ----------------------------------------------------------------------------------
 
-def test_benchmark_world_sizes_1_and_2(tmp_path):
+def test_benchmark_table_and_sweep(tmp_path):
+    """World sizes 1 and 2, DDP and --no-ddp, one knob swept: 5 runs of benchmark/train.py."""
     out = tmp_path / "bench"
     result = run([PYTHON, REPO / "benchmark" / "benchmark.py", "--world-sizes", "1,2", "--batch-size", "16",
-                  "--warmup", "2", "--steps", "3", "--sweep", "--sweep-knobs", "bf16_compress",
-                  "--output-dir", out], timeout=300, check=True)
+                  "--warmup", "1", "--steps", "2", "--sweep", "--sweep-knobs", "bf16_compress",
+                  "--output-dir", out], timeout=420, check=True)
+    bench = load_script("benchmark/benchmark.py", "benchmark_main")
+    assert bench.BenchConfig.__dataclass_fields__["script"].default == SCRIPT
     with (out / "scaling.csv").open() as f:
         rows = list(csv.DictReader(f))
-    sys.path.insert(0, str(REPO / "benchmark"))
-    from benchmark import SCALING_COLUMNS, SWEEP_COLUMNS
-
-    assert list(rows[0]) == SCALING_COLUMNS
+    assert list(rows[0]) == bench.SCALING_COLUMNS
     assert [int(r["world_size"]) for r in rows] == [1, 2]
     one = float(rows[0]["images_per_s"])
     for r in rows:
         n, ips = int(r["world_size"]), float(r["images_per_s"])
         assert float(r["scaling_efficiency"]) == pytest.approx(ips / (n * one), rel=1e-9)
         assert float(r["images_per_s_per_rank"]) == pytest.approx(ips / n, rel=1e-9)
-        parts = [float(r[c]) for c in ("data_wait_ms", "forward_backward_ms", "exposed_comm_ms", "optimizer_ms")]
+        assert ips == pytest.approx(16 * n / (float(r["step_ms"]) / 1000), rel=1e-9)
+        parts = [float(r[f"{part}_ms"]) for part in bench.PARTS]
         assert all(p >= 0 for p in parts) and float(r["step_ms"]) > 0 and float(r["no_ddp_images_per_s"]) > 0
     with (out / "sweep.csv").open() as f:
         sweep = list(csv.DictReader(f))
-    assert list(sweep[0]) == SWEEP_COLUMNS and [s["knob"] for s in sweep] == ["default", "bf16_compress"]
+    assert list(sweep[0]) == bench.SWEEP_COLUMNS and [s["knob"] for s in sweep] == ["default", "bf16_compress"]
     assert float(sweep[1]["images_per_s_ratio"]) == pytest.approx(
         float(sweep[1]["images_per_s"]) / float(sweep[0]["images_per_s"]), rel=1e-9)
     assert read_summary(out / "ws2_bf16_compress_r0")["perf"]["ddp_comm_hook"] == "bf16_compress_hook"
-    assert read_summary(out / "ws2_noddp_r0")["perf"]["ddp"] == "NoDDP"
+    no_ddp = read_summary(out / "ws2_noddp_r0")
+    assert no_ddp["perf"]["ddp"] == "NoDDP"
+    assert no_ddp["replicas_identical"] is False  # no gradient communication: the replicas drift apart
+    median = no_ddp["profile"]["median_s"]
+    assert median["exposed_comm"] < 0.25 * median["step"]  # nothing to wait for after the last gradient
+    assert read_summary(out / "ws2_ddp_r0")["replicas_identical"] is True
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert "scaling_efficiency" in result.stdout and "sweep at world size 2" in result.stdout
 
 
-def test_benchmark_needs_world_size_1(tmp_path):
-    result = run([PYTHON, REPO / "benchmark" / "benchmark.py", "--world-sizes", "2,4", "--output-dir", tmp_path],
-                 timeout=60)
-    assert result.returncode == 2 and "must include 1" in result.stderr
+@pytest.mark.parametrize("flags,message", [
+    (["--world-sizes", "2,4"], "must include 1"),
+    (["--sweep", "--sweep-knobs", "turbo"], "sweep_knobs: unknown turbo"),
+])
+def test_benchmark_refuses_bad_input(tmp_path, flags, message):
+    result = run([PYTHON, REPO / "benchmark" / "benchmark.py", *flags, "--output-dir", tmp_path], timeout=60)
+    assert result.returncode == 2 and len(error_lines(result)) == 1 and message in result.stderr, result.output

@@ -160,6 +160,13 @@ def test_weighted_sampler_is_disjoint_and_balanced(tmp_path):
     assert s["epochs"][0]["indices"] != s["epochs"][1]["indices"]  # set_epoch: new draws each epoch
 
 
+def test_weighted_sampler_needs_labels_it_can_read(tmp_path):
+    result = run([PYTHON, REPO / DIR / "weighted_sampler.py", "--dataset", "fake", "--output-dir", tmp_path],
+                 timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("error: dataset: fake does not list its labels") and result.stderr.count("\n") == 1
+
+
 # ---------------------------------------------------------------- 5. sharded loading
 
 def test_each_rank_opens_only_its_own_shards(tmp_path):
@@ -248,10 +255,16 @@ def test_drop_last_runs_the_smallest_rank_count(tmp_path):
     assert s["replicas_identical"]
 
 
-def test_without_a_fix_uneven_inputs_time_out_with_a_clear_error(tmp_path):
-    result = torchrun(f"{DIR}/uneven_inputs.py", "--fix", "none", "--hang-timeout-s", "5", "--epochs", "1",
+def test_without_a_fix_uneven_inputs_time_out_naming_the_rank_that_never_arrived(tmp_path):
+    """Rank 1 runs out of batches and waits at the end-of-epoch barrier while rank 0 waits in its
+    next gradient all-reduce: at --timeout-s gloo's monitored_barrier names rank 0."""
+    result = torchrun(f"{DIR}/uneven_inputs.py", "--fix", "none", "--timeout-s", "5", "--epochs", "1",
                       "--output-dir", str(tmp_path), nproc=2, timeout=120, check=False)
+    out = result.output
     assert result.returncode != 0
-    assert "timed out after 5 s" in result.stderr and "uneven inputs" in result.stderr
-    assert "--fix join" in result.stderr
+    assert ("[rank1]: RuntimeError: Rank 1 successfully reached monitoredBarrier, but received errors while "
+            "waiting for send/recv from rank 0") in out, out[-3000:]
+    assert "Timed out waiting 5000ms" in out
+    rank1 = "\n".join(line for line in out.splitlines() if line.startswith("[rank1]:"))
+    assert "dist.monitored_barrier()" in rank1, rank1
     assert not (tmp_path / "summary.json").exists()

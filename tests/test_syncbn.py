@@ -1,6 +1,7 @@
 """04_syncbn: synchronized BatchNorm on 2 ranks equals BatchNorm in one process on the full batch.
 
 Real torchrun, gloo, CPU: the script selects CpuSyncBatchNorm (nn.SyncBatchNorm is GPU-only).
+What the model holds when DDP wraps it is seen from outside the lesson (tests/ddp_probe.py).
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from tests.helpers import read_summary, torchrun
 
 SCRIPT = "04_syncbn/train.py"
 WORKER = "tests/syncbn_worker.py"
+PROBE = "tests/ddp_probe.py"
 TOLERANCE = 1e-5
 
 
-def worker(mode: str, tmp_path) -> dict:
-    result = torchrun(WORKER, mode, str(tmp_path), timeout=150)
+@pytest.fixture(scope="module")
+def math() -> dict:
+    result = torchrun(WORKER, timeout=150)
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     return json.loads(line[len("RESULT "):])
 
@@ -33,11 +36,6 @@ def relative_difference(a: dict, b: dict) -> float:
             continue
         worst = max(worst, ((a[k].double() - b[k].double()).norm() / b[k].double().norm()).item())
     return worst
-
-
-@pytest.fixture(scope="module")
-def math(tmp_path_factory):
-    return worker("math", tmp_path_factory.mktemp("syncbn_math"))
 
 
 def test_sync_batchnorm_on_two_ranks_equals_batchnorm_on_the_full_batch(math):
@@ -63,9 +61,14 @@ def test_one_all_reduce_per_layer_in_training_and_none_in_eval_mode(math):
 
 
 def test_conversion_happens_before_the_ddp_wrap(tmp_path):
-    result = worker("wrap", tmp_path)
+    """The probe records the BatchNorm classes of each model the lesson hands to DDP."""
+    result_file = tmp_path / "probe.json"
+    torchrun(PROBE, str(result_file), SCRIPT, "--batch-norm", "compare", "--max-steps", "1",
+             "--output-dir", str(tmp_path / "out"), timeout=150)
+    probe = json.loads(result_file.read_text())
     # compare mode: the plain run wraps BatchNorm2d, the sync run wraps the converted layers only.
-    assert result["norm_classes_at_wrap"] == [["BatchNorm2d"], ["CpuSyncBatchNorm"]]
+    assert probe["wrapped"] == [["BatchNorm2d"], ["CpuSyncBatchNorm"]]
+    assert probe["passes_per_step"] == [1, 1]  # one gradient all-reduce pass per step, as in 01
 
 
 def test_script_sync_run_equals_one_process_and_plain_run_does_not(tmp_path):
@@ -73,10 +76,13 @@ def test_script_sync_run_equals_one_process_and_plain_run_does_not(tmp_path):
     two, one = tmp_path / "two_ranks", tmp_path / "one_process"
     result = torchrun(SCRIPT, "--batch-norm", "compare", "--batch-size", "4", "--max-steps", "3",
                       "--output-dir", str(two), timeout=180)
-    assert "selected on CPU: nn.SyncBatchNorm is GPU-only" in result.stdout
+    assert "sync: 2 x CpuSyncBatchNorm, statistics over 8 samples per channel" in result.stdout
+    assert "plain: 2 x BatchNorm2d, statistics over 4 samples per channel" in result.stdout
     torchrun(SCRIPT, "--batch-norm", "plain", "--batch-size", "8", "--max-steps", "3",
              "--output-dir", str(one), nproc=1, timeout=120)
-    runs = read_summary(two)["runs"]
+    summary = read_summary(two)
+    runs = summary["runs"]
+    assert summary["norm_layer"] == "CpuSyncBatchNorm" and summary["replicas_identical"]  # top level: the sync run
     assert runs["sync"]["norm_layer"] == "CpuSyncBatchNorm" and runs["sync"]["normalized_over"] == 8
     assert runs["plain"]["norm_layer"] == "BatchNorm2d" and runs["plain"]["normalized_over"] == 4
     assert runs["sync"]["steps"] == runs["plain"]["steps"] == 3

@@ -1,0 +1,99 @@
+"""01 - the baseline: the same training in one process, without DDP.
+
+`diff train_single.py train.py` shows exactly what DDP adds: the process group, the sampler
+that shards the data, the wrap, the all-reduced metrics, rank-0-only output.
+
+    python 01_basic_ddp/train_single.py
+"""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, RandomSampler
+
+from common.config import TrainConfig, load_config
+from common.data import check_data, load_datasets
+from common.models import build_model
+from common.report import write_summary
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Loss and accuracy over the whole test set, from sums and a count."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    for images, labels in loader:
+        images, labels = images.to(device), labels.to(device)
+        logits = model(images)
+        totals += torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
+                               (logits.argmax(1) == labels).sum(), torch.tensor(len(labels), device=device)])
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum / count, correct / count, int(count)
+
+
+def train(cfg):
+    start_time = time.perf_counter()
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    torch.manual_seed(cfg.seed)
+
+    data = load_datasets(cfg, rank=0)
+    # The same permutations as the DDP script with one process (randperm seeded with seed + epoch).
+    shuffle = torch.Generator()
+    train_sampler = RandomSampler(data.train, generator=shuffle)
+    train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=train_sampler,
+                              num_workers=cfg.num_workers, pin_memory=device.type == "cuda")
+    test_loader = DataLoader(data.test, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
+
+    model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+    print(f"one process on {device}, batch {cfg.batch_size}, train {len(data.train)}", flush=True)
+    step, images_seen = 0, 0
+    for epoch in range(cfg.epochs):
+        shuffle.manual_seed(cfg.seed + epoch)  # a new shuffle each epoch
+        model.train()
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum and sample count
+        for images, labels in train_loader:
+            images, labels = images.to(device), labels.to(device)
+            loss = F.cross_entropy(model(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            images_seen += len(labels)
+            loss_sum[0] += loss.detach() * len(labels)
+            loss_sum[1] += len(labels)
+            if step % cfg.log_every == 0:
+                print(f"epoch {epoch + 1} step {step} loss {loss.item():.4f}", flush=True)
+            if step == cfg.max_steps:
+                break
+        train_loss = (loss_sum[0] / loss_sum[1]).item()
+        eval_loss, eval_acc, eval_count = evaluate(model, test_loader, device)
+        print(f"epoch {epoch + 1} done: train loss {train_loss:.4f}, eval loss {eval_loss:.4f}, "
+              f"eval accuracy {eval_acc:.4f} ({eval_count} images)", flush=True)
+        if step == cfg.max_steps:
+            break
+
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), Path(cfg.output_dir) / "model.pt")
+    elapsed = time.perf_counter() - start_time
+    write_summary(cfg.output_dir, world_size=1, launcher="none", backend="none",
+                  global_batch_size=cfg.batch_size, images_per_second=images_seen / elapsed,
+                  device=str(device), local_batch_size=cfg.batch_size, lr=cfg.lr, epochs=epoch + 1, steps=step,
+                  final_train_loss=train_loss, eval_loss=eval_loss, eval_accuracy=eval_acc, eval_samples=eval_count,
+                  wall_time_s=elapsed)
+
+
+def main():
+    cfg = load_config(TrainConfig)  # bad input (here and below): one "error:" line, exit code 2
+    check_data(cfg, world_size=1)
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()

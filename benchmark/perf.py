@@ -1,0 +1,255 @@
+"""Helpers of benchmark/train.py, the script with every performance knob.
+
+The knob lines themselves (autocast, GradScaler, channels_last, model.compile(), the DDP
+arguments, register_comm_hook) stay visible in benchmark/train.py. Here live only:
+
+    check_knobs(cfg)                      bad combinations: a ConfigError, before any process group
+    device_type(cfg)                      "cuda" or "cpu", from --device auto/cpu/cuda
+    AMP_DTYPES[cfg.precision]             the autocast dtype
+    COMM_HOOKS[cfg.comm_hook]             torch's default_hooks.bf16/fp16_compress_hook
+    loader_kwargs(cfg, device)            DataLoader input-pipeline settings from the config
+    NoDDP(model)                          the --no-ddp baseline: DDP's interface, no communication
+    StepTimer                             images/s, data wait and (--profile-steps) where a step's time goes
+    perf_settings(...)                    what the knobs set, read back from the objects (summary.json)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import shutil
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from common.errors import ConfigError
+
+AMP_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Each hook casts a gradient bucket to 16 bits, all-reduces it, and casts back: half the bytes on the wire.
+COMM_HOOKS = {"none": None,
+              "bf16_compress": default_hooks.bf16_compress_hook,
+              "fp16_compress": default_hooks.fp16_compress_hook}
+
+# Settings that configure DDP, and so mean nothing with --no-ddp.
+DDP_ONLY = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters", "comm_hook")
+
+
+def device_type(cfg) -> str:
+    """--device auto: cuda where there is a GPU, else cpu."""
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.device
+
+
+def check_knobs(cfg) -> None:
+    """Refuse settings that cannot work here, with the fix in the message (ConfigError)."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: cuda was asked for but this machine has no usable CUDA GPU "
+                          "(use --device auto or cpu)")
+    kind = device_type(cfg)
+    if cfg.backend == "nccl" and kind != "cuda":
+        raise ConfigError("backend: nccl needs CUDA tensors but the device is cpu (use --backend gloo or auto)")
+    if cfg.backend == "nccl" and not dist.is_nccl_available():
+        raise ConfigError("backend: this PyTorch build has no nccl (use --backend auto)")
+    if cfg.precision != "fp32" and not torch.amp.is_autocast_available(kind):
+        raise ConfigError(f"precision: {cfg.precision} autocast is not available on {kind} (use --precision fp32)")
+    if cfg.precision == "bf16" and kind == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("precision: this GPU has no bf16 support (use --precision fp16, which adds a GradScaler)")
+    if not cfg.ddp:
+        defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+        changed = [k for k in DDP_ONLY if getattr(cfg, k) != defaults[k]]
+        if changed:
+            raise ConfigError(f"ddp: {', '.join(changed)} configure DDP, which --no-ddp leaves out "
+                              "(drop them or drop --no-ddp)")
+    if cfg.compile and kind == "cpu" and not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
+        raise ConfigError("compile: torch.compile on CPU needs a C/C++ compiler (install gcc) "
+                          "or run without --compile")
+
+
+def loader_kwargs(cfg, device: torch.device) -> dict:
+    """DataLoader settings for the input pipeline.
+
+    pin_memory only helps copies to a GPU; persistent_workers and prefetch_factor only
+    exist with worker processes (num_workers > 0).
+    """
+    kwargs = dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and device.type == "cuda")
+    if cfg.num_workers > 0:
+        kwargs.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
+    return kwargs
+
+
+class NoDDP(nn.Module):
+    """Stands in for DistributedDataParallel in the --no-ddp baseline.
+
+    Same `.module` and `no_sync()` as DDP, so the training loop is unchanged, but backward
+    communicates nothing: every rank trains its own replica on its own shard. The time
+    difference to a DDP run is the cost of gradient communication.
+    """
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield
+
+
+class StepTimer:
+    """Images/s and data wait for the progress lines; with `steps` > 0 also where each step's time goes.
+
+        timer = StepTimer(model.module, optimizer, device, warmup=5, steps=20)
+        for images, labels in timer.iterate(train_loader):   # the only change to the loop
+            ...                                               # forward, backward, optimizer step
+        images_per_s, data_wait = timer.rates()               # collective: since the epoch started
+        summary["profile"] = timer.profile()                  # collective
+
+    Nothing is called inside the step: `iterate` marks when a batch is requested and when it is in
+    hand, a post-accumulate-grad hook on every parameter marks the last gradient, and the
+    optimizer's step pre- and post-hooks mark the optimizer step. A step ends when the loop asks for
+    the next batch. The parts (seconds) of each profiled step:
+      data_wait         batch requested -> batch in hand (time inside next(loader));
+      forward_backward  batch in hand -> the last parameter gradient computed;
+      exposed_comm      last gradient computed -> optimizer.step() starts: DDP's backward() waits
+                        there for the buckets still being all-reduced, so this is the communication
+                        NOT hidden behind backward compute (about 0 with --no-ddp); with fp16 it also
+                        holds the GradScaler's unscale and overflow check;
+      optimizer         optimizer.step() itself;
+      other             after optimizer.step() -> next batch requested (GradScaler update, loss
+                        bookkeeping, progress lines);
+      step              batch requested -> next batch requested (the sum of the parts).
+    A part the step did not reach (a step the GradScaler skipped has no optimizer step) is left out.
+    On GPUs the marks are CUDA events (the GPU's time line), read after a synchronize per profiled step.
+    """
+
+    PARTS = ("data_wait", "forward_backward", "exposed_comm", "optimizer", "other", "step")
+    MARKS = ("request", "batch", "grad_ready", "step_start", "step_end", "end")
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                 warmup: int = 0, steps: int = 0):
+        self.device, self.warmup, self.steps = device, warmup, steps
+        self.cuda = device.type == "cuda"
+        self.index = 0  # steps finished, over all epochs
+        self.rows: list[list[float]] = []
+        self.marks: dict = {}
+        self.images, self.wait_s, self.started = 0, 0.0, time.perf_counter()
+        if steps > 0:
+            for p in module.parameters():
+                if p.requires_grad:  # the last call of a backward pass wins
+                    p.register_post_accumulate_grad_hook(lambda param: self._mark("grad_ready"))
+            optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._mark("step_start"))
+            optimizer.register_step_post_hook(lambda opt, args, kwargs: self._mark("step_end"))
+
+    def _active(self) -> bool:
+        return self.warmup <= self.index < self.warmup + self.steps
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _mark(self, name: str) -> None:
+        if self._active():
+            self.marks[name] = self._now()
+
+    def _seconds(self, a, b) -> float:
+        if a is None or b is None:
+            return math.nan
+        return a.elapsed_time(b) / 1000.0 if self.cuda else b - a
+
+    def iterate(self, loader):
+        """Yield the loader's batches, timing the wait for each (and each step, when profiling)."""
+        self.images, self.wait_s, self.started = 0, 0.0, time.perf_counter()
+        batches = iter(loader)
+        while True:
+            self.marks = {}
+            self._mark("request")
+            requested = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.wait_s += time.perf_counter() - requested
+            self.images += len(batch[0])
+            self._mark("batch")
+            yield batch  # the step runs here; a `break` ends it without a record
+            self._mark("end")
+            if self._active():
+                if self.cuda:
+                    torch.cuda.synchronize(self.device)
+                marks = [self.marks.get(name) for name in self.MARKS]
+                self.rows.append([self._seconds(a, b) for a, b in zip(marks, marks[1:])]
+                                 + [self._seconds(marks[0], marks[-1])])
+            self.index += 1
+
+    def rates(self) -> tuple[float, float]:
+        """Collective: (images/s over all ranks, fraction of time spent waiting for data) since the epoch started."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # GPU work is asynchronous: time it honestly
+        totals = torch.tensor([self.images, self.wait_s, time.perf_counter() - self.started],
+                              dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)  # sums over ranks
+        images, wait_s, elapsed_s = totals.tolist()
+        per_rank_s = elapsed_s / dist.get_world_size()
+        return (images / per_rank_s if per_rank_s else 0.0), (wait_s / elapsed_s if elapsed_s else 0.0)
+
+    def profile(self) -> dict:
+        """Collective when profiling: each part's median over the profiled steps of the mean over ranks
+        (median_s is None when profiling is off)."""
+        result = {"warmup_steps": self.warmup, "steps": 0, "median_s": None}
+        if self.steps == 0:
+            return result
+        count = torch.tensor([len(self.rows)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN)
+        n = int(count.item())  # every rank runs the same steps; be safe anyway
+        table = torch.tensor(self.rows[:n] or [[0.0] * len(self.PARTS)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(table)  # a part missing on any rank stays NaN and is left out
+        table = (table / dist.get_world_size()).cpu()
+        median = {}
+        for i, part in enumerate(self.PARTS):
+            values = [v for v in table[:n, i].tolist() if not math.isnan(v)]
+            median[part] = statistics.median(values) if values else None
+        return dict(result, steps=n, median_s=median if n else None)
+
+
+def perf_settings(model: nn.Module, scaler: torch.amp.GradScaler, loader, comm_hook, compiled: bool,
+                  logits: torch.Tensor, images: torch.Tensor) -> dict:
+    """What the performance knobs set, read back from the objects (summary.json's "perf").
+
+    `comm_hook` is the hook the script registered (None: DDP's own all-reduce), `compiled` whether it
+    called model.compile(), `logits` and `images` the last training step's output and input.
+    """
+    ddp = model if isinstance(model, DistributedDataParallel) else None
+    weights = [p for p in model.module.parameters() if p.dim() == 4]  # conv weights
+    return {
+        "ddp": type(model).__name__,
+        "autocast_dtype": str(logits.dtype).replace("torch.", ""),  # the forward pass's output dtype
+        "grad_scaler_enabled": scaler.is_enabled(),
+        "grad_scale": scaler.get_scale() if scaler.is_enabled() else None,
+        "compiled": compiled,
+        # A tensor with one channel is channels_last in either layout (digits' images, first conv).
+        "channels_last_weights": all(w.is_contiguous(memory_format=torch.channels_last) for w in weights)
+                                 if weights else None,
+        "channels_last_inputs": images.dim() == 4 and images.is_contiguous(memory_format=torch.channels_last),
+        "ddp_bucket_cap_bytes": ddp.bucket_bytes_cap if ddp else None,
+        "ddp_gradient_as_bucket_view": ddp.gradient_as_bucket_view if ddp else None,
+        "ddp_static_graph": ddp.static_graph if ddp else None,
+        "ddp_find_unused_parameters": ddp.find_unused_parameters if ddp else None,
+        "ddp_comm_hook": comm_hook.__name__ if comm_hook else None,
+        "loader_num_workers": loader.num_workers,
+        "loader_pin_memory": loader.pin_memory,
+        "loader_persistent_workers": loader.persistent_workers,
+        "loader_prefetch_factor": loader.prefetch_factor,
+    }

@@ -1,0 +1,72 @@
+"""Test-only failure injection, loaded by Python at start-up when this folder is on PYTHONPATH.
+
+The examples contain no test hooks: the tests put this folder on the PYTHONPATH of the
+processes they start, and Python imports `sitecustomize` from it. Real runs never see it.
+
+    DDP_TEST_FAIL_AT_STEP=N   fail right after this rank's N-th optimizer.step()
+    DDP_TEST_FAIL_RANK=R      the rank that fails (default 0)
+    DDP_TEST_FAIL_MODE=M      raise (RuntimeError, default), kill (SIGKILL itself) or hang (sleep)
+
+It registers a global optimizer step hook (torch.optim.optimizer.register_optimizer_step_post_hook)
+when torch.optim is first imported, so it works in every example without touching its loop.
+"""
+
+import importlib.abc
+import os
+import sys
+
+AT_STEP = os.environ.get("DDP_TEST_FAIL_AT_STEP", "")
+
+
+def _install() -> None:
+    import signal
+    import time
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    fail_rank, mode, steps = os.environ.get("DDP_TEST_FAIL_RANK", "0"), os.environ.get("DDP_TEST_FAIL_MODE", "raise"), []
+
+    def hook(optimizer, args, kwargs):
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or str(dist.get_rank()) != fail_rank:
+            return
+        steps.append(1)
+        if len(steps) != int(AT_STEP):
+            return
+        what = f"step {AT_STEP} on rank {fail_rank} (test injection, t={time.time():.2f})"
+        if mode == "raise":
+            raise RuntimeError(f"injected failure at {what}")
+        print(f"injecting {'SIGKILL' if mode == 'kill' else 'a hang'} at {what}", file=sys.stderr, flush=True)
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:
+            time.sleep(3600)
+
+    register_optimizer_step_post_hook(hook)
+
+
+class _AfterTorchOptim(importlib.abc.MetaPathFinder):
+    """Installs the hook right after torch.optim is imported (importing torch here would slow every
+    process the tests start, torchrun's own agent included)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch.optim":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        loader = spec.loader
+        original = loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            _install()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+if AT_STEP:
+    import importlib.util
+
+    sys.meta_path.insert(0, _AfterTorchOptim())

@@ -1,0 +1,171 @@
+"""Every numbered script reads as one short lesson: 01 plus its topic, the DDP lines visible in it,
+no machinery. Checked mechanically, as accelerate's example tests check its by-feature scripts.
+
+"Changed lines" between two files is `diff a b | grep -c '^[<>]'` (a replaced line counts twice,
+once removed and once added), except for the single-process baseline, whose budget counts what
+DDP adds: the lines of 01 that the baseline does not have.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+
+LESSON = REPO / "01_basic_ddp" / "train.py"
+BASELINE = REPO / "01_basic_ddp" / "train_single.py"
+# Budgets of changed lines against 01 (issue "Lessons first").
+BUDGETS = {"03_grad_accum/train.py": 90, "04_syncbn/train.py": 110, "05_checkpointing/train.py": 250,
+           "06_multinode/train.py": 80}
+TOPIC_SCRIPTS = sorted(BUDGETS)
+# Every script a user runs: the lessons, their side scripts, the performance script, the demos.
+ALL_SCRIPTS = sorted(p for pattern in ("0*/*.py", "benchmark/*.py", "debugging/*.py") for p in REPO.glob(pattern))
+SCRIPT_DIRS = ("common", "01_basic_ddp", "02_sampler_patterns", "03_grad_accum", "04_syncbn", "05_checkpointing",
+               "06_multinode", "benchmark", "debugging")
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines()
+
+
+def diff_lines(a: Path, b: Path) -> list[str]:
+    """The removed ('-') and added ('+') lines of a diff from a to b, without the file headers."""
+    diff = list(difflib.unified_diff(lines(a), lines(b), n=0, lineterm=""))[2:]
+    return [line for line in diff if line[:1] in "+-"]
+
+
+def diff_count(a: Path, b: Path) -> int:
+    return len(diff_lines(a, b))
+
+
+def functions(path: Path) -> dict[str, str]:
+    source = path.read_text()
+    tree = ast.parse(source)
+    return {node.name: ast.get_source_segment(source, node) for node in tree.body
+            if isinstance(node, ast.FunctionDef)}
+
+
+def test_diff_count_is_what_diff_prints(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_text("1\n2\n3\n4\n")
+    b.write_text("1\nTWO\n3\n4\n5\n")
+    assert diff_count(a, b) == 3  # 2 replaced (< and >), 5 added (>)
+
+
+def test_01_is_short_and_shows_every_ddp_line():
+    source = LESSON.read_text()
+    assert len(lines(LESSON)) <= 130
+    for visible in ('torch.device("cuda", launch.local_rank)', "torch.cuda.set_device(device)",
+                    "dist.init_process_group(", "DistributedSampler(", "train_sampler.set_epoch(epoch)",
+                    "model = DDP(model", "loss.backward()", "dist.all_reduce(totals)",
+                    "if launch.rank == 0:  # plain file I/O", "torch.save(model.module.state_dict()",
+                    "dist.destroy_process_group()", "@record"):
+        assert visible in source, visible
+    # The training loop (epochs, steps, evaluation) is short.
+    train = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "train")
+    epoch_loop = next(n for n in ast.walk(train) if isinstance(n, ast.For) and ast.unparse(n.target) == "epoch")
+    assert epoch_loop.end_lineno - epoch_loop.lineno + 1 <= 26
+    # At most five helper modules, one call each for what every script would copy.
+    helper_modules = set(re.findall(r"^from common\.(\w+) import", source, re.M))
+    assert helper_modules == {"config", "launcher", "data", "models", "report"}
+
+
+def test_the_baseline_differs_from_01_only_by_ddp():
+    added_by_ddp = sum(1 for line in diff_lines(BASELINE, LESSON) if line.startswith("+"))
+    assert added_by_ddp <= 70
+    baseline = BASELINE.read_text()
+    for ddp_only in ("torch.distributed", "DistributedDataParallel", "DistributedSampler", "launch."):
+        assert ddp_only not in baseline, ddp_only
+    # The shared parts are the same text: the loop body, the model, the optimizer.
+    for shared in ("loss = F.cross_entropy(model(images), labels)", "optimizer.zero_grad(set_to_none=True)",
+                   "model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)",
+                   "optimizer = torch.optim.SGD("):
+        assert shared in baseline and shared in LESSON.read_text(), shared
+
+
+@pytest.mark.parametrize("script", TOPIC_SCRIPTS)
+def test_each_lesson_is_01_plus_its_topic(script):
+    path = REPO / script
+    assert diff_count(LESSON, path) <= BUDGETS[script], f"diff 01 {script}: {diff_count(LESSON, path)} lines"
+    base, lesson = functions(LESSON), functions(path)
+    # Exact evaluation is the same code in every lesson.
+    assert lesson["evaluate"] == base["evaluate"]
+    # main() is 01's, with the lesson's own config class.
+    config_class = re.search(r"load_config\((\w+)\)", lesson["main"]).group(1)
+    assert lesson["main"].replace(config_class, "TrainConfig") == base["main"]
+    # The DDP lines of 01 appear verbatim.
+    source = path.read_text()
+    for line in ("    dist.init_process_group(backend, init_method=f\"tcp://{launch.master_addr}:{launch.master_port}\",",
+                 "    dist.destroy_process_group()"):
+        assert line in LESSON.read_text() and any(l.startswith(line) for l in source.splitlines()), (script, line)
+    assert "model = DDP(model, device_ids=[device.index] if device.type == \"cuda\" else None)" in source
+
+
+def test_the_budget_check_fails_on_a_drifted_copy(tmp_path):
+    """Negative control: a copy of 01 with a drifted evaluate() or a longer body is caught."""
+    drifted = tmp_path / "train.py"
+    drifted.write_text(LESSON.read_text().replace("model.eval()", "model.train(False)"))
+    assert functions(drifted)["evaluate"] != functions(LESSON)["evaluate"]
+    drifted.write_text(LESSON.read_text() + "\n".join(f"# padding {i}" for i in range(91)))
+    assert diff_count(LESSON, drifted) > BUDGETS["03_grad_accum/train.py"]
+
+
+@pytest.mark.parametrize("script", [p.relative_to(REPO).as_posix() for p in ALL_SCRIPTS
+                                    if "init_process_group" in p.read_text()])
+def test_scripts_that_start_a_process_group_report_failures_with_record(script):
+    """torchrun's summary shows a failing rank's exception only if main() is decorated with @record."""
+    source = (REPO / script).read_text()
+    tree = ast.parse(source)
+    main = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+    assert main and any(ast.unparse(d) == "record" for d in main[0].decorator_list), script
+    assert "from torch.distributed.elastic.multiprocessing.errors import record" in source
+
+
+PRIVATE_API = re.compile(r"(torch|dist|distributed_c10d|c10d|model|ddp)\._[a-z][a-z_]*")
+
+
+def test_no_private_torch_api():
+    found = []
+    for folder in SCRIPT_DIRS:
+        for path in sorted((REPO / folder).glob("*.py")):
+            for number, line in enumerate(lines(path), 1):
+                code = line.split("#")[0]
+                if PRIVATE_API.search(code):
+                    found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert found == []
+    assert PRIVATE_API.search("store = dist.distributed_c10d._get_default_store()")  # the check can fail
+
+
+def test_no_test_hooks_in_the_examples():
+    for folder in SCRIPT_DIRS:
+        for path in (REPO / folder).glob("*.py"):
+            text = path.read_text()
+            assert "DDP_TEST_" not in text and "DDP_EXAMPLES_" not in text, path
+            assert "os._exit" not in text, path
+
+
+COMMON = sorted((REPO / "common").glob("*.py"))
+
+
+def test_common_is_thin_with_one_concern_per_file_and_no_import_cycle():
+    assert sum(len(lines(p)) for p in COMMON) <= 600
+    imports = {p.stem: set(re.findall(r"^from common\.(\w+) import|^import common\.(\w+)", p.read_text(), re.M))
+               for p in COMMON}
+    graph = {name: {a or b for a, b in deps} for name, deps in imports.items()}
+    # Configuration validation imports neither data nor launcher code.
+    assert graph["config"] <= {"errors"}
+    # No cycle: repeatedly remove modules that import nothing left.
+    remaining = dict(graph)
+    while remaining:
+        leaves = [m for m, deps in remaining.items() if not (deps & remaining.keys())]
+        assert leaves, f"import cycle among {sorted(remaining)}"
+        for m in leaves:
+            del remaining[m]
+    # No module writes another module's globals (e.g. `common.dist.JOINED = ...`).
+    for path in COMMON:
+        assert not re.search(r"^\s*common\.\w+\.\w+\s*=", path.read_text(), re.M), path
