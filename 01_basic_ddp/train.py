@@ -1,14 +1,12 @@
 """01 - the minimal complete DDP training script.
 
-Every process (rank) holds a full replica of the model, reads its own disjoint shard of each
-epoch (DistributedSampler), and DDP averages gradients across ranks during backward(), so all
-replicas take the same optimizer step and stay identical. `diff train_single.py train.py` shows
-exactly what DDP adds to a one-process script.
-
-    torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py     # CPU, embedded digits data
-    mpiexec -n 2 python 01_basic_ddp/train.py                          # or srun, or on GPUs with nccl
+Every rank holds a full replica of the model and reads its own shard of each epoch (DistributedSampler);
+DDP averages gradients during backward(), so all replicas step alike and stay identical.
+`diff train_single.py train.py` shows exactly what DDP adds to a one-process script. Run it with
+`torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py` (or mpiexec, srun; nccl on GPUs).
 """
 
+import os
 import sys
 import time
 from datetime import timedelta
@@ -128,3 +126,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    os._exit(0)

@@ -16,6 +16,7 @@ code 75 (requeue me). `diff 01_basic_ddp/train.py train.py` shows exactly that.
 import dataclasses
 import itertools
 import signal
+import os
 import sys
 import time
 from datetime import timedelta
@@ -269,3 +270,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    os._exit(0)

@@ -14,6 +14,7 @@ or everything running on one host.
 Job files for Slurm and PBS are in jobs/; run 06_multinode/comm_check.py first on a new allocation.
 """
 import socket
+import os
 import sys
 import time
 from datetime import timedelta
@@ -159,3 +160,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    os._exit(0)

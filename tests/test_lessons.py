@@ -146,7 +146,12 @@ def test_no_test_hooks_in_the_examples():
         for path in (REPO / folder).glob("*.py"):
             text = path.read_text()
             assert "DDP_TEST_" not in text and "DDP_EXAMPLES_" not in text, path
-            assert "os._exit" not in text, path
+            # os._exit only to skip interpreter shutdown after a finished run (torch 2.14 + gloo can abort
+            # there: debugging/README.md), right after flushing stdout; never inside the library code.
+            for number, line in enumerate(text.splitlines(), 1):
+                if "os._exit" in line:
+                    assert folder != "common" and line == "    os._exit(0)", f"{path}:{number}"
+                    assert text.splitlines()[number - 2].startswith("    sys.stdout.flush()"), f"{path}:{number}"
 
 
 COMMON = sorted((REPO / "common").glob("*.py"))
