@@ -72,8 +72,9 @@ def gather_rows(rows, device):
     """Collective: every rank's rows, concatenated on rank 0 (None elsewhere), and the row count of each rank.
 
     dist.gather wants the same shape from every rank, and the slices differ by a row: share the counts, pad
-    to the longest, cut the padding off on rank 0. Tensors, not dist.gather_object: nothing is pickled, NCCL
-    moves them GPU to GPU, and only rank 0 holds them all (all_gather would put every row on every rank)."""
+    to the longest, cut the padding off on rank 0. dist.gather_object does the same to pickled bytes, so GPU
+    tensors would go to the host and back (its docs advise gather for tensors); all_gather would put every row
+    on every rank."""
     world_size = dist.get_world_size()
     counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
     dist.all_gather(counts, torch.tensor([len(rows)], dtype=torch.int64, device=device))
