@@ -6,6 +6,7 @@ numbers the scripts write against DistributedSampler itself, the formulas, and f
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from collections import Counter
@@ -133,7 +134,134 @@ def test_distributed_eval_equals_one_process(tmp_path, world_size):
         assert s["sampler_padded"]["count"] != n and s["sampler_drop_last"]["count"] != n
 
 
-# ---------------------------------------------------------------- 4. class-balanced sampler
+# ---------------------------------------------------------------- 4. per-sample predictions, gathered in order
+
+@pytest.fixture(scope="module")
+def predictions_setup(tmp_path_factory):
+    """A trained weights file (as 01 writes it) and the single-process predictions of those weights, made here."""
+    folder = tmp_path_factory.mktemp("weights")
+    torch.manual_seed(0)
+    model = SmallCNN(1, 10)
+    data = digits()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    images, labels = data.train.tensors
+    for step in range(40):  # enough that predictions vary across classes
+        batch = slice(32 * step, 32 * step + 32)
+        loss = F.cross_entropy(model(images[batch]), labels[batch])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    torch.save(model.state_dict(), folder / "model.pt")
+    model.eval()
+    test_images, test_labels = data.test.tensors
+    with torch.no_grad():
+        probabilities = model(test_images).softmax(1)  # one process, the whole test set in one batch
+    return folder / "model.pt", test_labels.tolist(), probabilities.argmax(1).tolist(), probabilities
+
+
+def read_predictions(path):
+    with open(path) as f:
+        return [dict(index=int(r["index"]), label=int(r["label"]), prediction=int(r["prediction"]),
+                     probabilities=[float(r[f"p_{c}"]) for c in range(10)]) for r in csv.DictReader(f)]
+
+
+def assert_rows_equal_one_process(rows, predictions_setup):
+    _, labels, predictions, probabilities = predictions_setup
+    assert [r["index"] for r in rows] == list(range(len(labels)))  # every sample once, in data-set order
+    assert [r["label"] for r in rows] == labels
+    assert [r["prediction"] for r in rows] == predictions  # row for row what one process predicts
+    for row in rows:
+        assert row["probabilities"] == pytest.approx(probabilities[row["index"]].tolist(), abs=1e-6)
+
+
+def macro_f1_by_precision_and_recall(labels, predictions):
+    """Independent of the script's formula: per class the harmonic mean of precision and recall."""
+    scores = []
+    for c in set(labels) | set(predictions):
+        tp = sum(1 for y, p in zip(labels, predictions) if y == p == c)
+        precision = tp / predictions.count(c) if predictions.count(c) else 0.0
+        recall = tp / labels.count(c) if labels.count(c) else 0.0
+        scores.append(2 * precision * recall / (precision + recall) if tp else 0.0)
+    return sum(scores) / len(scores)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_gathered_predictions_equal_one_process_row_for_row(tmp_path, predictions_setup, world_size):
+    weights, labels, predictions, _ = predictions_setup
+    result = torchrun(f"{DIR}/gather_predictions.py", "--weights", str(weights), "--output-dir", str(tmp_path),
+                      nproc=world_size, timeout=180)
+    n = len(labels)
+    assert_rows_equal_one_process(read_predictions(tmp_path / "predictions.csv"), predictions_setup)
+    s = read_summary(tmp_path)
+    assert s["rows_per_rank"] == [len(range(r, n, world_size)) for r in range(world_size)]
+    assert s["rows"] == n and s["repeated_indices"] == []
+    assert len(set(predictions)) > 5  # a real classifier, so the F1 check below means something
+    assert s["macro_f1"] == pytest.approx(macro_f1_by_precision_and_recall(labels, predictions), abs=1e-12)
+    assert f"macro-F1 {s['macro_f1']:.6f}" in result.stdout and "every index once" in result.stdout
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gathering_over_a_padded_distributed_sampler_repeats_samples(tmp_path, predictions_setup, world_size):
+    """Negative control: the same gather over DistributedSampler(drop_last=False) has ceil(N/W)*W rows."""
+    weights, labels, _, _ = predictions_setup
+    result = torchrun(f"{DIR}/gather_predictions.py", "--weights", str(weights), "--output-dir", str(tmp_path),
+                      "--padded", nproc=world_size, timeout=180)
+    n = len(labels)
+    padded_total = math.ceil(n / world_size) * world_size
+    rows = read_predictions(tmp_path / "predictions.csv")
+    assert len(rows) == padded_total == 360 != n
+    repeats = Counter(r["index"] for r in rows)
+    assert sorted(i for i, c in repeats.items() if c > 1) == list(range(padded_total - n))  # the first ones again
+    assert read_summary(tmp_path)["rows_per_rank"] == [math.ceil(n / world_size)] * world_size
+    assert f"{padded_total} rows for {n} images" in result.stdout
+    # Each row carries its index, so dropping rows whose index was seen before gives back the exact file.
+    seen, unique = set(), []
+    for r in rows:
+        if r["index"] not in seen:
+            seen.add(r["index"])
+            unique.append(r)
+    assert_rows_equal_one_process(unique, predictions_setup)
+
+
+def test_rank_0_sorts_by_index_and_refuses_a_missing_or_repeated_index():
+    in_dataset_order = load_script(f"{DIR}/gather_predictions.py", "gather_predictions").in_dataset_order
+    rows = torch.tensor([[2.0, 7.0], [0.0, 5.0], [1.0, 6.0]])  # index, then any columns; as ranks deliver them
+    assert in_dataset_order(rows, 3).tolist() == [[0.0, 5.0], [1.0, 6.0], [2.0, 7.0]]
+    for broken in (rows[:2], torch.cat([rows, rows[:1]])):  # index 1 missing; index 2 twice
+        with pytest.raises(RuntimeError, match="an index is missing or repeated"):
+            in_dataset_order(broken, 3)
+    assert in_dataset_order(torch.cat([rows, rows[:1]]), 3, each_once=False)[:, 0].tolist() == [0, 1, 2, 2]
+
+
+def test_gather_predictions_refuses_missing_or_unfitting_weights(tmp_path):
+    missing = run([PYTHON, REPO / DIR / "gather_predictions.py", "--weights", tmp_path / "none.pt",
+                   "--output-dir", tmp_path], timeout=120)
+    assert missing.returncode == 2 and missing.stdout == ""
+    assert missing.stderr.startswith("error: weights: no file") and missing.stderr.count("\n") == 1
+    assert "01_basic_ddp/train.py" in missing.stderr
+    torch.save(SmallCNN(1, 7).state_dict(), tmp_path / "seven_classes.pt")  # a head for 7 classes, not 10
+    unfitting = run([PYTHON, REPO / DIR / "gather_predictions.py", "--weights", tmp_path / "seven_classes.pt",
+                     "--output-dir", tmp_path], timeout=120)
+    assert unfitting.returncode == 2 and unfitting.stdout == ""
+    assert unfitting.stderr.startswith("error: weights:") and "does not fit --model small_cnn on digits" in unfitting.stderr
+    assert unfitting.stderr.count("\n") == 1 and "size mismatch" in unfitting.stderr
+
+
+def test_gather_predictions_refuses_weights_files_that_are_no_state_dict(tmp_path, capsys):
+    read_weights = load_script(f"{DIR}/gather_predictions.py", "gather_predictions").read_weights
+    (tmp_path / "notes.pt").write_text("not a checkpoint")
+    torch.save(torch.zeros(3), tmp_path / "tensor.pt")
+    torch.save({"fc.weight": torch.zeros(2)}, tmp_path / "state.pt")
+    assert set(read_weights(tmp_path / "state.pt")) == {"fc.weight"}  # a state_dict passes
+    for name, message in (("notes.pt", "error: weights: cannot read"), ("tensor.pt", "holds a Tensor, not a state_dict")):
+        with pytest.raises(SystemExit) as exit_info:
+            read_weights(tmp_path / name)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: weights:") and message in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- 5. class-balanced sampler
 
 TOLERANCE_ALL, TOLERANCE_RANK = 0.03, 0.06  # the README states these
 
@@ -167,7 +295,7 @@ def test_weighted_sampler_needs_labels_it_can_read(tmp_path):
     assert result.stderr.startswith("error: dataset: fake does not list its labels") and result.stderr.count("\n") == 1
 
 
-# ---------------------------------------------------------------- 5. sharded loading
+# ---------------------------------------------------------------- 6. sharded loading
 
 def test_each_rank_opens_only_its_own_shards(tmp_path):
     shards, w = tmp_path / "shards", 3
@@ -209,7 +337,7 @@ def test_sharded_loading_without_shards_is_a_one_line_error(tmp_path):
     assert result.stderr.strip().count("\n") == 0 and "prepare_shards.py" in result.stderr
 
 
-# ---------------------------------------------------------------- 6. uneven inputs
+# ---------------------------------------------------------------- 7. uneven inputs
 
 def per_step(summary):
     """{(epoch, step): [(gradient digest, weights digest) of each rank that ran that step]}."""
