@@ -113,7 +113,7 @@ def test_site_file_exports_and_loads_what_the_readme_lists(site, tmp_path):
 
 def test_your_own_values_and_the_switches_win(tmp_path):
     """A variable exported before keeps its value; the switches change what is exported or loaded."""
-    for sub in "abc":
+    for sub in "abcd":
         (tmp_path / sub).mkdir()
     exported, placement, calls = source_site("derecho", tmp_path / "a", NCCL_SOCKET_IFNAME="hsn0",
                                              MPIEXEC_BIND="", DERECHO_NCCL_OFI="1", DERECHO_MODULES="cuda")
@@ -121,8 +121,10 @@ def test_your_own_values_and_the_switches_win(tmp_path):
     assert exported["NCCL_NET"] == "AWS Libfabric" and placement["MPIEXEC_BIND"] == "" and calls == ["module load cuda"]
     exported, _, calls = source_site("polaris", tmp_path / "b", POLARIS_NCCL_OFI="0", POLARIS_CONDA_ENV="myenv")
     assert exported == {} and calls[-1] == "conda activate myenv"
-    exported, _, _ = source_site("polaris", tmp_path / "c", LD_LIBRARY_PATH="/mine")
-    assert exported["LD_LIBRARY_PATH"].endswith(":/mine")
+    exported, _, calls = source_site("polaris", tmp_path / "c", LD_LIBRARY_PATH="/mine", POLARIS_MODULES="conda/2025")
+    assert exported["LD_LIBRARY_PATH"].endswith(":/mine") and "module load conda/2025" in calls
+    _, _, calls = source_site("perlmutter", tmp_path / "d", PERLMUTTER_MODULES="pytorch/2.9 nccl")
+    assert calls == ["module load pytorch/2.9 nccl"]
 
 
 @pytest.mark.parametrize("site", sorted(SITE_JOBS))
@@ -304,6 +306,7 @@ def header_problems(site: str, block: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("path", SITE_FILES, ids=lambda p: p.name)
 def test_site_header_blocks_fit_the_site(path):
+    assert len(set(JOB_WALLTIME_S.values())) == 1  # both PBS files: one walltime to compare with
     blocks = header_blocks(path.read_text())
     assert blocks
     for block in blocks:

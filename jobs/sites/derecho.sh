@@ -51,9 +51,9 @@ module load $DERECHO_MODULES
 if ((site_nounset)); then set -u; fi
 
 # ---- NCCL over Slingshot [hpe] [guide] ----------------------------------------------------------
-# NCCL's bootstrap and socket traffic on the Slingshot interfaces, not the management Ethernet [hpe].
+# NCCL's bootstrap and socket traffic on the Slingshot interfaces [hpe]; on Ethernet it hangs or crawls [guide].
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME-hsn}
-# Every GPU may use every NIC; "found to improve performance" on large Slingshot systems [hpe].
+# Rings and trees may use different NICs on different nodes: "found to improve performance" on large systems [hpe].
 export NCCL_CROSS_NIC=${NCCL_CROSS_NIC-1}
 # No InfiniBand on Slingshot: NCCL skips its IB transport [guide].
 export NCCL_IB_DISABLE=${NCCL_IB_DISABLE-1}

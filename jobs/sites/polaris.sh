@@ -13,6 +13,7 @@
 #   [torch]  "PyTorch on Polaris", docs/polaris/data-science/frameworks/pytorch.md
 #   [nccl]   "NCCL", docs/polaris/applications-and-libraries/libraries/nccl.md
 #   [pals]   PALS mpiexec --cpu-bind list syntax with core ranges (list:1-8:9-16), docs/aurora/running-jobs-aurora.md
+#   [env]    NVIDIA, "NCCL Environment Variables" (docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html)
 #
 # Job header for Polaris. qsub reads #PBS lines from the job file itself, never from a file it
 # sources: copy one block over the #PBS lines of jobs/pbs_*.pbs (drop one '#'), or give the
@@ -76,9 +77,9 @@ if ((site_nounset)); then set -u; fi
 # ALCF measured 2-3x faster communication for some workloads with the AWS OFI plugin; for some
 # applications (Megatron-DeepSpeed) it hangs or times out instead: then set POLARIS_NCCL_OFI=0 [nccl].
 if [[ ${POLARIS_NCCL_OFI:-1} == 1 ]]; then
-    # GPUDirect RDMA between the NIC and a GPU under the same PCIe host bridge [nccl].
+    # GPUDirect RDMA when the GPU and the NIC share a NUMA node [nccl] [env].
     export NCCL_NET_GDR_LEVEL=${NCCL_NET_GDR_LEVEL-PHB}
-    # Every GPU may use every NIC [nccl].
+    # Rings and trees may use different NICs on different nodes [nccl] [env].
     export NCCL_CROSS_NIC=${NCCL_CROSS_NIC-1}
     # NCCL's CollNet algorithms, part of ALCF's tested set [nccl].
     export NCCL_COLLNET_ENABLE=${NCCL_COLLNET_ENABLE-1}
