@@ -1,0 +1,177 @@
+"""debugging/README.md, "Timeouts on nccl": what a machine without a GPU can check of it.
+
+The watchdog cannot run here (no GPU), so the guide's nccl part is read from PyTorch's source. These
+tests hold it to the installed torch (2.14.1): the messages it quotes are in torch's NCCL library, the
+older wording is not; the default timeouts torch exposes; what torchrun sets in its workers; and the
+flight-recorder analyzer's options and its verdicts on dumps shaped like each case the guide's table
+names.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import pickle
+import re
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import PYTHON, REPO, clean_env, run
+
+GUIDE = REPO / "debugging" / "README.md"
+TORCH_LIB = Path(__import__("torch").__file__).parent / "lib"
+
+# Quoted by the guide; in torch's NCCL backend (libtorch_cuda.so) as literals (runtime values left out).
+WATCHDOG_MESSAGES = [
+    "Watchdog caught collective operation timeout: ", "WorkNCCL(", "SeqNum=", ", OpType=", ", NumelIn=",
+    ", NumelOut=", ", Timeout(ms)=", " milliseconds before timing out.", "[PG ID ", " PG GUID ",
+    " failure detected by watchdog at work sequence id: ", " PG status: last enqueued work: ",
+    ", last completed work: ", "Stack trace of the failed collective: ",
+    "Some NCCL operations have failed or timed out. Due to the ",
+    "asynchronous nature of CUDA kernels, subsequent GPU operations ", "might run on corrupted/incomplete data.",
+    "To avoid data inconsistency, we are taking the entire process down.",
+    "Process group watchdog thread terminated with exception: ",
+    "To our best knowledge, the lagging/dead/mismatched ranks that caused the desync are:",
+    "] joined but didn't finish collective #", " (count from 1)", "] finished collective #",
+    ", but didn't join collective #", "] are the lagging ranks that caused this timeout. They never joined any collectives",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DESYNC_DEBUG", "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC",
+]
+# The flight recorder's file names are in the core library (libtorch_cpu.so).
+RECORDER_VARIABLES = ["TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+# The wording of earlier releases, which the guide names as gone.
+OLD_WORDING = "Exception (either an error or timeout) detected by watchdog at work: "
+
+
+def found_in_library(name: str, needles: list[str]) -> dict[str, bool]:
+    path = TORCH_LIB / name
+    if not path.exists():
+        pytest.skip(f"{path} not installed (a CPU-only torch build has no NCCL backend to read)")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return {n: data.find(n.encode()) >= 0 for n in needles}
+
+
+def test_watchdog_messages_in_the_guide_are_torchs_own():
+    guide = " ".join(GUIDE.read_text().split())  # the guide's line breaks as spaces
+    assert [m for m in WATCHDOG_MESSAGES + RECORDER_VARIABLES + [OLD_WORDING] if m.strip() not in guide] == []
+    found = found_in_library("libtorch_cuda.so", WATCHDOG_MESSAGES + [OLD_WORDING])
+    assert [m for m in WATCHDOG_MESSAGES if not found[m]] == []
+    # Negative control: the check can fail, and the message of earlier releases is not in 2.14.1.
+    assert not found[OLD_WORDING]
+    assert all(found_in_library("libtorch_cpu.so", RECORDER_VARIABLES).values())
+
+
+def test_default_timeouts_are_10_minutes_for_nccl_and_30_for_gloo():
+    from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
+
+    assert (default_pg_nccl_timeout, default_pg_timeout) == (timedelta(minutes=10), timedelta(minutes=30))
+    guide = GUIDE.read_text()
+    assert "PyTorch's own default is 10 min for NCCL, 30 min for gloo" in guide
+    assert "the job sits for 10 minutes (nccl) or 30 (gloo)" in guide
+
+
+def test_torchrun_sets_async_error_handling_1_in_its_workers_unless_set():
+    """The guide: 3 is the C++ default, and torchrun sets 1 in its workers unless you set it."""
+    def worker_value(extra):
+        env = clean_env()
+        env.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+        env.update(extra)
+        cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "--no-python",
+               "printenv", "TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+        return run(cmd, 180, env=env, check=True).stdout.split()
+
+    with ThreadPoolExecutor(2) as pool:  # two torchruns side by side
+        unset, yours = pool.map(worker_value, [{}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}])
+    assert unset == ["1"]
+    assert yours == ["3"]  # a value of your own is kept
+    assert "`1` (what torchrun sets in its workers unless you set it)" in GUIDE.read_text()
+
+
+def test_flight_recorder_analyzer_takes_the_options_the_guide_shows(capsys):
+    from torch.distributed.flight_recorder.fr_trace import main
+
+    scripts = {e.name: e.value for e in metadata.entry_points(group="console_scripts")}
+    assert scripts.get("torchfrtrace") == "torch.distributed.flight_recorder.fr_trace:main"
+    with pytest.raises(SystemExit):
+        main(["--help"])  # torchfrtrace --help, in this process
+    usage = capsys.readouterr().out
+    for option in ("trace_dir", "-p PREFIX, --prefix PREFIX", "-j, --just_print_entries", "--allow-incomplete-ranks"):
+        assert option in usage
+    guide = GUIDE.read_text()
+    assert "torchfrtrace runs/fr -p trace_ " in guide and "torchfrtrace runs/fr -p trace_ -j" in guide
+
+
+# -- the analyzer's verdicts on dumps shaped like each row of the guide's table -------------------
+
+def entry(seq: int, numel: int, state: str = "completed", op: str = "all_reduce") -> dict:
+    """One flight-recorder entry as ProcessGroupNCCL writes it (the dump format's field names)."""
+    return {"record_id": seq - 1, "pg_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": seq,
+            "p2p_seq_id": 0, "op_id": seq, "profiling_name": f"nccl:{op}", "time_created_ns": seq,
+            "input_sizes": [[numel]], "output_sizes": [[numel]], "input_dtypes": ["Float"], "output_dtypes": ["Float"],
+            "state": state, "time_discovered_started_ns": None, "time_discovered_completed_ns": None,
+            "retired": state == "completed", "timeout_ms": 60000, "is_p2p": False, "frames": []}
+
+
+@pytest.fixture
+def analyze(tmp_path, caplog):
+    """Write one dump per rank and run the analyzer on them (its main(), as torchfrtrace does); its log."""
+    from torch.distributed.flight_recorder.fr_trace import main
+
+    def analyze(ranks: dict[int, list[dict]], *extra: str) -> str:
+        folder = tmp_path / f"fr{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        for rank, entries in ranks.items():
+            dump = {"version": "2.10", "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
+                    "pg_status": {}, "entries": entries}
+            (folder / f"trace_{rank}").write_bytes(pickle.dumps(dump))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="Flight Recorder"):
+            main([str(folder), "-p", "trace_", *extra])
+        return "\n".join(record.getMessage() for record in caplog.records)  # what torchfrtrace prints
+
+    return analyze
+
+
+GRADIENTS = 2410  # a gradient bucket's elements
+
+
+def test_analyzer_names_a_size_or_type_mismatch(analyze):
+    out = analyze({0: [entry(1, GRADIENTS), entry(2, 1, "scheduled")],
+                   1: [entry(1, GRADIENTS), entry(2, 2, "scheduled")]})
+    assert "Collective sequence number: 2 has errors" in out, out
+    # The line the guide shows.
+    line = ("error msg: Culprit rank 1; Error type: SIZE_OR_SYNTAX_MISMATCH, Expected input sizes: '[[1]]' "
+            "does not match found input sizes: '[[2]]'")
+    assert line in out.splitlines() and line in GUIDE.read_text(), out
+    out = analyze({0: [entry(1, GRADIENTS), entry(2, 1, "scheduled")],
+                   1: [entry(1, GRADIENTS), entry(2, 1, "scheduled", op="broadcast")]})
+    assert "Collective sequence number: 2 has errors" in out and "COLLECTIVE_TYPE_MISMATCH" in out, out
+
+
+def test_analyzer_names_the_rank_that_never_joined(analyze):
+    out = analyze({0: [entry(1, GRADIENTS), entry(2, 1, "scheduled")], 1: [entry(1, GRADIENTS)]})
+    assert "Not all ranks joining collective, sequence number: 2" in out and "missing ranks: {1}" in out, out
+
+
+def test_analyzer_says_when_a_rank_left_no_dump(analyze):
+    out = analyze({0: [entry(1, GRADIENTS), entry(2, GRADIENTS, "scheduled")]}, "--allow-incomplete-ranks")
+    assert "we missed FR dumps from ranks ({1})" in out, out
+
+
+def test_analyzer_finds_no_error_when_every_rank_entered_the_same_collective(analyze):
+    """The table's first row, and the negative control of the others: both ranks entered collective 2
+    with the same size and it never finished (the network, NCCL, a GPU): no mismatch to report."""
+    out = analyze({r: [entry(1, GRADIENTS), entry(2, GRADIENTS, "scheduled")] for r in (0, 1)})
+    assert not re.search(r"has errors|Not all ranks joining|missed FR dumps|mismatch", out, re.I), out
+
+
+def test_guide_quotes_the_analyzer_verdicts():
+    guide = GUIDE.read_text()
+    for verdict in ("`Collective sequence number: N has errors`", "`Error type: SIZE_OR_SYNTAX_MISMATCH`",
+                    "`Not all ranks joining collective, sequence number: N`", "`missing ranks: {1}`",
+                    "`we missed FR dumps from ranks ({1})`"):
+        assert verdict in guide, verdict

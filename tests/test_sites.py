@@ -1,0 +1,357 @@
+"""jobs/sites/: the site files (Derecho, Polaris, Perlmutter) and the job files that source them.
+
+No PBS, Lmod or GPU here: the site files are sourced in bash with `module` and `conda` replaced by
+recording stubs, and the job files run under bash with `mpiexec`, `srun` and `scontrol` stubs that
+record what they were given. What is checked is what the files do with it: the variables exported,
+the modules loaded, the flags that reach the launcher, and the header blocks each site needs.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, clean_env, run
+from tests.launcher_tools import need_tools
+
+SITES_DIR = REPO / "jobs" / "sites"
+SITE_FILES = sorted(SITES_DIR.glob("*.sh"))
+PBS_JOBS = ["pbs_mpiexec.pbs", "pbs_torchrun.pbs"]
+SLURM_JOBS = ["slurm_srun.sbatch", "slurm_torchrun.sbatch"]
+SITE_JOBS = {"derecho": PBS_JOBS, "polaris": PBS_JOBS, "perlmutter": SLURM_JOBS}
+# The same directive forms tests/test_jobs.py requires of the job files.
+PBS_LINE = re.compile(r"#PBS -[A-Za-z] \S+")
+SBATCH_LINE = re.compile(r"#SBATCH --[a-z][a-z-]*(=\S+)?")
+
+
+def test_one_site_file_per_site():
+    assert [p.stem for p in SITE_FILES] == sorted(SITE_JOBS)
+
+
+@pytest.mark.parametrize("path", SITE_FILES, ids=lambda p: p.name)
+def test_site_file_static(path):
+    run(["bash", "-n", path], 30, check=True)
+    need_tools("shellcheck")
+    result = run(["shellcheck", "-s", "bash", path], 60)
+    assert result.returncode == 0, result.stdout
+    # Each setting says why and where from: every export follows a comment naming a source, a [tag]
+    # the file's Sources list defines.
+    text = path.read_text()
+    defined = set(re.findall(r"^#   (\[\w+\])", text, re.M))
+    lines = text.splitlines()
+    exports = [i for i, line in enumerate(lines) if line.strip().startswith("export ")]
+    assert exports or path.stem == "perlmutter"
+    for i in exports:
+        above = lines[i - 1].strip()
+        assert above.startswith("#"), f"{path.name}:{i + 1}: no reason above: {lines[i]}"
+        tags = set(re.findall(r"\[\w+\]", above))
+        assert tags and tags <= defined, f"{path.name}:{i + 1}: sources {tags}, defined {defined}"
+
+
+# -- sourcing a site file --------------------------------------------------------------------------
+
+def stub_bin(tmp_path: Path) -> Path:
+    """`module` and `conda` that record their arguments (no Lmod or conda here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in ("module", "conda"):
+        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> "{tmp_path}/calls"\n')
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def site_env(tmp_path: Path, with_module: bool = True, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in clean_env().items() if not k.startswith(("NCCL_", "FI_")) and k not in ("LD_LIBRARY_PATH", "SITE")}
+    env.update(extra)
+    if with_module:
+        env["PATH"] = f"{stub_bin(tmp_path)}:{env['PATH']}"
+    return env
+
+
+def source_site(site: str, tmp_path: Path, **extra: str) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """Source jobs/sites/<site>.sh as the job files do (set -euo pipefail); return the variables it
+    exported, the placement variables it set, and the module/conda calls."""
+    script = (f"set -euo pipefail; env -0 > {tmp_path}/before; source jobs/sites/{site}.sh; env -0 > {tmp_path}/after; "
+              "for v in NRANKS_PER_NODE MPIEXEC_BIND GPUS_PER_NODE; do [[ -v $v ]] && printf '%s=%s\\n' $v \"${!v}\"; done; true")
+    result = run(["bash", "-c", script], 30, env=site_env(tmp_path, **extra), check=True)
+
+    def read(name):
+        return dict(item.split("=", 1) for item in (tmp_path / name).read_text().split("\0") if "=" in item)
+
+    before, after = read("before"), read("after")
+    exported = {k: v for k, v in after.items() if before.get(k) != v and k not in ("_", "SHLVL")}
+    placement = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
+    calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
+    return exported, placement, calls
+
+
+def readme_table() -> dict[str, dict[str, object]]:
+    """jobs/sites/README.md's table: per site, the modules, the exported variables and the placement."""
+    rows = {}
+    for line in (SITES_DIR / "README.md").read_text().splitlines():
+        m = re.match(r"\| \[`(\w+)\.sh`\]", line)
+        if m:
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            pairs = [dict(re.findall(r"`([A-Z_]+)=([^`]*)`", cell)) for cell in (cells[3], cells[4])]
+            rows[m.group(1)] = {"modules": re.findall(r"`([^`]+)`", cells[2]), "exported": pairs[0], "placement": pairs[1]}
+    return rows
+
+
+@pytest.mark.parametrize("site", sorted(SITE_JOBS))
+def test_site_file_exports_and_loads_what_the_readme_lists(site, tmp_path):
+    exported, placement, calls = source_site(site, tmp_path)
+    row = readme_table()[site]
+    assert exported == row["exported"]
+    assert placement == row["placement"]
+    assert f"module load {row['modules'][0]}" in calls, calls
+    if site == "polaris":
+        assert calls == ["module use /soft/modulefiles", "module load conda", "conda activate"]
+
+
+def test_your_own_values_and_the_switches_win(tmp_path):
+    """A variable exported before keeps its value; the switches change what is exported or loaded."""
+    for sub in "abcd":
+        (tmp_path / sub).mkdir()
+    exported, placement, calls = source_site("derecho", tmp_path / "a", NCCL_SOCKET_IFNAME="hsn0",
+                                             MPIEXEC_BIND="", DERECHO_NCCL_OFI="1", DERECHO_MODULES="cuda")
+    assert "NCCL_SOCKET_IFNAME" not in exported  # unchanged: the value given
+    assert exported["NCCL_NET"] == "AWS Libfabric" and placement["MPIEXEC_BIND"] == "" and calls == ["module load cuda"]
+    exported, _, calls = source_site("polaris", tmp_path / "b", POLARIS_NCCL_OFI="0", POLARIS_CONDA_ENV="myenv")
+    assert exported == {} and calls[-1] == "conda activate myenv"
+    exported, _, calls = source_site("polaris", tmp_path / "c", LD_LIBRARY_PATH="/mine", POLARIS_MODULES="conda/2025")
+    assert exported["LD_LIBRARY_PATH"].endswith(":/mine") and "module load conda/2025" in calls
+    _, _, calls = source_site("perlmutter", tmp_path / "d", PERLMUTTER_MODULES="pytorch/2.9 nccl")
+    assert calls == ["module load pytorch/2.9 nccl"]
+
+
+@pytest.mark.parametrize("site", sorted(SITE_JOBS))
+def test_site_file_without_module_command_is_one_error_line(site, tmp_path):
+    env = site_env(tmp_path, with_module=False)
+    env["PATH"] = "/usr/bin:/bin"  # no `module` anywhere
+    result = run(["bash", "-c", f"set -euo pipefail; source jobs/sites/{site}.sh; echo after"], 30, env=env)
+    assert result.returncode == 2 and "after" not in result.stdout
+    assert result.stderr.strip().splitlines() == [
+        f"error: SITE={site} needs the 'module' command: start the job file as a login shell (#!/bin/bash -l)"]
+
+
+def test_job_files_that_source_a_site_start_a_login_shell():
+    for name in PBS_JOBS + SLURM_JOBS:
+        text = (REPO / "jobs" / name).read_text()
+        assert text.startswith("#!/bin/bash -l\n") and 'source "jobs/sites/$SITE.sh"' in text, name
+
+
+# -- the job files with SITE=..., under stubs of the launchers ------------------------------------
+
+def launcher_stubs(tmp_path: Path) -> Path:
+    """mpiexec and srun record their arguments and environment; scontrol answers as Slurm would."""
+    bin_dir = stub_bin(tmp_path)
+    for name in ("mpiexec", "srun"):
+        (bin_dir / name).write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{tmp_path}/{name}.args"\n'
+                                    f'env > "{tmp_path}/{name}.env"\n')
+        (bin_dir / name).chmod(0o755)
+    (bin_dir / "scontrol").write_text('#!/bin/sh\ncase "$1 $2" in\n  "show hostnames") echo node1 ;;\n'
+                                      '  "show node") echo "NodeName=node1 NodeAddr=10.1.2.3 State=IDLE" ;;\nesac\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    return bin_dir
+
+
+def run_job(name: str, tmp_path: Path, site: str | None, with_module: bool = True):
+    """Run jobs/<name> under bash as its scheduler would start it; return (result, launcher argv, launcher env)."""
+    bin_dir = launcher_stubs(tmp_path)
+    env = site_env(tmp_path, with_module=False, RUN_DIR=str(tmp_path / "run"), PYTHON="python")
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    if not with_module:
+        (bin_dir / "module").unlink()
+    if site is not None:
+        env["SITE"] = site
+    if name.startswith("pbs"):
+        (tmp_path / "nodefile").write_text(f"{socket.gethostname()}\nlocalhost\n")
+        env.update(PBS_NODEFILE=str(tmp_path / "nodefile"), PBS_JOBID="4400.pbs01", PBS_O_WORKDIR=str(REPO),
+                   MPIEXEC=str(bin_dir / "mpiexec"))
+        launcher = "mpiexec"
+    else:
+        env.update(SLURM_JOB_ID="4400", SLURM_JOB_NODELIST="node1", SLURM_JOB_NUM_NODES="1", SLURM_CPUS_PER_TASK="32")
+        launcher = "srun"
+    result = run(["bash", REPO / "jobs" / name], 60, env=env)
+    args_file, env_file = tmp_path / f"{launcher}.args", tmp_path / f"{launcher}.env"
+    argv = args_file.read_text().splitlines() if args_file.exists() else None
+    launcher_env = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line) \
+        if env_file.exists() else None
+    return result, argv, launcher_env
+
+
+@pytest.mark.parametrize("site,name", [(s, n) for s, jobs in sorted(SITE_JOBS.items()) for n in jobs])
+def test_job_file_sources_its_site_and_the_launcher_gets_it(site, name, tmp_path):
+    result, argv, env = run_job(name, tmp_path, site)
+    assert result.returncode == 0, result.output
+    row = readme_table()[site]
+    assert {k: env.get(k) for k in row["exported"]} == row["exported"]  # the NCCL variables reach the ranks
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert f"module load {row['modules'][0]}" in calls, calls
+    if name == "pbs_mpiexec.pbs":
+        bind = row["placement"]["MPIEXEC_BIND"].split()
+        assert argv[argv.index("--ppn") + 2:argv.index("--ppn") + 2 + len(bind)] == bind, argv
+    if name.startswith("slurm"):
+        assert "--cpus-per-task=32" in argv, argv
+    if name == "slurm_torchrun.sbatch":
+        assert "--nproc_per_node=4" in argv, argv
+
+
+@pytest.mark.parametrize("name", PBS_JOBS + SLURM_JOBS)
+def test_job_file_without_site_loads_nothing(name, tmp_path):
+    """Negative control: without SITE the job file loads no module and exports no NCCL variable."""
+    result, argv, env = run_job(name, tmp_path, None)
+    assert result.returncode == 0, result.output
+    assert not (tmp_path / "calls").exists()
+    assert not any(k.startswith(("NCCL_", "FI_")) for k in env)
+    if name == "pbs_mpiexec.pbs":
+        assert argv[argv.index("--ppn") + 2:argv.index("--ppn") + 5] == ["--depth=8", "--cpu-bind", "depth"]
+
+
+@pytest.mark.parametrize("name", ["pbs_mpiexec.pbs", "slurm_srun.sbatch"])
+def test_unknown_site_or_no_module_command_stops_the_job_before_launch(name, tmp_path):
+    (tmp_path / "unknown").mkdir()
+    result, argv, _ = run_job(name, tmp_path / "unknown", "nowhere")
+    assert result.returncode == 2 and argv is None, result.output
+    assert result.stderr.strip().splitlines() == [
+        "error: SITE=nowhere: no jobs/sites/nowhere.sh (sites: derecho.sh perlmutter.sh polaris.sh)"]
+    site = "derecho" if name.startswith("pbs") else "perlmutter"
+    (tmp_path / "login").mkdir()
+    result, argv, _ = run_job(name, tmp_path / "login", site, with_module=False)
+    assert result.returncode == 2 and argv is None and "#!/bin/bash -l" in result.stderr, result.output
+
+
+# -- the header blocks each site file offers ------------------------------------------------------
+
+def header_blocks(text: str) -> list[list[str]]:
+    """Runs of disabled directives (##PBS / ##SBATCH lines), one '#' dropped: as the user copies them."""
+    blocks, current = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith(("##PBS ", "##SBATCH ")):
+            current.append(line[1:])
+        elif current:
+            blocks.append(current)
+            current = []
+    return blocks
+
+
+def options(block: list[str]) -> list[tuple[str, str]]:
+    """('-q', 'main'), ('select', '2:ncpus=...'), ('--nodes', '2'), ..."""
+    result = []
+    for line in block:
+        flag, _, value = line.split(" ", 1)[1].partition(" ")
+        if flag == "-l":
+            result.append(tuple(value.split("=", 1)))
+        elif flag.startswith("--"):
+            name, _, arg = flag.partition("=")
+            result.append((name, arg))
+        else:
+            result.append((flag, value))
+    return result
+
+
+def seconds(hms: str) -> int:
+    h, m, s = (int(x) for x in hms.split(":"))
+    return h * 3600 + m * 60 + s
+
+
+POLARIS_QUEUES = {"debug": (1, 2, 1), "debug-scaling": (1, 10, 1), "prod": (10, 496, 24), "preemptable": (1, 10, 72)}
+JOB_WALLTIME_S = {name: int(re.search(r"WALLTIME_S=\$\{WALLTIME_S:-(\d+)\}", (REPO / "jobs" / name).read_text()).group(1))
+                  for name in PBS_JOBS}
+
+
+def header_problems(site: str, block: list[str]) -> list[str]:
+    """What is wrong with one header block for `site` (empty: nothing)."""
+    problems = [f"not a directive: {line}" for line in block
+                if not (PBS_LINE.fullmatch(line) or SBATCH_LINE.fullmatch(line))]
+    opts = dict(options(block))
+    if site in ("derecho", "polaris"):
+        for key in ("-A", "-q", "select", "walltime"):
+            if key not in opts:
+                problems.append(f"no {key}")
+        if problems:
+            return problems
+        # The PBS files stop WALLTIME_S - SAVE_MARGIN_S into the job: WALLTIME_S must be this walltime.
+        walltime_s = int(dict(re.findall(r"(\w+)=(\S+)", opts.get("-v", ""))).get("WALLTIME_S", JOB_WALLTIME_S[PBS_JOBS[0]]))
+        if seconds(opts["walltime"]) != walltime_s:
+            problems.append(f"walltime {opts['walltime']} but WALLTIME_S {walltime_s}")
+    if site == "derecho":
+        if not re.fullmatch(r"\d+:ncpus=64:mpiprocs=4:ngpus=4", opts["select"]):
+            problems.append(f"select {opts['select']}")
+        if opts["-q"] not in ("main", "preempt") or seconds(opts["walltime"]) > 12 * 3600:
+            problems.append(f"queue {opts['-q']} for {opts['walltime']}")
+        if opts["-q"] == "preempt" and opts.get("-r") != "n":
+            problems.append("preempt without -r n: PBS would rerun the job the job file resubmits")
+    if site == "polaris":
+        m = re.fullmatch(r"(\d+):system=polaris", opts["select"])
+        if not m or "filesystems" not in opts or opts.get("place") != "scatter":
+            problems.append(f"select {opts['select']}, filesystems, place=scatter")
+        elif opts["-q"] not in POLARIS_QUEUES:
+            problems.append(f"queue {opts['-q']}")
+        else:
+            low, high, hours = POLARIS_QUEUES[opts["-q"]]
+            if not low <= int(m.group(1)) <= high or seconds(opts["walltime"]) > hours * 3600:
+                problems.append(f"{m.group(1)} nodes for {opts['walltime']} in {opts['-q']}")
+    if site == "perlmutter":
+        if opts.get("--constraint") != "gpu" or opts.get("--gpus-per-node") != "4" or "--qos" not in opts:
+            problems.append("not -C gpu --gpus-per-node=4 with a --qos")
+        tasks, cpus = int(opts.get("--ntasks-per-node", 0)), int(opts.get("--cpus-per-task", 0))
+        if tasks * cpus != 128:
+            problems.append(f"{tasks} tasks x {cpus} CPUs per node")
+    return problems
+
+
+@pytest.mark.parametrize("path", SITE_FILES, ids=lambda p: p.name)
+def test_site_header_blocks_fit_the_site(path):
+    assert len(set(JOB_WALLTIME_S.values())) == 1  # both PBS files: one walltime to compare with
+    blocks = header_blocks(path.read_text())
+    assert blocks
+    for block in blocks:
+        assert header_problems(path.stem, block) == [], block
+    opts = [dict(options(b)) for b in blocks]
+    if path.stem == "derecho":
+        assert opts[0]["-q"] == "main"
+    if path.stem == "polaris":
+        assert {o["-q"] for o in opts} == set(POLARIS_QUEUES)
+    if path.stem == "perlmutter":
+        assert sorted(o["--ntasks-per-node"] for o in opts) == ["1", "4"]  # slurm_torchrun, slurm_srun
+
+
+def test_header_check_catches_what_each_site_forbids():
+    """Negative controls: blocks that break one rule each."""
+    polaris = ["#PBS -A p", "#PBS -q prod", "#PBS -l select=2:system=polaris", "#PBS -l place=scatter",
+               "#PBS -l walltime=02:00:00", "#PBS -l filesystems=home:eagle"]
+    assert header_problems("polaris", polaris) == ["2 nodes for 02:00:00 in prod"]
+    debug = [line.replace("prod", "debug") for line in polaris]
+    assert header_problems("polaris", debug) == ["2 nodes for 02:00:00 in debug"]  # debug: 1 h at most
+    assert header_problems("polaris", [*debug[:4], "#PBS -l walltime=01:00:00", debug[5]]) == [
+        "walltime 01:00:00 but WALLTIME_S 7200"]
+    derecho = ["#PBS -A p", "#PBS -q main", "#PBS -l select=2:ncpus=64:mpiprocs=4", "#PBS -l walltime=02:00:00"]
+    assert header_problems("derecho", derecho) == ["select 2:ncpus=64:mpiprocs=4"]
+    perlmutter = ["#SBATCH --qos=regular", "#SBATCH --gpus-per-node=4", "#SBATCH --ntasks-per-node=4",
+                  "#SBATCH --cpus-per-task=32"]
+    assert header_problems("perlmutter", perlmutter) == ["not -C gpu --gpus-per-node=4 with a --qos"]
+    assert header_problems("perlmutter", [*perlmutter, "#SBATCH --constraint=gpu"]) == []
+
+
+# -- srun passes --cpus-per-task on -----------------------------------------------------------------
+
+def srun_commands(text: str) -> list[str]:
+    """Every srun command line of a shell file, continuation lines joined, comments left out."""
+    joined = re.sub(r"\s*\\\n\s*", " ", text)
+    return [line.strip() for line in joined.splitlines()
+            if not line.lstrip().startswith("#") and re.search(r"(^|[\s;&|(])srun\s", line)]
+
+
+def test_every_srun_passes_cpus_per_task():
+    """srun does not inherit --cpus-per-task in Slurm 22.05-23.02: each rank would get one core."""
+    files = [REPO / "jobs" / n for n in SLURM_JOBS] + SITE_FILES
+    commands = [c for f in files for c in srun_commands(f.read_text())]
+    assert len(commands) == len(SLURM_JOBS)
+    assert all('--cpus-per-task="${SLURM_CPUS_PER_TASK:-1}"' in c for c in commands), commands
+    # Negative control: the check sees an srun without it, across a continuation line.
+    sample = srun_commands('x=1\nsrun --kill-on-bad-exit=1 \\\n    python t.py &\n# srun in a comment\n')
+    assert sample == ["srun --kill-on-bad-exit=1 python t.py &"] and "--cpus-per-task" not in sample[0]
