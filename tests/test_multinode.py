@@ -22,16 +22,22 @@ SMALL = ("--max-steps", "4", "--epochs", "1", "--batch-size", "16")
 
 def two_node_torchrun(tmp_path, script_args, env=None, timeout=150):
     """Two torchrun processes ("nodes"), one worker each, meeting at a c10d rendezvous on 127.0.0.1."""
+    torchrun_nodes(tmp_path, TRAIN, script_args, nodes=2, env_of_node=lambda node: env or clean_env(), timeout=timeout)
+
+
+def torchrun_nodes(tmp_path, script, script_args, nodes, nproc=1, env_of_node=lambda node: clean_env(), timeout=150):
+    """`nodes` torchrun processes ("nodes") with `nproc` workers each, meeting at a c10d rendezvous on 127.0.0.1;
+    each node's log is tmp_path/node<i>.log, and env_of_node(i) its environment."""
     port = free_port()
     procs = []
-    for node in range(2):
-        cmd = [PYTHON, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+    for node in range(nodes):
+        cmd = [PYTHON, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc_per_node={nproc}",
                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=test{port}",
-               str(TRAIN), *script_args]
+               str(script), *script_args]
         log = open(tmp_path / f"node{node}.log", "w")
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env or clean_env(), stdout=log,
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env_of_node(node), stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True))
-    wait_all(procs, timeout, tmp_path, "two-node torchrun")
+    wait_all(procs, timeout, tmp_path, f"{nodes}-node torchrun")
 
 
 def wait_all(procs, timeout, tmp_path, what):
@@ -47,7 +53,7 @@ def wait_all(procs, timeout, tmp_path, what):
             if proc.poll() is None:
                 os.killpg(proc.pid, 9)
                 proc.wait()
-    assert [p.returncode for p in procs] == [0, 0], logs(tmp_path)
+    assert [p.returncode for p in procs] == [0] * len(procs), logs(tmp_path)
 
 
 def logs(tmp_path):
@@ -113,24 +119,249 @@ def test_mpiexec_runs_train_and_comm_check(tmp_path, flavour):
     print(f"{flavour}: train + comm_check wall time {time.perf_counter() - start:.1f} s")
 
 
+ROW = re.compile(r"\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(True|False)")
+INJECT = f"{REPO}:{REPO / 'tests' / 'inject'}"  # tests/inject/sitecustomize.py: DDP_TEST_SLOW_ALL_REDUCE_S
+
+
+def check_figures(results, ranks):
+    """nccl-tests' arithmetic: time averaged over the ranks, algbw = bytes / time, busbw = algbw * 2(n-1)/n;
+    the slowest rank's figures from its own time."""
+    n = len(ranks)
+    for r in results:
+        assert r["correct"]
+        assert len(r["time_us_per_rank"]) == n
+        assert r["time_us"] == pytest.approx(sum(r["time_us_per_rank"]) / n, rel=1e-9)
+        assert r["algbw_gbps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9, rel=1e-9)
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 2 * (n - 1) / n, rel=1e-9)
+        slowest = max(range(n), key=lambda i: r["time_us_per_rank"][i])
+        assert r["slowest_rank"] == ranks[slowest]
+        assert r["time_us_slowest"] == pytest.approx(r["time_us_per_rank"][slowest], rel=1e-9)
+        assert r["busbw_gbps_slowest"] == pytest.approx(
+            r["bytes"] / (r["time_us_slowest"] * 1e-6) / 1e9 * 2 * (n - 1) / n, rel=1e-9)
+
+
+def check_avg_bus_bandwidth(section):
+    """nccl-tests' "# Avg bus bandwidth": the mean busbw over the message sizes; and the same for the slowest rank."""
+    busbw = [r["busbw_gbps"] for r in section["results"]]
+    assert section["avg_busbw_gbps"] == pytest.approx(sum(busbw) / len(busbw), rel=1e-9)
+    slowest = [r["busbw_gbps_slowest"] for r in section["results"]]
+    assert section["avg_busbw_gbps_slowest"] == pytest.approx(sum(slowest) / len(slowest), rel=1e-9)
+    assert section["avg_busbw_gbps_slowest"] <= section["avg_busbw_gbps"] * (1 + 1e-9)
+
+
+def shapes(lines, host):
+    """Lines with numbers as N, the host name as HOST and runs of blanks as one: what a sample shares with a run."""
+    out = set()
+    for line in lines:
+        line = re.sub(rf"\b{re.escape(host)}\b", "HOST", line)
+        out.add(" ".join(re.sub(r"\d+(\.\d+)*", "N", line).split()))
+    return out
+
+
+def readme_sample(marker):
+    """The lines of the README code block that follows the paragraph containing `marker`."""
+    text = (REPO / "06_multinode" / "README.md").read_text()
+    return re.search(re.escape(marker) + r".*?\n```\n(.*?)\n```", text, re.S).group(1).splitlines()
+
+
+def assert_readme_sample_is_real(marker, output, skip=()):
+    """Every line of the README's sample (README host: vm) has the shape of a line of `output`, except the
+    machine-specific ones (torch build, the address) and those in `skip` (findings of this run)."""
+    sample = [line for line in readme_sample(marker)
+              if not re.match(r"node \S+ \(ranks .*\): torch |\s+transport: ", line)
+              and not any(word in line for word in skip)]
+    assert len(sample) > 10
+    missing = shapes(sample, "vm") - shapes(output.splitlines(), socket.gethostname())
+    assert not missing, f"README sample lines not in the real output: {sorted(missing)}\n{output[-4000:]}"
+
+
+def full_logs(tmp_path):
+    return "\n".join(p.read_text() for p in sorted(tmp_path.glob("node*.log")))
+
+
 def test_comm_check_prints_busbw_per_size(tmp_path):
+    env = clean_env(FI_PROVIDER="tcp", NCCL_SOCKET_IFNAME="lo", UNRELATED_SETTING="x")
     result = torchrun("06_multinode/comm_check.py", "--max-bytes", "1048576", "--iters", "3",
-                      "--output-dir", str(tmp_path), nproc=2)
+                      "--output-dir", str(tmp_path), nproc=2, env=env)
     report = json.loads((tmp_path / "comm_check.json").read_text())
     sizes = [r["bytes"] for r in report["results"]]
     assert sizes == [8 * 2 ** i for i in range(18)]  # 8 B, 16 B, ..., 1 MiB
-    n = report["world_size"]
     rows = {}
     for line in result.stdout.splitlines():
-        m = re.fullmatch(r"\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(True|False)", line)
-        if m:
-            rows[int(m.group(1))] = (float(m.group(3)), float(m.group(4)), float(m.group(5)))
+        if m := ROW.fullmatch(line):
+            rows[int(m.group(1))] = (float(m.group(5)), int(m.group(6)), float(m.group(8)))
     assert sorted(rows) == sizes, result.stdout
+    check_figures(report["results"], ranks=[0, 1])
+    check_avg_bus_bandwidth(report)
     for r in report["results"]:
-        assert r["correct"]
-        assert r["algbw_gbps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9, rel=1e-9)
-        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 2 * (n - 1) / n, rel=1e-9)
-        assert rows[r["bytes"]][2] == pytest.approx(r["busbw_gbps"], abs=1e-4)
+        assert rows[r["bytes"]] == (pytest.approx(r["busbw_gbps"], abs=1e-4), r["slowest_rank"],
+                                    pytest.approx(r["busbw_gbps_slowest"], abs=1e-4))
+    assert (f"avg bus bandwidth {report['avg_busbw_gbps']:.4f} GB/s (slowest rank: "
+            f"{report['avg_busbw_gbps_slowest']:.4f} GB/s)") in result.stdout
+    # One node: its environment, and the sections that need several nodes say why they are skipped.
+    [node] = report["nodes"]
+    assert node["ranks"] == [0, 1] and node["host"] == socket.gethostname() and node["torch"] == torch_version()
+    assert node["variables"]["FI_PROVIDER"] == "tcp" and node["variables"]["NCCL_SOCKET_IFNAME"] == "lo"
+    assert "UNRELATED_SETTING" not in node["variables"]  # only NCCL_*, FI_*, GLOO_*, TORCH_NCCL_*, *_SOCKET_IFNAME
+    address = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)[0][4][0]
+    assert node["transport"].startswith(f"gloo on {address}, the address this host name resolves to")
+    assert report["mismatches"] == {} and report["pairs"] is None
+    assert report["intra_node"] == {"skipped": "one node: the all-ranks figures are the intra-node ones"}
+    assert "verdict: settings that differ: none; slow nodes: none; all results correct: True" in result.stdout
+    assert_readme_sample_is_real("comm_check on this machine", result.stdout)
+
+
+def torch_version():
+    import torch
+    return torch.__version__
+
+
+def test_comm_check_two_nodes_environment_groups_and_a_slow_node(tmp_path):
+    """Two torchrun "nodes" of two ranks each; node B has another NCCL_IB_HCA and, injected from outside
+    (tests/inject), sleeps 50 ms before every all-reduce. comm_check flags the setting, measures each node
+    and the two nodes' first ranks, and names B as the slow node within a node; two nodes are too few for pairs."""
+    def env_of_node(node):
+        slow = dict(DDP_TEST_SLOW_ALL_REDUCE_S="0.05") if node == 1 else {}
+        return clean_env(PYTHONPATH=INJECT, GLOO_SOCKET_IFNAME="lo", NCCL_IB_HCA=f"mlx5_{node}", **slow)
+
+    torchrun_nodes(tmp_path, COMM, ["--min-bytes", "65536", "--max-bytes", "262144", "--iters", "5", "--pairs",
+                                    "--output-dir", str(tmp_path)], nodes=2, nproc=2, env_of_node=env_of_node)
+    output = full_logs(tmp_path)
+    report = json.loads((tmp_path / "comm_check.json").read_text())
+    host = socket.gethostname()
+    nodes = {n["node"]: n for n in report["nodes"]}
+    # Two torchrun agents on one host are two nodes, told apart by torchrun's node rank.
+    assert sorted(nodes) == [f"{host}/node0", f"{host}/node1"]
+    assert [n["ranks"] for n in report["nodes"]] == [[0, 1], [2, 3]]
+    assert [r["node"] for r in report["ranks"]] == [report["nodes"][0]["node"]] * 2 + [report["nodes"][1]["node"]] * 2
+    slow = next(label for label, n in nodes.items() if n["variables"]["NCCL_IB_HCA"] == "mlx5_1")
+    fast = next(label for label in nodes if label != slow)
+    assert all(n["transport"] == "gloo on interface lo (GLOO_SOCKET_IFNAME)" for n in nodes.values())
+    # Only the setting that differs is flagged, not the one both nodes share (GLOO_SOCKET_IFNAME).
+    assert report["mismatches"] == {"NCCL_IB_HCA": {"mlx5_0": [fast], "mlx5_1": [slow]}}
+    order = sorted([("mlx5_0", fast), ("mlx5_1", slow)], key=lambda vn: vn[1] != report["nodes"][0]["node"])
+    assert f"MISMATCH NCCL_IB_HCA: {order[0][0]} on {order[0][1]}; {order[1][0]} on {order[1][1]}" in output
+    # All ranks, each node's ranks, one rank per node.
+    check_figures(report["results"], ranks=[0, 1, 2, 3])
+    check_avg_bus_bandwidth(report)
+    intra = {n["node"]: n for n in report["intra_node"]["nodes"]}
+    for label, n in intra.items():
+        check_figures(n["results"], ranks=nodes[label]["ranks"])
+        check_avg_bus_bandwidth(n)
+    assert report["intra_node"]["slow_nodes"] == [slow]  # and not the other node
+    assert re.search(rf"^{re.escape(slow)}\s+2\s+[\d.]+\s+[\d.]+  SLOW$", output, re.M)
+    assert report["inter_node"]["ranks"] == [0, 2]
+    check_figures(report["inter_node"]["results"], ranks=[0, 2])
+    check_avg_bus_bandwidth(report["inter_node"])
+    [pair] = report["pairs"]["results"]
+    assert sorted(pair["nodes"]) == sorted(nodes) and report["pairs"]["slow_nodes"] == []
+    assert pair["ranks"] == [0, 2]
+    check_figures([pair], ranks=[0, 2])
+    assert "slow nodes: cannot tell with 2 nodes" in output
+    assert f"verdict: settings that differ: NCCL_IB_HCA; slow nodes: {slow}; all results correct: True" in output
+    assert_readme_sample_is_real("Two \"nodes\" of two ranks each", output, skip=("agree", "slow nodes", "verdict"))
+
+
+@pytest.mark.parametrize("slow_node", [2, None], ids=["one-slow-node", "none-slow"])
+def test_comm_check_pairs_name_the_slow_node(tmp_path, slow_node):
+    """Three one-rank "nodes", every pair tested; a node whose every pair is slow (injected: 150 ms before each
+    all-reduce, some 50x a pair's time here) is named, and none is named when no node is slowed (negative
+    control). On this shared 2-core machine load alone moved pair figures up to 5x apart (measured), so the
+    test asks for --slow-factor 10 rather than the default 2."""
+    def env_of_node(node):
+        slow = dict(DDP_TEST_SLOW_ALL_REDUCE_S="0.15") if node == slow_node else {}
+        return clean_env(PYTHONPATH=INJECT, NCCL_IB_HCA="mlx5_1" if node == slow_node else "mlx5_0", **slow)
+
+    torchrun_nodes(tmp_path, COMM, ["--min-bytes", "1048576", "--max-bytes", "1048576", "--iters", "10", "--pairs",
+                                    "--slow-factor", "10", "--output-dir", str(tmp_path)],
+                   nodes=3, env_of_node=env_of_node)
+    output = full_logs(tmp_path)
+    report = json.loads((tmp_path / "comm_check.json").read_text())
+    pairs = report["pairs"]
+    labels = [n["node"] for n in report["nodes"]]
+    assert sorted(p["nodes"] for p in pairs["results"]) == [[a, b] for i, a in enumerate(labels) for b in labels[i + 1:]]
+    assert pairs["rounds"] == 3  # three nodes: one pair per round, one node sits out
+    first_rank = {n["node"]: n["ranks"][0] for n in report["nodes"]}
+    for p in pairs["results"]:
+        assert p["ranks"] == [first_rank[label] for label in p["nodes"]]
+        check_figures([p], ranks=p["ranks"])
+    marked = [n["node"] for n in report["nodes"] if n["variables"]["NCCL_IB_HCA"] == "mlx5_1"]
+    assert pairs["slow_nodes"] == marked, output[-3000:]
+    assert f"slow nodes (even the fastest pair below the median node's fastest pair / 10): {', '.join(marked) or 'none'}" \
+        in output
+    assert f"slow nodes: {', '.join(marked) or 'none'};" in output  # the verdict
+    assert report["intra_node"] == {"skipped": "one rank per node: nothing to measure within a node"}
+
+
+@pytest.fixture(scope="module")
+def comm():
+    return load_script("06_multinode/comm_check.py", "comm_check")
+
+
+def test_pair_rounds_meet_every_pair_once_in_disjoint_rounds(comm):
+    for n in range(2, 10):
+        rounds = comm.pair_rounds(n)
+        assert len(rounds) == (n - 1 if n % 2 == 0 else n)
+        assert sorted(p for r in rounds for p in r) == [(a, b) for a in range(n) for b in range(a + 1, n)]
+        for r in rounds:  # disjoint, so a round's pairs can run at the same time
+            nodes = [node for pair in r for node in pair]
+            assert len(nodes) == len(set(nodes))
+
+
+def test_nodes_are_host_names_and_torchrun_node_ranks_on_a_shared_host(comm):
+    def table(*host_agent):
+        return [dict(rank=r, host=h, agent=a, local_rank=0, device="cpu") for r, (h, a) in enumerate(host_agent)]
+
+    assert comm.group_nodes(table(("gpu1", "0"), ("gpu1", "0"), ("gpu2", "1"))) == [("gpu1", [0, 1]), ("gpu2", [2])]
+    assert comm.group_nodes(table(("gpu1", ""), ("gpu2", ""), ("gpu1", ""))) == [("gpu1", [0, 2]), ("gpu2", [1])]
+    assert comm.group_nodes(table(("vm", "0"), ("vm", "1"), ("vm", "0"))) == [("vm/node0", [0, 2]), ("vm/node1", [1])]
+
+
+def test_mismatches_cover_versions_and_variables(comm):
+    def env(torch="2.14.1", **variables):
+        return dict(torch=torch, cuda="13.0", nccl="2.30.7", gpus="8 x H100", variables=variables, host_address="x")
+
+    envs = [env(NCCL_IB_HCA="mlx5_0"), env(NCCL_IB_HCA="mlx5_0"), env("2.13.0", NCCL_IB_HCA="mlx5_0", FI_PROVIDER="efa")]
+    node_of_rank = {0: "a", 1: "a", 2: "b"}
+    assert comm.mismatches(envs, node_of_rank) == {"torch": {"2.14.1": ["a"], "2.13.0": ["b"]},
+                                                   "FI_PROVIDER": {"(unset)": ["a"], "efa": ["b"]}}
+    assert comm.mismatches(envs[:2], node_of_rank) == {}
+
+
+def test_transport_says_what_the_backend_uses_or_how_to_see_it(comm):
+    assert comm.transport("gloo", dict(variables={}, host_address="10.0.0.1")).startswith(
+        "gloo on 10.0.0.1, the address this host name resolves to (GLOO_SOCKET_IFNAME unset")
+    quiet = comm.transport("nccl", dict(variables={}, host_address="x"))
+    assert "only with NCCL_DEBUG=INFO" in quiet and "'NCCL INFO Using network IB'" in quiet and "AWS Libfabric" in quiet
+    verbose = comm.transport("nccl", dict(variables={"NCCL_DEBUG": "INFO"}, host_address="x"))
+    assert "its choice is in this job's log (NCCL_DEBUG=INFO)" in verbose and "only with" not in verbose
+
+
+def test_loopback_host_name_warns_only_for_gloo_across_hosts(comm, capsys):
+    env = dict(torch="t", cuda="c", nccl="n", gpus="none", variables={}, host_address="127.0.1.1")
+    nodes = [("h1", [0]), ("h2", [1])]
+    comm.print_environment("gloo", nodes, [env, env], {}, several_hosts=True)
+    assert capsys.readouterr().out.count("WARNING: the host name resolves to 127.0.1.1, so gloo listens on loopback") == 2
+    comm.print_environment("gloo", nodes, [env, env], {}, several_hosts=False)  # one host: loopback reaches all
+    with_ifname = dict(env, variables={"GLOO_SOCKET_IFNAME": "eth0"})
+    comm.print_environment("gloo", nodes, [with_ifname] * 2, {}, several_hosts=True)
+    assert "WARNING" not in capsys.readouterr().out
+
+
+def test_nccl_version_is_torchs_or_says_why_not(comm, monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_nccl_available():
+        assert comm.environment(torch.device("cpu"))["nccl"] == ".".join(map(str, torch.cuda.nccl.version()))
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    assert comm.environment(torch.device("cpu"))["nccl"] == "n/a (torch built without NCCL)"
+
+
+def test_slow_nodes_are_below_half_the_median(comm):
+    assert comm.slow_nodes({"a": 10.0, "b": 9.0, "c": 4.4}, 2.0) == ["c"]
+    assert comm.slow_nodes({"a": 10.0, "b": 9.0, "c": 4.6}, 2.0) == []
+    assert comm.slow_nodes({"a": 10.0, "b": 9.0, "c": 4.4}, 3.0) == []
 
 
 def test_comm_check_default_reaches_256_mib():

@@ -9,6 +9,9 @@ processes they start, and Python imports `sitecustomize` from it. Real runs neve
 
 It registers a global optimizer step hook (torch.optim.optimizer.register_optimizer_step_post_hook)
 when torch.optim is first imported, so it works in every example without touching its loop.
+
+    DDP_TEST_SLOW_ALL_REDUCE_S=S  sleep S seconds before every torch.distributed.all_reduce in this
+                                  process: a slow node, for comm_check, when set for one node's ranks only
 """
 
 import importlib.abc
@@ -16,9 +19,22 @@ import os
 import sys
 
 AT_STEP = os.environ.get("DDP_TEST_FAIL_AT_STEP", "")
+SLOW_ALL_REDUCE_S = os.environ.get("DDP_TEST_SLOW_ALL_REDUCE_S", "")
 
 
-def _install() -> None:
+def _slow_all_reduce(distributed) -> None:
+    import time
+
+    original, delay = distributed.all_reduce, float(SLOW_ALL_REDUCE_S)
+
+    def all_reduce(*args, **kwargs):
+        time.sleep(delay)
+        return original(*args, **kwargs)
+
+    distributed.all_reduce = all_reduce
+
+
+def _install(optim=None) -> None:
     import signal
     import time
 
@@ -46,12 +62,15 @@ def _install() -> None:
     register_optimizer_step_post_hook(hook)
 
 
-class _AfterTorchOptim(importlib.abc.MetaPathFinder):
-    """Installs the hook right after torch.optim is imported (importing torch here would slow every
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls install(module) right after `module_name` is imported (importing torch here would slow every
     process the tests start, torchrun's own agent included)."""
 
+    def __init__(self, module_name, install):
+        self.module_name, self.install = module_name, install
+
     def find_spec(self, name, path, target=None):
-        if name != "torch.optim":
+        if name != self.module_name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -60,13 +79,15 @@ class _AfterTorchOptim(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             original(module)
-            _install()
+            self.install(module)
 
         loader.exec_module = exec_module
         return spec
 
 
-if AT_STEP:
+if AT_STEP or SLOW_ALL_REDUCE_S:
     import importlib.util
-
-    sys.meta_path.insert(0, _AfterTorchOptim())
+if AT_STEP:
+    sys.meta_path.insert(0, _AfterImport("torch.optim", _install))
+if SLOW_ALL_REDUCE_S:
+    sys.meta_path.insert(0, _AfterImport("torch.distributed", _slow_all_reduce))
