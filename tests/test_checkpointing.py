@@ -302,8 +302,13 @@ def test_resume_on_another_number_of_processes_reads_the_rest_of_the_epoch(refer
     shutil.copytree(stopped_mid_epoch / "checkpoints", tmp_path / "checkpoints")
     saved = ckpt.load(tmp_path / "checkpoints" / ckpt.checkpoint_name(STOP_STEP))
     assert (saved["epoch"], saved["consumed"], saved["world_size"]) == (0, CONSUMED, 2)
-    result = torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), nproc=new_world, env=record_env(tmp_path),
-                      timeout=240)
+    # Give the saved ranks recognisable torch RNG states (training on digits draws no random numbers, so
+    # every later checkpoint must still hold them).
+    marked = [torch.Generator().manual_seed(1000 + rank).get_state() for rank in (0, 1)]
+    saved["ranks"] = [{**saved["ranks"][rank], "torch": marked[rank]} for rank in (0, 1)]
+    ckpt.save(saved, tmp_path / "checkpoints", STOP_STEP, keep=3)
+    result = torchrun(SCRIPT, *ARGS, "--keep-last", "20", "--output-dir", str(tmp_path), nproc=new_world,
+                      env=record_env(tmp_path), timeout=240)
     assert (f"resumed from {tmp_path / 'checkpoints' / ckpt.checkpoint_name(STOP_STEP)}: step 12, epoch 1; "
             f"world size 2 -> {new_world}: global batch 32 -> {16 * new_world} (16 per rank), "
             "learning rate not rescaled") in result.stdout
@@ -311,6 +316,8 @@ def test_resume_on_another_number_of_processes_reads_the_rest_of_the_epoch(refer
     assert summary["world_size"] == new_world and summary["resumed_from_step"] == STOP_STEP
     assert summary["steps"] == RESHARDED_STEPS[new_world] and summary["epochs"] == 2
     assert summary["replicas_identical"]
+    params_now, params_uninterrupted = params(tmp_path), params(reference)
+    assert any(not torch.equal(params_now[k], params_uninterrupted[k]) for k in params_now)  # not bitwise
 
     # The interrupted epoch: the first run read the first 384 samples of the epoch's order; the resumed run
     # read the rest, padded to a multiple of the new world size with the order's first samples (2 on 3 ranks).
@@ -336,17 +343,26 @@ def test_resume_on_another_number_of_processes_reads_the_rest_of_the_epoch(refer
     assert read_once_problems(epoch_reads(tmp_path, 1, new_world), next_padding) == ""
 
     # The learning rate goes on from where it was (not rescaled) and the cosine ends at the new last step.
-    saved_lr = saved["optimizer"]["param_groups"][0]["lr"]
-    total = summary["steps"]
-    checkpoints = [ckpt.load(p) for p in ckpt.list_checkpoints(tmp_path / "checkpoints")]
-    assert checkpoints[0]["step"] == total and checkpoints[0]["scheduler"]["T_max"] == total
+    saved_lr, total = saved["optimizer"]["param_groups"][0]["lr"], summary["steps"]
+
     def cosine(step: int) -> float:
         return 1 + math.cos(math.pi * step / total)
 
+    checkpoints = [state for state in map(ckpt.load, ckpt.list_checkpoints(tmp_path / "checkpoints"))
+                   if state["step"] > STOP_STEP]  # every save of the resumed run (--keep-last 20)
+    assert checkpoints[0]["step"] == total and checkpoints[0]["scheduler"]["T_max"] == total
     for state in checkpoints:  # the cosine to the new end, scaled to go on from the saved LR
         expected = saved_lr * cosine(state["step"]) / cosine(STOP_STEP)
         assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(expected, rel=1e-9, abs=1e-15)
     assert checkpoints[0]["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0, abs=1e-15)
+    # The epoch's loss sums went on from both saved ranks: the end-of-epoch checkpoint counts every read.
+    epoch_end = next(state for state in checkpoints if state["epoch"] == 1 and state["consumed"] == 0)
+    assert sum(rank["loss_sum"][1].item() for rank in epoch_end["ranks"]) == TRAIN_SIZE + len(padding)
+    # RNG: the saved ranks' own states on the ranks both runs have; a new rank has its seed + 1 + rank.
+    for state in checkpoints:
+        for rank, rng in enumerate(state["ranks"]):
+            expected = marked[rank] if rank < 2 else torch.Generator().manual_seed(0 + 1 + rank).get_state()
+            assert torch.equal(rng["torch"], expected), (state["step"], rank)
     # Control: the saved schedule (90 steps long) stepped to the new last step would not end at 0.
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=saved_lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1)
