@@ -1,6 +1,6 @@
 """05_checkpointing: exact resume (mid-epoch, after a SIGKILLed worker under torchrun --max-restarts,
-after a preemption signal), every sample read once, per-rank RNG states, corrupt checkpoints,
-weights_only, refusals, export to a plain model, and a DCP round trip.
+after a preemption signal), every sample read once, resume on another number of processes, per-rank RNG
+states, corrupt checkpoints, weights_only, refusals, export to a plain model, and a DCP round trip.
 
 The lesson has no test options: the tests watch it from outside. tests/record (a sitecustomize
 on PYTHONPATH) writes the sample indices of every training batch each rank loads; tests/inject
@@ -360,17 +360,23 @@ def test_resume_on_another_number_of_processes_reads_the_rest_of_the_epoch(refer
     assert sum(rank["loss_sum"][1].item() for rank in epoch_end["ranks"]) == TRAIN_SIZE + len(padding)
     # RNG: the saved ranks' own states on the ranks both runs have; a new rank has its seed + 1 + rank.
     for state in checkpoints:
+        assert len(state["ranks"]) == new_world
         for rank, rng in enumerate(state["ranks"]):
             expected = marked[rank] if rank < 2 else torch.Generator().manual_seed(0 + 1 + rank).get_state()
             assert torch.equal(rng["torch"], expected), (state["step"], rank)
-    # Control: the saved schedule (90 steps long) stepped to the new last step would not end at 0.
+    # Control: the saved schedule (90 steps long) stepped to the new last step would not end at 0; on 1 rank
+    # it reaches 0 at step 90 and climbs again.
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=saved_lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1)
     scheduler.load_state_dict(saved["scheduler"])
-    for _ in range(total - STOP_STEP):
+    lr_after = {}
+    for step in range(STOP_STEP + 1, total + 1):
         optimizer.step()
         scheduler.step()
-    assert scheduler.T_max == TOTAL_STEPS and optimizer.param_groups[0]["lr"] > 1e-3
+        lr_after[step] = optimizer.param_groups[0]["lr"]
+    assert scheduler.T_max == TOTAL_STEPS and lr_after[total] > 1e-3
+    if total > TOTAL_STEPS:
+        assert lr_after[TOTAL_STEPS] == pytest.approx(0, abs=1e-12) and lr_after[total] > lr_after[TOTAL_STEPS + 1]
 
 
 # --- per-rank RNG states: CIFAR-10-format files, whose RandomCrop/RandomHorizontalFlip draw from
