@@ -25,7 +25,7 @@ import torch
 # Distinct from 143 (128 + SIGTERM), which is what a process killed by SIGTERM *without* saving reports.
 REQUEUE_EXIT_CODE = 75
 NAME_RE = re.compile(r"^ckpt-(\d{8})\.pt$")
-REQUIRED_KEYS = ("model", "optimizer", "scheduler", "step", "ranks", "world_size", "batch_size")
+REQUIRED_KEYS = ("model", "optimizer", "scheduler", "step", "epoch", "consumed", "ranks", "world_size", "batch_size")
 
 
 def checkpoint_name(step: int) -> str:

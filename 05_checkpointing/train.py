@@ -14,7 +14,7 @@ code 75 (requeue me). `diff 01_basic_ddp/train.py train.py` shows exactly that.
 """
 
 import dataclasses
-import itertools
+import math
 import signal
 import os
 import sys
@@ -60,16 +60,22 @@ class CheckpointConfig(TrainConfig):
 
 
 class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start an epoch part-way: the same order (seed + epoch) minus the
-    first `skip` samples of this rank's share, which the checkpointed run has already trained on."""
+    """DistributedSampler (shuffle=True, drop_last=False) that can start an epoch part-way, on any number of
+    ranks. After k steps of batch b on W ranks, the ranks have together read the first k x b x W samples of
+    the epoch's order (randperm seeded with seed + epoch; rank r reads positions r, r + W, ...). So a resume
+    drops the first `consumed` samples of that order and splits the rest as DistributedSampler splits an
+    epoch: rank r takes every W-th from r, padded to a multiple of W with the order's first samples."""
 
-    skip = 0
+    consumed = 0  # samples of this epoch that the ranks have trained on before the checkpoint
 
     def __iter__(self):
-        return itertools.islice(super().__iter__(), self.skip, None)
+        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        rest = order.tolist()[self.consumed:]
+        rest += (order.tolist() * self.num_replicas)[:len(self) * self.num_replicas - len(rest)]  # padding
+        return iter(rest[self.rank::self.num_replicas])
 
     def __len__(self):
-        return self.num_samples - self.skip
+        return math.ceil((len(self.dataset) - self.consumed) / self.num_replicas)
 
 
 class Preemption:
@@ -111,7 +117,7 @@ def evaluate(model, loader, device):
     return loss_sum / count, correct / count, int(count)
 
 
-def save_checkpoint(cfg, launch, device, model, optimizer, scheduler, step, loss_sum, model_args, stop=""):
+def save_checkpoint(cfg, launch, device, model, optimizer, scheduler, step, position, loss_sum, model_args, stop=""):
     """Collective: every rank sends its RNG states and loss sums to rank 0, which writes the one file
     (the replicas are identical); the barrier keeps all ranks from going on before it is complete.
     On a stop, rank 0 also writes checkpoints/REQUEUE before the barrier: the job files requeue on it,
@@ -121,6 +127,7 @@ def save_checkpoint(cfg, launch, device, model, optimizer, scheduler, step, loss
     if launch.rank == 0:
         path = ckpt.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                           "scheduler": scheduler.state_dict(), "step": step, "ranks": ranks,
+                          "epoch": position[0], "consumed": position[1],  # where the next run goes on
                           "world_size": launch.world_size, "batch_size": cfg.batch_size,
                           "model_args": model_args}, cfg.checkpoints, step, cfg.keep_last)
         print(f"saved {path}", flush=True)
@@ -171,7 +178,8 @@ def train(cfg, launch):
 
     # Resume: rank 0 picks the newest checkpoint that loads and tells the others which one; every
     # rank loads it onto its own device with weights_only=True (tensors and plain values only).
-    step, resumed_sums = 0, None
+    step, start_epoch, consumed = 0, 0, 0
+    resumed_sums = torch.zeros(2, dtype=torch.float64, device=device)
     if launch.rank == 0:  # this run's own stop will write a new one
         (cfg.checkpoints / "REQUEUE").unlink(missing_ok=True)
     found, state = ckpt.find_resumable(cfg.checkpoints, map_location=device) if launch.rank == 0 else (None, None)
@@ -180,20 +188,32 @@ def train(cfg, launch):
     if choice[0] is not None:
         state = state if launch.rank == 0 else ckpt.load(choice[0], map_location=device)
         with exit_on_bad_input():  # the same on every rank: rank 0 says it, all exit with code 2
-            if (state["world_size"], state["batch_size"]) != (launch.world_size, cfg.batch_size):
-                raise ConfigError(f"{choice[0]} was written with world size {state['world_size']} and batch size "
-                                  f"{state['batch_size']}; an exact resume needs the same (now {launch.world_size} "
-                                  f"and {cfg.batch_size}), or start afresh with another --checkpoint-dir")
+            if state["batch_size"] != cfg.batch_size:
+                raise ConfigError(f"{choice[0]} was written with batch size {state['batch_size']} per rank; a "
+                                  f"resume needs the same (now {cfg.batch_size}), or start afresh with another "
+                                  "--checkpoint-dir")
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        ckpt.set_rng_state(state["ranks"][launch.rank], device)  # this rank's own
-        step, resumed_sums = state["step"], state["ranks"][launch.rank]["loss_sum"]
+        if launch.rank < len(state["ranks"]):  # this rank's own RNG states; a new rank keeps its seed + 1 + rank
+            ckpt.set_rng_state(state["ranks"][launch.rank], device)
+        step, start_epoch, consumed = state["step"], state["epoch"], state["consumed"]
+        saved_world_size = state["world_size"]
+        # The epoch's loss sums so far: with W ranks now, rank r adds those of the saved ranks r, r + W, ...
+        resumed_sums += sum(s["loss_sum"] for s in state["ranks"][launch.rank::launch.world_size])
         del state
+        # The cosine goes on from the LR it has reached and ends at this run's last step (another world
+        # size changes the number of steps left); len(train_loader) is then the resumed epoch's.
+        train_sampler.consumed = consumed
+        scheduler.T_max = step + len(train_loader) + (cfg.epochs - start_epoch - 1) * steps_per_epoch
         if launch.rank == 0:
-            print(f"resumed from {choice[0]}: step {step}, epoch {step // steps_per_epoch + 1}", flush=True)
+            change = "" if saved_world_size == launch.world_size else (
+                f"; world size {saved_world_size} -> {launch.world_size}: global batch "
+                f"{cfg.batch_size * saved_world_size} -> {cfg.batch_size * launch.world_size} "
+                f"({cfg.batch_size} per rank), learning rate not rescaled")
+            print(f"resumed from {choice[0]}: step {step}, epoch {start_epoch + 1}{change}", flush=True)
     resumed_from = step
-    if step >= cfg.epochs * steps_per_epoch or 0 < cfg.max_steps <= step:  # a finished run, started again
+    if start_epoch >= cfg.epochs or 0 < cfg.max_steps <= step:  # a finished run, started again
         if launch.rank == 0:
             print(f"nothing to do: {choice[0]} is the end of this run", flush=True)
         dist.destroy_process_group()
@@ -203,16 +223,16 @@ def train(cfg, launch):
         print(f"launcher {launch.launcher}, {backend} on {device}, world size {launch.world_size}, "
               f"batch {cfg.batch_size} x {launch.world_size} = {cfg.batch_size * launch.world_size}", flush=True)
     images_seen = 0
-    for epoch in range(step // steps_per_epoch, cfg.epochs):  # every epoch has steps_per_epoch steps
+    for epoch in range(start_epoch, cfg.epochs):
         train_sampler.set_epoch(epoch)  # a new shuffle each epoch; without it every epoch repeats epoch 0
-        # Mid-epoch resume: the same order, without the batches trained on before the checkpoint.
-        train_sampler.skip = (step - epoch * steps_per_epoch) * cfg.batch_size  # else 0
+        # Mid-epoch resume: the same order, without the samples trained on before the checkpoint.
+        train_sampler.consumed = consumed if epoch == start_epoch else 0
         generator.manual_seed(cfg.seed + epoch)  # DataLoader worker seeds depend on the epoch only
         model.train()
         loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # this rank's loss sum and sample count
-        if train_sampler.skip:  # and the sums of those batches
+        if train_sampler.consumed:  # and the sums of those batches
             loss_sum += resumed_sums
-        for images, labels in train_loader:
+        for batch, (images, labels) in enumerate(train_loader, 1):
             images, labels = images.to(device), labels.to(device)
             loss = F.cross_entropy(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
@@ -228,8 +248,13 @@ def train(cfg, launch):
             # Step boundary: every rank learns whether any rank was signalled.
             stop = preemption.requested(device)
             periodic = cfg.save_every_steps and step % cfg.save_every_steps == 0
-            if stop or periodic or step % steps_per_epoch == 0 or step == cfg.max_steps:
-                save_checkpoint(cfg, launch, device, model, optimizer, scheduler, step, loss_sum, model_args, stop)
+            epoch_done = batch == len(train_loader)
+            if stop or periodic or epoch_done or step == cfg.max_steps:
+                # Where to go on: the next epoch, or this one after the samples all ranks have read so far.
+                position = (epoch + 1, 0) if epoch_done else (
+                    epoch, train_sampler.consumed + batch * cfg.batch_size * launch.world_size)
+                save_checkpoint(cfg, launch, device, model, optimizer, scheduler, step, position, loss_sum,
+                                model_args, stop)
             if stop:
                 if launch.rank == 0:
                     print(f"{stop}: checkpoint at step {step} saved; exiting with code "

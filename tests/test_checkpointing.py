@@ -1,6 +1,6 @@
 """05_checkpointing: exact resume (mid-epoch, after a SIGKILLed worker under torchrun --max-restarts,
-after a preemption signal), every sample read once, per-rank RNG states, corrupt checkpoints,
-weights_only, refusals, export to a plain model, and a DCP round trip.
+after a preemption signal), every sample read once, resume on another number of processes, per-rank RNG
+states, corrupt checkpoints, weights_only, refusals, export to a plain model, and a DCP round trip.
 
 The lesson has no test options: the tests watch it from outside. tests/record (a sitecustomize
 on PYTHONPATH) writes the sample indices of every training batch each rank loads; tests/inject
@@ -9,6 +9,7 @@ SIGKILLs a worker at a chosen step.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import re
@@ -17,10 +18,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DistributedSampler
 
 from tests.cifar_files import write_cifar10
 from tests.helpers import PYTHON, REPO, clean_env, free_port, kill_group, load_script, read_summary, run, torchrun
@@ -213,16 +216,14 @@ def _error_lines(result) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("error:")]
 
 
-@pytest.mark.parametrize("change", ["world size", "batch size"])
-def test_resume_with_another_world_or_batch_size_is_refused(reference, tmp_path, change):
+def test_resume_with_another_batch_size_is_refused(reference, tmp_path):
     shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
-    args = {"world size": ARGS, "batch size": (*ARGS, "--batch-size", "8")}[change]
-    result = torchrun(SCRIPT, *args, "--output-dir", str(tmp_path), nproc=1 if change == "world size" else 2,
-                      check=False, timeout=120)
+    result = torchrun(SCRIPT, *ARGS, "--batch-size", "8", "--output-dir", str(tmp_path), check=False, timeout=120)
     assert result.returncode != 0
     lines = _error_lines(result)
     assert len(lines) == 1, result.output[-3000:]
-    assert "was written with world size 2 and batch size 16; an exact resume needs the same" in lines[0]
+    assert lines[0] == (f"error: {tmp_path / 'checkpoints' / 'ckpt-00000090.pt'} was written with batch size 16 per "
+                        "rank; a resume needs the same (now 8), or start afresh with another --checkpoint-dir")
     assert "exitcode  : 2" in result.stderr  # torchrun's summary: the bad-input exit code
 
 
@@ -235,6 +236,147 @@ def test_no_resume_with_existing_checkpoints_is_refused(reference, tmp_path):
     assert lines[0] == (f"error: --no-resume but {tmp_path / 'checkpoints'} holds checkpoints of an earlier run: "
                         "remove them or pass another --checkpoint-dir")
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
+# --- resume on another number of processes: W=2 stopped mid-epoch, resumed on 1 and on 3 ----------------
+
+STOP_STEP = 12  # 12 steps into epoch 1 (index 0): the two ranks have read 12 x 16 x 2 samples together
+CONSUMED = STOP_STEP * 16 * 2
+# Steps of the whole run: 12, then the rest of epoch 1 (1054 samples) and epoch 2 on the new ranks.
+RESHARDED_STEPS = {1: 12 + math.ceil(1054 / 16) + math.ceil(1438 / 16),                  # 12 + 66 + 90
+                   3: 12 + math.ceil(math.ceil(1054 / 3) / 16) + math.ceil(math.ceil(1438 / 3) / 16)}  # 12 + 22 + 30
+
+
+def epoch_reads(output_dir: Path, epoch: int, world_size: int) -> Counter:
+    """How often each sample index was loaded in `epoch`, over all ranks of the runs recorded in output_dir."""
+    return Counter(i for rank in range(world_size) for e, batch in batches(output_dir, rank) if e == epoch
+                   for i in batch)
+
+
+def epoch_order(reference: Path, epoch: int) -> list[int]:
+    """The epoch's global order as the uninterrupted 2-rank run read it: position p is rank p % 2's
+    (p // 2)-th sample (no padding: 1438 is even)."""
+    per_rank = [[i for e, batch in batches(reference, rank) if e == epoch for i in batch] for rank in (0, 1)]
+    return [i for pair in zip(*per_rank) for i in pair]
+
+
+def read_once_problems(reads: Counter, repeats: list[int]) -> str:
+    """'' when every training sample was read exactly once, except those in `repeats`, read twice."""
+    expected = Counter(range(TRAIN_SIZE)) + Counter(repeats)
+    missing, extra = expected - reads, reads - expected
+    return f"never read: {sum(missing.values())}, read too often: {sum(extra.values())}" if missing or extra else ""
+
+
+@pytest.fixture(scope="module")
+def stopped_mid_epoch(tmp_path_factory) -> Path:
+    """Two ranks that stopped after step 12 (--max-steps), with its checkpoint."""
+    out = tmp_path_factory.mktemp("stopped_mid_epoch")
+    result = torchrun(SCRIPT, *ARGS, "--output-dir", str(out), "--max-steps", str(STOP_STEP), env=record_env(out),
+                      timeout=180)
+    assert f"saved {out / 'checkpoints' / ckpt.checkpoint_name(STOP_STEP)}" in result.stdout
+    return out
+
+
+def test_resumable_sampler_splits_like_distributed_sampler_and_skips_like_before(monkeypatch):
+    """On the same world size, ResumableSampler is DistributedSampler (consumed = 0) and, mid-epoch, is its
+    share minus the first k x batch samples (the per-rank skip it replaced), padding included."""
+    monkeypatch.setitem(sys.modules, "checkpoint", ckpt)  # train.py imports its neighbour by that name
+    lesson = load_script(SCRIPT, "checkpointing_train")
+    for size, world, batch in ((1438, 2, 16), (1438, 3, 16), (101, 4, 8), (7, 3, 2)):
+        for epoch in (0, 3):
+            for rank in range(world):
+                plain = DistributedSampler(range(size), num_replicas=world, rank=rank, shuffle=True, seed=5)
+                resumable = lesson.ResumableSampler(range(size), num_replicas=world, rank=rank, shuffle=True, seed=5)
+                plain.set_epoch(epoch)
+                resumable.set_epoch(epoch)
+                share = list(plain)
+                assert list(resumable) == share and len(resumable) == len(share)
+                for steps in range(1, math.ceil(len(share) / batch)):  # every mid-epoch stop
+                    resumable.consumed = steps * batch * world
+                    assert list(resumable) == share[steps * batch:] and len(resumable) == len(share) - steps * batch
+
+
+@pytest.mark.parametrize("new_world", [1, 3])
+def test_resume_on_another_number_of_processes_reads_the_rest_of_the_epoch(reference, stopped_mid_epoch, tmp_path,
+                                                                          new_world):
+    shutil.copytree(stopped_mid_epoch / "checkpoints", tmp_path / "checkpoints")
+    saved = ckpt.load(tmp_path / "checkpoints" / ckpt.checkpoint_name(STOP_STEP))
+    assert (saved["epoch"], saved["consumed"], saved["world_size"]) == (0, CONSUMED, 2)
+    # Give the saved ranks recognisable torch RNG states (training on digits draws no random numbers, so
+    # every later checkpoint must still hold them).
+    marked = [torch.Generator().manual_seed(1000 + rank).get_state() for rank in (0, 1)]
+    saved["ranks"] = [{**saved["ranks"][rank], "torch": marked[rank]} for rank in (0, 1)]
+    ckpt.save(saved, tmp_path / "checkpoints", STOP_STEP, keep=3)
+    result = torchrun(SCRIPT, *ARGS, "--keep-last", "20", "--output-dir", str(tmp_path), nproc=new_world,
+                      env=record_env(tmp_path), timeout=240)
+    assert (f"resumed from {tmp_path / 'checkpoints' / ckpt.checkpoint_name(STOP_STEP)}: step 12, epoch 1; "
+            f"world size 2 -> {new_world}: global batch 32 -> {16 * new_world} (16 per rank), "
+            "learning rate not rescaled") in result.stdout
+    summary = read_summary(tmp_path)
+    assert summary["world_size"] == new_world and summary["resumed_from_step"] == STOP_STEP
+    assert summary["steps"] == RESHARDED_STEPS[new_world] and summary["epochs"] == 2
+    assert summary["replicas_identical"]
+    params_now, params_uninterrupted = params(tmp_path), params(reference)
+    assert any(not torch.equal(params_now[k], params_uninterrupted[k]) for k in params_now)  # not bitwise
+
+    # The interrupted epoch: the first run read the first 384 samples of the epoch's order; the resumed run
+    # read the rest, padded to a multiple of the new world size with the order's first samples (2 on 3 ranks).
+    order = epoch_order(reference, 0)
+    first = epoch_reads(stopped_mid_epoch, 0, 2)
+    assert first == Counter(order[:CONSUMED])
+    padding = order[:-(TRAIN_SIZE - CONSUMED) % new_world]
+    assert len(padding) == {1: 0, 3: 2}[new_world]
+    assert read_once_problems(first + epoch_reads(tmp_path, 0, new_world), padding) == ""
+    # Control: the per-rank skip this replaced (each new rank drops its first 12 x 16 samples) loses
+    # 192 samples on 3 ranks and reads 192 twice on 1.
+    padded = order + order[:-TRAIN_SIZE % new_world]
+    per_rank_skip = Counter(i for rank in range(new_world) for i in padded[rank::new_world][STOP_STEP * 16:])
+    assert read_once_problems(first + per_rank_skip, padding) == {
+        1: "never read: 0, read too often: 192", 3: "never read: 192, read too often: 0"}[new_world]
+
+    # The next epoch is a plain epoch on the new ranks: DistributedSampler's split, every sample read.
+    for rank in range(new_world):
+        plain = DistributedSampler(range(TRAIN_SIZE), num_replicas=new_world, rank=rank, shuffle=True, seed=0)
+        plain.set_epoch(1)
+        assert [i for e, batch in batches(tmp_path, rank) if e == 1 for i in batch] == list(plain)
+    next_padding = epoch_order(reference, 1)[:-TRAIN_SIZE % new_world]  # DistributedSampler's own
+    assert read_once_problems(epoch_reads(tmp_path, 1, new_world), next_padding) == ""
+
+    # The learning rate goes on from where it was (not rescaled) and the cosine ends at the new last step.
+    saved_lr, total = saved["optimizer"]["param_groups"][0]["lr"], summary["steps"]
+
+    def cosine(step: int) -> float:
+        return 1 + math.cos(math.pi * step / total)
+
+    checkpoints = [state for state in map(ckpt.load, ckpt.list_checkpoints(tmp_path / "checkpoints"))
+                   if state["step"] > STOP_STEP]  # every save of the resumed run (--keep-last 20)
+    assert checkpoints[0]["step"] == total and checkpoints[0]["scheduler"]["T_max"] == total
+    for state in checkpoints:  # the cosine to the new end, scaled to go on from the saved LR
+        expected = saved_lr * cosine(state["step"]) / cosine(STOP_STEP)
+        assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    assert checkpoints[0]["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0, abs=1e-15)
+    # The epoch's loss sums went on from both saved ranks: the end-of-epoch checkpoint counts every read.
+    epoch_end = next(state for state in checkpoints if state["epoch"] == 1 and state["consumed"] == 0)
+    assert sum(rank["loss_sum"][1].item() for rank in epoch_end["ranks"]) == TRAIN_SIZE + len(padding)
+    # RNG: the saved ranks' own states on the ranks both runs have; a new rank has its seed + 1 + rank.
+    for state in checkpoints:
+        assert len(state["ranks"]) == new_world
+        for rank, rng in enumerate(state["ranks"]):
+            expected = marked[rank] if rank < 2 else torch.Generator().manual_seed(0 + 1 + rank).get_state()
+            assert torch.equal(rng["torch"], expected), (state["step"], rank)
+    # Control: the saved schedule (90 steps long) stepped to the new last step would not end at 0; on 1 rank
+    # it reaches 0 at step 90 and climbs again.
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=saved_lr)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1)
+    scheduler.load_state_dict(saved["scheduler"])
+    lr_after = {}
+    for step in range(STOP_STEP + 1, total + 1):
+        optimizer.step()
+        scheduler.step()
+        lr_after[step] = optimizer.param_groups[0]["lr"]
+    assert scheduler.T_max == TOTAL_STEPS and lr_after[total] > 1e-3
+    if total > TOTAL_STEPS:
+        assert lr_after[TOTAL_STEPS] == pytest.approx(0, abs=1e-12) and lr_after[total] > lr_after[TOTAL_STEPS + 1]
 
 
 # --- per-rank RNG states: CIFAR-10-format files, whose RandomCrop/RandomHorizontalFlip draw from
@@ -287,7 +429,7 @@ def test_every_ranks_rng_state_is_restored(cifar, tmp_path):
 
 def _checkpoint_like(step: int) -> dict:
     return {"model": {"w": torch.full((4,), float(step))}, "optimizer": {}, "scheduler": {}, "step": step,
-            "ranks": [], "world_size": 1, "batch_size": 1}
+            "epoch": 0, "consumed": step, "ranks": [], "world_size": 1, "batch_size": 1}
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
@@ -322,7 +464,7 @@ start = ckpt.load(ckpt.read_latest({out!r}))["step"] + 1 if ckpt.read_latest({ou
 print("ready", flush=True)
 for step in range(start, start + 1000):
     state = {{"model": {{"w": torch.full((8_000_000,), float(step))}}, "optimizer": {{}}, "scheduler": {{}},
-             "step": step, "ranks": [], "world_size": 1, "batch_size": 1}}
+             "step": step, "epoch": 0, "consumed": step, "ranks": [], "world_size": 1, "batch_size": 1}}
     ckpt.save(state, {out!r}, step, keep=2)
 """
 
