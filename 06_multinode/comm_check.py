@@ -67,7 +67,7 @@ def hint() -> str:
 
 
 def check_in(info, device, timeout_s):
-    """Rendezvous at rank 0's TCP store; return every rank's (host, local rank, device).
+    """Rendezvous at rank 0's TCP store; return every rank's (host, local rank, device, CUDA_VISIBLE_DEVICES).
 
     We build the store ourselves (the same MASTER_ADDR/PORT that env:// would use) so that
     rank 0 can tell which ranks never arrived instead of only "timed out".
@@ -85,7 +85,8 @@ def check_in(info, device, timeout_s):
             f"({_first_line(exc)}); {hint()}") from None
     prefix = f"comm_check/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     store = dist.PrefixStore(prefix, store)
-    store.set(f"rank{info.rank}", f"{host}|{info.local_rank}|{device}")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")  # a site's per-rank GPU binding sets it
+    store.set(f"rank{info.rank}", f"{host}|{info.local_rank}|{device}|{visible}")
     keys = [f"rank{r}" for r in range(info.world_size)]
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
@@ -98,8 +99,8 @@ def check_in(info, device, timeout_s):
             f"{info.world_size} processes started, and do the missing hosts reach {where}? {hint()}") from None
     table = []
     for key in keys:
-        h, lr, dev = store.get(key).decode().split("|")
-        table.append((h, int(lr), dev))
+        h, lr, dev, visible = store.get(key).decode().split("|")
+        table.append((h, int(lr), dev, visible))
     return store, table
 
 
@@ -155,12 +156,12 @@ def _sync(device):
 def check(cfg, info, device, backend, table):
     n = info.world_size
     if info.rank == 0:
-        hosts = sorted({h for h, _, _ in table})
+        hosts = sorted({h for h, *_ in table})
         print("\n".join([f"comm_check: {n} ranks, launcher {info.launcher} (scheduler: {info.scheduler}), "
                          f"backend {backend}, rendezvous {info.master_addr}:{info.master_port}",
-                         f"{'rank':>5} {'local':>5}  {'host':<24} device",
-                         *(f"{rank:>5} {local_rank:>5}  {host:<24} {dev}"
-                           for rank, (host, local_rank, dev) in enumerate(table)),
+                         f"{'rank':>5} {'local':>5}  {'host':<24} {'device':<8} CUDA_VISIBLE_DEVICES",
+                         *(f"{rank:>5} {local_rank:>5}  {host:<24} {dev:<8} {visible}"
+                           for rank, (host, local_rank, dev, visible) in enumerate(table)),
                          f"{n} ranks on {len(hosts)} host(s): {', '.join(hosts)}",
                          f"{'size(B)':>12} {'iters':>6} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
                          "  correct"]), flush=True)
@@ -187,8 +188,8 @@ def check(cfg, info, device, backend, table):
         write_json_atomic(Path(cfg.output_dir) / "comm_check.json",
                           dict(world_size=n, launcher=info.launcher, scheduler=info.scheduler, backend=backend,
                                master_addr=info.master_addr, master_port=info.master_port,
-                               ranks=[dict(rank=r, host=h, local_rank=lr, device=d)
-                                      for r, (h, lr, d) in enumerate(table)],
+                               ranks=[dict(rank=r, host=h, local_rank=lr, device=d, cuda_visible_devices=v)
+                                      for r, (h, lr, d, v) in enumerate(table)],
                                results=results))
     if not all(r["correct"] for r in results):
         raise LauncherError("all-reduce returned wrong sums: the backend or the network corrupts data")
@@ -198,14 +199,14 @@ def check(cfg, info, device, backend, table):
 def main():
     cfg = load_config(CommConfig)
     info = detect_launcher()
-    # One GPU per process, picked by local rank (as in 01); CPU (gloo) where there is none.
+    # One GPU per process, as in 01: the local rank's, or 0 where each rank sees only its own; CPU (gloo) without.
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", info.local_rank) if use_cuda else torch.device("cpu")
+    device = torch.device("cuda", info.gpu) if use_cuda else torch.device("cpu")
     backend = cfg.backend if cfg.backend != "auto" else "nccl" if use_cuda else "gloo"
     with exit_on_bad_input():  # whatever fails to connect: one "error:" line naming rank, host, address; exit code 2
-        if use_cuda and info.local_rank >= torch.cuda.device_count():
-            raise LauncherError(f"local rank {info.local_rank} needs cuda:{info.local_rank} but this node has "
-                                f"{torch.cuda.device_count()} GPU(s): start at most one process per GPU")
+        if use_cuda and not torch.cuda.is_available():
+            raise LauncherError(f"--device cuda, but this process sees no GPU (CUDA_VISIBLE_DEVICES="
+                                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
         if use_cuda:
             torch.cuda.set_device(device)  # before the process group, so its collectives use this device
         store, table = check_in(info, device, cfg.timeout_s)
