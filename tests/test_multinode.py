@@ -145,6 +145,13 @@ def test_comm_check_default_reaches_256_mib():
     assert "largest message in bytes (doubling from --min-bytes) (default: 268435456)" in " ".join(result.stdout.split())
 
 
+def test_comm_check_refuses_cuda_without_a_visible_gpu():
+    """--device cuda where the mask hides every GPU (or there is none): one line and exit code 2, no process group."""
+    result = run([PYTHON, COMM, "--device", "cuda"], 120, env=clean_env(CUDA_VISIBLE_DEVICES=""))
+    assert result.returncode == 2, result.output
+    assert result.stderr == "error: --device cuda, but this process sees no GPU (CUDA_VISIBLE_DEVICES=)\n"
+
+
 def test_wrong_master_addr_fails_clearly_within_timeout(tmp_path):
     """An unreachable MASTER_ADDR: every rank gives up after its timeout, naming the address and what to check."""
     procs, start = [], time.perf_counter()
