@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils.data import DataLoader
 
 from tests.cifar_files import write_cifar10
 from tests.helpers import PYTHON, REPO, clean_env, read_summary, run, torchrun
@@ -86,11 +88,28 @@ def test_without_the_per_rank_seed_every_rank_draws_the_same(lesson_run, data_di
     assert rank0[1:] != views(lesson_run[1], 0)[1:]  # and rank 0 draws otherwise than with seed + 0
 
 
-@pytest.mark.parametrize("script", [LESSON, "05_checkpointing/train.py"])
-def test_loader_workers_get_per_rank_seeds(data_dir, tmp_path, script):
-    """With --num-workers 1 the augmentation runs in a DataLoader worker, seeded from the loader's base
-    seed: drawn from the per-rank global RNG (01), or from 05's own generator, seeded per rank and epoch."""
-    run_lesson(script, data_dir, tmp_path, "--num-workers", "1")
+class WorkerSeed(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, index):
+        return torch.utils.data.get_worker_info().seed
+
+
+def test_loader_workers_take_their_seed_from_the_global_rng():
+    """Why 01's one line reaches loader workers too: at every iter() a DataLoader without a generator of
+    its own draws its workers' base seed from the global RNG, seeded with seed + rank by then."""
+    def worker_seed(seed: int) -> int:
+        torch.manual_seed(seed)
+        return int(next(iter(DataLoader(WorkerSeed(), num_workers=1))))
+
+    assert worker_seed(0) == worker_seed(0) != worker_seed(1)
+
+
+def test_05_loader_workers_get_per_rank_seeds(data_dir, tmp_path):
+    """05's loaders have a generator of their own (the checkpoint restores the global RNG), seeded with
+    seed + rank + epoch x world size: with --num-workers 1 the augmentation runs in a worker, and differs."""
+    run_lesson("05_checkpointing/train.py", data_dir, tmp_path, "--num-workers", "1")
     n = STEPS * BATCH  # a worker may load ahead of the steps taken: compare the samples trained on
     rank0, rank1 = views(tmp_path, 0, "worker0")[:n], views(tmp_path, 1, "worker0")[:n]
     assert len(rank0) == len(rank1) == n
@@ -101,7 +120,6 @@ def test_loader_workers_get_per_rank_seeds(data_dir, tmp_path, script):
 def test_single_process_baseline_draws_as_rank_0(lesson_run, data_dir, tmp_path):
     """train_single.py reseeds with seed + 0 where 01 reseeds with seed + rank, so its augmentation draws
     are rank 0's (with one process, 01 and train_single.py train bitwise alike: test_basic_ddp.py)."""
-    env = clean_env(PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'record'}", DDP_TEST_RECORD_DIR=str(tmp_path / "record"))
     run([PYTHON, REPO / "tests/perf_cifar.py", "run", "01_basic_ddp/train_single.py", *ARGS,
-         "--data-dir", str(data_dir), "--output-dir", str(tmp_path)], timeout=300, env=env, check=True)
+         "--data-dir", str(data_dir), "--output-dir", str(tmp_path)], timeout=300, env=record_env(tmp_path), check=True)
     assert views(tmp_path, 0) == views(lesson_run[1], 0)
