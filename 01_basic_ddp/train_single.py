@@ -51,6 +51,7 @@ def train(cfg):
 
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    torch.manual_seed(cfg.seed)  # augmentation and loader workers from here on, as train.py's rank 0 (seed + 0)
 
     print(f"one process on {device}, batch {cfg.batch_size}, train {len(data.train)}", flush=True)
     step, images_seen = 0, 0

@@ -62,7 +62,7 @@ def sum_over_ranks(values, device):
 
 
 def train_and_evaluate(cfg, launch):
-    device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")  # as in 01
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -74,6 +74,7 @@ def train_and_evaluate(cfg, launch):
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    torch.manual_seed(cfg.seed + launch.rank)  # as in 01: each rank its own augmentation from here on
     train_briefly(cfg, launch, device, model, data.train)
     net = model.module  # evaluate without the DDP wrapper: ranks may hold different numbers of batches
 

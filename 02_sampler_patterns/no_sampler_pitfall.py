@@ -52,7 +52,7 @@ class WithIndex(Dataset):
 
 
 def compare(cfg, launch):
-    device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")  # as in 01
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)

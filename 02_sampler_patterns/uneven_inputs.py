@@ -63,7 +63,7 @@ def digest(tensors):
 
 
 def train(cfg, launch):
-    device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")  # as in 01
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -82,6 +82,7 @@ def train(cfg, launch):
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    torch.manual_seed(cfg.seed + launch.rank)  # as in 01: each rank its own augmentation from here on
     digests = []  # (epoch, step, gradient digest, weights digest) for every step this rank ran
     for epoch in range(cfg.epochs):
         steps = len(loader)

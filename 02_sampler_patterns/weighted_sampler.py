@@ -96,7 +96,7 @@ def imbalanced(dataset, labels, num_classes, imbalance):
 
 
 def train(cfg, launch):
-    device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")  # as in 01
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -116,6 +116,7 @@ def train(cfg, launch):
     model = build_model(cfg.model, k, data.in_channels, data.image_size).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    torch.manual_seed(cfg.seed + launch.rank)  # as in 01: each rank its own augmentation from here on
 
     epochs = []
     for epoch in range(cfg.epochs):

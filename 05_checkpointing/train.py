@@ -139,14 +139,14 @@ def save_checkpoint(cfg, launch, device, model, optimizer, scheduler, step, posi
 def train(cfg, launch):
     start_time = time.perf_counter()
     preemption = Preemption(cfg.time_limit_s)  # first: a signal from now on is not lost
-    # One accelerator per process, picked by local rank; CPU (gloo) where there is none.
-    device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    # One GPU per process: the local rank's, or 0 where the site shows each rank only its own; else CPU (gloo).
+    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the process group, so its collectives use this device
     dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
                             rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
-    torch.manual_seed(cfg.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank (and DDP broadcasts rank 0's at the wrap)
 
     data = load_datasets(cfg, launch.rank)
     # Each rank gets a disjoint 1/world_size of the training set, shuffled alike on every rank (seed + epoch).
@@ -157,24 +157,20 @@ def train(cfg, launch):
     generator = torch.Generator()
     train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=train_sampler,
                               num_workers=cfg.num_workers, pin_memory=device.type == "cuda", generator=generator)
-    # Evaluation: a strided slice per rank covers every test sample exactly once (DistributedSampler
-    # would pad the last ranks with repeated samples and count them twice).
+    # Evaluation: a strided slice per rank covers every test sample once (DistributedSampler would pad with repeats).
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
     test_loader = DataLoader(test_shard, batch_size=cfg.batch_size, num_workers=cfg.num_workers, generator=generator)
 
-    # Move the model to this rank's device, then wrap: DDP broadcasts rank 0's weights and registers the hooks
-    # that all-reduce gradients during backward().
+    # Move the model to this rank's device, then wrap: DDP registers the hooks that all-reduce gradients in backward().
     model_args = dict(name=cfg.model, num_classes=data.num_classes, in_channels=data.in_channels,
                       image_size=data.image_size)  # saved, so that export_model.py can rebuild the network
     model = build_model(**model_args).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    torch.manual_seed(cfg.seed + launch.rank)  # each rank its own augmentation from here on: checkpoints hold all RNGs
     steps_per_epoch = len(train_loader)
     # The LR changes every step, so the scheduler's position is part of the state to restore.
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.epochs * steps_per_epoch)
-    # From here on each rank draws its own random numbers (its own augmentation), so a checkpoint
-    # needs the RNG states of every rank, not just rank 0's.
-    torch.manual_seed(cfg.seed + 1 + launch.rank)
 
     # Resume: rank 0 picks the newest checkpoint that loads and tells the others which one; every
     # rank loads it onto its own device with weights_only=True (tensors and plain values only).
@@ -220,14 +216,15 @@ def train(cfg, launch):
         return
 
     if launch.rank == 0:
-        print(f"launcher {launch.launcher}, {backend} on {device}, world size {launch.world_size}, "
+        print(f"launcher {launch.launcher}, {backend} on {device} (CUDA_VISIBLE_DEVICES="
+              f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), world size {launch.world_size}, "
               f"batch {cfg.batch_size} x {launch.world_size} = {cfg.batch_size * launch.world_size}", flush=True)
     images_seen = 0
     for epoch in range(start_epoch, cfg.epochs):
         train_sampler.set_epoch(epoch)  # a new shuffle each epoch; without it every epoch repeats epoch 0
         # Mid-epoch resume: the same order, without the samples trained on before the checkpoint.
         train_sampler.consumed = consumed if epoch == start_epoch else 0
-        generator.manual_seed(cfg.seed + epoch)  # DataLoader worker seeds depend on the epoch only
+        generator.manual_seed(cfg.seed + launch.rank + epoch * launch.world_size)  # worker seeds: per rank and epoch
         model.train()
         loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # this rank's loss sum and sample count
         if train_sampler.consumed:  # and the sums of those batches

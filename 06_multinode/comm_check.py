@@ -92,7 +92,8 @@ def hint() -> str:
 # -- who is where --------------------------------------------------------------------------------------
 
 def check_in(info, device, timeout_s):
-    """Rendezvous at rank 0's TCP store; return every rank's row (host, local rank, device, torchrun node rank).
+    """Rendezvous at rank 0's TCP store; return every rank's row (host, local rank, device, torchrun node rank,
+    CUDA_VISIBLE_DEVICES).
 
     We build the store ourselves (the same MASTER_ADDR/PORT that env:// would use) so that
     rank 0 can tell which ranks never arrived instead of only "timed out".
@@ -111,7 +112,8 @@ def check_in(info, device, timeout_s):
     prefix = f"comm_check/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     store = dist.PrefixStore(prefix, store)
     agent = os.environ.get("GROUP_RANK", "") if info.launcher == "torchrun" else ""  # torchrun's node rank
-    store.set(f"rank{info.rank}", f"{host}|{info.local_rank}|{device}|{agent}")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")  # a site's per-rank GPU binding sets it
+    store.set(f"rank{info.rank}", f"{host}|{info.local_rank}|{device}|{agent}|{visible}")
     keys = [f"rank{r}" for r in range(info.world_size)]
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
@@ -124,8 +126,8 @@ def check_in(info, device, timeout_s):
             f"{info.world_size} processes started, and do the missing hosts reach {where}? {hint()}") from None
     table = []
     for rank, key in enumerate(keys):
-        h, lr, dev, ag = store.get(key).decode().split("|")
-        table.append(dict(rank=rank, host=h, local_rank=int(lr), device=dev, agent=ag))
+        h, lr, dev, ag, visible = store.get(key).decode().split("|")
+        table.append(dict(rank=rank, host=h, local_rank=int(lr), device=dev, agent=ag, visible=visible))
     return store, table
 
 
@@ -449,9 +451,9 @@ def check(cfg, info, device, backend, table):
     if rank == 0:
         print("\n".join([f"comm_check: {n} ranks, launcher {info.launcher} (scheduler: {info.scheduler}), "
                          f"backend {backend}, rendezvous {info.master_addr}:{info.master_port}",
-                         f"{'rank':>5} {'local':>5}  {'node':<24} device",
-                         *(f"{row['rank']:>5} {row['local_rank']:>5}  {node_of_rank[row['rank']]:<24} {row['device']}"
-                           for row in table),
+                         f"{'rank':>5} {'local':>5}  {'node':<24} {'device':<8} CUDA_VISIBLE_DEVICES",
+                         *(f"{row['rank']:>5} {row['local_rank']:>5}  {node_of_rank[row['rank']]:<24} "
+                           f"{row['device']:<8} {row['visible']}" for row in table),
                          f"{n} ranks on {len(nodes)} node(s): {', '.join(label for label, _ in nodes)}"]))
         print_environment(backend, nodes, envs, differ, len({row["host"] for row in table}) > 1)
         print(f"all ranks: {n} ranks on {len(nodes)} node(s); time: average over the ranks (as nccl-tests), "
@@ -479,7 +481,8 @@ def check(cfg, info, device, backend, table):
                           dict(world_size=n, launcher=info.launcher, scheduler=info.scheduler, backend=backend,
                                master_addr=info.master_addr, master_port=info.master_port,
                                ranks=[dict(rank=row["rank"], host=row["host"], local_rank=row["local_rank"],
-                                           device=row["device"], node=node_of_rank[row["rank"]]) for row in table],
+                                           device=row["device"], cuda_visible_devices=row["visible"],
+                                           node=node_of_rank[row["rank"]]) for row in table],
                                nodes=[dict(node=label, ranks=ranks, host=table[ranks[0]]["host"],
                                            transport=transport(backend, envs[ranks[0]]), **envs[ranks[0]])
                                       for label, ranks in nodes],
@@ -493,14 +496,14 @@ def check(cfg, info, device, backend, table):
 def main():
     cfg = load_config(CommConfig)
     info = detect_launcher()
-    # One GPU per process, picked by local rank (as in 01); CPU (gloo) where there is none.
+    # One GPU per process, as in 01: the local rank's, or 0 where each rank sees only its own; CPU (gloo) without.
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", info.local_rank) if use_cuda else torch.device("cpu")
+    device = torch.device("cuda", info.gpu) if use_cuda else torch.device("cpu")
     backend = cfg.backend if cfg.backend != "auto" else "nccl" if use_cuda else "gloo"
     with exit_on_bad_input():  # whatever fails to connect: one "error:" line naming rank, host, address; exit code 2
-        if use_cuda and info.local_rank >= torch.cuda.device_count():
-            raise LauncherError(f"local rank {info.local_rank} needs cuda:{info.local_rank} but this node has "
-                                f"{torch.cuda.device_count()} GPU(s): start at most one process per GPU")
+        if use_cuda and not torch.cuda.is_available():
+            raise LauncherError(f"--device cuda, but this process sees no GPU (CUDA_VISIBLE_DEVICES="
+                                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
         if use_cuda:
             torch.cuda.set_device(device)  # before the process group, so its collectives use this device
         store, table = check_in(info, device, cfg.timeout_s)

@@ -53,38 +53,42 @@ def evaluate(model, loader, device):
 
 
 def gather_placement(launch, device):
-    """Collective: every rank's host, rank, local rank and device, in rank order, on every rank."""
+    """Collective: every rank's host, rank, local rank, device, CUDA_VISIBLE_DEVICES and GPU UUID (which physical
+    GPU it is, however the mask numbers it), in rank order, on every rank."""
     placement = [None] * launch.world_size
-    dist.all_gather_object(placement, dict(host=socket.gethostname(), rank=launch.rank,
-                                           local_rank=launch.local_rank, device=str(device)))
+    gpu_uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
+    dist.all_gather_object(placement, dict(host=socket.gethostname(), rank=launch.rank, local_rank=launch.local_rank,
+                                           device=str(device), visible=os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
+                                           gpu_uuid=gpu_uuid))
     return placement
 
 
 def print_placement(placement):
-    """One line per rank, the hosts, and a warning for every device that two ranks share."""
-    lines = [f"{'rank':>5} {'local':>5}  {'host':<24} device"]
-    lines += [f"{p['rank']:>5} {p['local_rank']:>5}  {p['host']:<24} {p['device']}" for p in placement]
+    """One line per rank, the hosts, and a warning for every GPU that two ranks share."""
+    lines = [f"{'rank':>5} {'local':>5}  {'host':<24} {'device':<8} CUDA_VISIBLE_DEVICES"]
+    lines += [f"{p['rank']:>5} {p['local_rank']:>5}  {p['host']:<24} {p['device']:<8} {p['visible']}"
+              for p in placement]
     hosts = sorted({p["host"] for p in placement})
     lines.append(f"{len(placement)} ranks on {len(hosts)} host(s): {', '.join(hosts)}")
-    owners = {}
+    owners = {}  # by UUID: with per-rank GPU binding every rank's GPU is cuda:0, yet each is another GPU
     for p in placement:
         if p["device"] != "cpu":  # CPU processes share the host's cores by design
-            owners.setdefault((p["host"], p["device"]), []).append(p["rank"])
-    lines += [f"WARNING: ranks {ranks} share {device} on {host}: start one process per GPU"
-              for (host, device), ranks in owners.items() if len(ranks) > 1]
+            owners.setdefault((p["host"], p["gpu_uuid"]), []).append(p)
+    lines += [f"WARNING: ranks {[p['rank'] for p in ps]} share one GPU ({ps[0]['device']} of rank {ps[0]['rank']}) "
+              f"on {host}: start one process per GPU" for (host, _), ps in owners.items() if len(ps) > 1]
     print("\n".join(lines), flush=True)
 
 
 def train(cfg, launch):
     start_time = time.perf_counter()
-    # One accelerator per process, picked by local rank; CPU (gloo) where there is none.
-    device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    # One GPU per process: the local rank's, or 0 where the site shows each rank only its own; else CPU (gloo).
+    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the process group, so its collectives use this device
     dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
                             rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
-    torch.manual_seed(cfg.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank (and DDP broadcasts rank 0's at the wrap)
 
     data = load_datasets(cfg, launch.rank)
     # Each rank gets a disjoint 1/world_size of the training set, shuffled alike on every rank (seed + epoch).
@@ -92,21 +96,21 @@ def train(cfg, launch):
                                        shuffle=True, seed=cfg.seed)
     train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=train_sampler,
                               num_workers=cfg.num_workers, pin_memory=device.type == "cuda")
-    # Evaluation: a strided slice per rank covers every test sample exactly once (DistributedSampler
-    # would pad the last ranks with repeated samples and count them twice).
+    # Evaluation: a strided slice per rank covers every test sample once (DistributedSampler would pad with repeats).
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
     test_loader = DataLoader(test_shard, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
 
-    # Move the model to this rank's device, then wrap: DDP broadcasts rank 0's weights and registers the hooks
-    # that all-reduce gradients during backward().
+    # Move the model to this rank's device, then wrap: DDP registers the hooks that all-reduce gradients in backward().
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    torch.manual_seed(cfg.seed + launch.rank)  # from here on each rank its own augmentation and loader worker seeds
 
     placement = gather_placement(launch, device)  # a collective: every rank takes part
     if launch.rank == 0:
         print_placement(placement)
-        print(f"launcher {launch.launcher}, {backend} on {device}, world size {launch.world_size}, "
+        print(f"launcher {launch.launcher}, {backend} on {device} (CUDA_VISIBLE_DEVICES="
+              f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), world size {launch.world_size}, "
               f"batch {cfg.batch_size} x {launch.world_size} = {cfg.batch_size * launch.world_size}", flush=True)
     step, images_seen = 0, 0
     for epoch in range(cfg.epochs):

@@ -83,14 +83,14 @@ def evaluate(model, loader, device, memory_format=torch.preserve_format):
 
 def train(cfg, launch):
     start_time = time.perf_counter()
-    # One accelerator per process, picked by local rank (--device auto: a GPU where there is one).
-    device = torch.device("cuda", launch.local_rank) if device_type(cfg) == "cuda" else torch.device("cpu")
+    # One GPU per process (--device auto: where there is one): the local rank's, or 0 where each rank sees only its own.
+    device = torch.device("cuda", launch.gpu) if device_type(cfg) == "cuda" else torch.device("cpu")
     backend = cfg.backend if cfg.backend != "auto" else "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the process group, so its collectives use this device
     dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
                             rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
-    torch.manual_seed(cfg.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank (and DDP broadcasts rank 0's at the wrap)
 
     data = load_datasets(cfg, launch.rank)
     # Each rank gets a disjoint 1/world_size of the training set, shuffled alike on every rank (seed + epoch).
@@ -99,13 +99,11 @@ def train(cfg, launch):
     # num_workers, pin_memory (GPU only), persistent_workers and prefetch_factor (with workers) from the config.
     train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=train_sampler,
                               **loader_kwargs(cfg, device))
-    # Evaluation: a strided slice per rank covers every test sample exactly once (DistributedSampler
-    # would pad the last ranks with repeated samples and count them twice).
+    # Evaluation: a strided slice per rank covers every test sample once (DistributedSampler would pad with repeats).
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
     test_loader = DataLoader(test_shard, batch_size=cfg.batch_size, **loader_kwargs(cfg, device))
 
-    # Move the model to this rank's device, then wrap: DDP broadcasts rank 0's weights and registers the hooks
-    # that all-reduce gradients during backward().
+    # Move the model to this rank's device, then wrap: DDP registers the hooks that all-reduce gradients in backward().
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
     # NHWC, the fast layout for convolutions on tensor cores; the inputs follow in the loop.
     memory_format = torch.channels_last if cfg.channels_last else torch.preserve_format
@@ -124,6 +122,7 @@ def train(cfg, launch):
     else:  # the baseline: the same loop without gradient communication (replicas drift apart)
         model = NoDDP(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    torch.manual_seed(cfg.seed + launch.rank)  # from here on each rank its own augmentation and loader worker seeds
     # Mixed precision: autocast runs the forward pass in bf16/fp16; fp16 also needs a GradScaler,
     # which scales the loss so small gradients do not underflow (a no-op when disabled).
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
@@ -136,7 +135,8 @@ def train(cfg, launch):
         writer = SummaryWriter(str(Path(cfg.output_dir) / "tensorboard"))
 
     if launch.rank == 0:
-        print(f"launcher {launch.launcher}, {backend} on {device}, world size {launch.world_size}, "
+        print(f"launcher {launch.launcher}, {backend} on {device} (CUDA_VISIBLE_DEVICES="
+              f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), world size {launch.world_size}, "
               f"batch {cfg.batch_size} x {launch.world_size} = {cfg.batch_size * launch.world_size}; "
               f"{type(model).__name__}, precision {cfg.precision}, comm hook {cfg.comm_hook}, "
               f"compile {cfg.compile}, channels_last {cfg.channels_last}", flush=True)

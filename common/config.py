@@ -107,7 +107,7 @@ class TrainConfig:
     lr: float = field(0.1, "learning rate", min=0.0)
     momentum: float = field(0.9, "SGD momentum", min=0.0)
     weight_decay: float = field(0.0, "SGD weight decay", min=0.0)
-    seed: int = field(0, "seed for model init and the sampler's shuffling (same on every rank)", min=0)
+    seed: int = field(0, "init and shuffle seed (same on every rank); augmentation, loader workers: seed + rank", min=0)
     num_workers: int = field(0, "DataLoader worker processes per rank", min=0)
     timeout_s: float = field(60.0, "seconds a collective may wait for the other ranks", min=1.0)
     output_dir: str = field("runs/latest", "where summary.json and model.pt go")

@@ -1,5 +1,5 @@
-"""Which launcher started this process, and where rank 0 listens. `detect_launcher()` reads os.environ through
-`launch_info(env)`, so every launcher is unit-tested with plain dicts (no mpi4py, ssh or scontrol). Order matters:
+"""Which launcher started this process, where rank 0 listens, which GPU is this rank's. `detect_launcher()` reads
+os.environ (and the GPU count) through `launch_info(env)`, so it is unit-tested with plain dicts. Order matters:
 torchrun may run in a Slurm or PBS job, and HPE's PALS exports MPICH's PMI_* too, so the most specific comes first."""
 
 import os
@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 from typing import Mapping
+
+import torch
 
 from common.errors import LauncherError, exit_on_bad_input
 
@@ -34,6 +36,7 @@ class LaunchInfo:
     master_port: int
     scheduler: str = "none"  # slurm, pbs or none
     job_id: str = ""
+    gpu: int = 0  # this rank's GPU among those it sees: its local rank, or 0 where it sees only its own
 
 
 def _int(env: Mapping[str, str], name: str | None) -> int | None:
@@ -118,11 +121,12 @@ def master_port(env: Mapping[str, str]) -> int:
 def detect_launcher(rank: int | None = None, world_size: int | None = None) -> LaunchInfo:
     """This process's launch from os.environ (mp.spawn workers pass rank, world_size); bad input exits with code 2."""
     with exit_on_bad_input():
-        return launch_info(os.environ, rank, world_size)
+        return launch_info(os.environ, rank, world_size, torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
 
-def launch_info(env: Mapping[str, str], rank: int | None = None, world_size: int | None = None) -> LaunchInfo:
-    """Rank, local rank, world sizes, master address/port and launcher name from `env`."""
+def launch_info(env: Mapping[str, str], rank: int | None = None, world_size: int | None = None,
+                gpus: int = 0) -> LaunchInfo:
+    """Rank, local rank, world sizes, master address/port, launcher name and GPU (of the `gpus` it sees) from `env`."""
     scheduler, job_id = _scheduler(env)
     name, r, lr, ws, lws = _find(env, rank, world_size)
     ws = 1 if ws is None else ws
@@ -139,12 +143,16 @@ def launch_info(env: Mapping[str, str], rank: int | None = None, world_size: int
     lr = r % lws if lr is None else lr
     if not 0 <= lr < lws or lws > ws:
         raise LauncherError(f"{name}: local rank {lr} and local world size {lws} do not fit world size {ws}")
-    return LaunchInfo(name, r, lr, ws, lws, master_address(env), master_port(env), scheduler, job_id)
+    gpu = lr if gpus >= lws else 0  # 0: per-task GPU binding (srun --gpus-per-task=1, site scripts) shows one GPU
+    if 1 < gpus < lws:  # two ranks would share a GPU, which NCCL refuses ("Duplicate GPU detected")
+        raise LauncherError(f"{lws} ranks on this node but {gpus} GPUs visible to rank {r} (CUDA_VISIBLE_DEVICES="
+                            f"{env.get('CUDA_VISIBLE_DEVICES', 'unset')}): one rank per GPU, seeing all or its own")
+    return LaunchInfo(name, r, lr, ws, lws, master_address(env), master_port(env), scheduler, job_id, gpu)
 
 
 def _find(env, rank, world_size):
     if rank is not None or world_size is not None:
-        return "mp.spawn", rank, None, world_size, None
+        return "mp.spawn", rank, rank, world_size, world_size  # one node: the local rank is the rank, even in a job
     torchrun_like = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
     if env.get("TORCHELASTIC_RUN_ID") is not None:
         return ("torchrun", *(_int(env, n) for n in torchrun_like))

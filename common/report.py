@@ -9,7 +9,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
 _LAST_GATHER: list = []  # the last checksum gather's tensors, kept until the process exits (replica_checksums)
 
 

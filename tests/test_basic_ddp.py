@@ -2,6 +2,7 @@
 and the single-process baseline is the same training."""
 
 import hashlib
+import os
 import time
 from pathlib import Path
 
@@ -53,7 +54,9 @@ def test_quick_start_trains_to_95_percent(quick_start):
 
 def test_banner_and_progress_come_from_rank_0_only(quick_start):
     result, _ = quick_start
-    assert result.stdout.count("launcher torchrun, gloo on cpu, world size 2, batch 32 x 2 = 64") == 1
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")  # as the run inherits it from here
+    assert result.stdout.count(f"launcher torchrun, gloo on cpu (CUDA_VISIBLE_DEVICES={visible}), world size 2, "
+                               "batch 32 x 2 = 64") == 1
     assert result.stdout.count("epoch 1 step 10 loss") == 1
     assert result.stdout.count("epoch 12 done") == 1
     assert "Traceback" not in result.output

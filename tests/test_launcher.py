@@ -133,3 +133,91 @@ def test_expand_hostlist(hostlist, hosts):
 def test_malformed_hostlist_is_an_error(bad):
     with pytest.raises(LauncherError):
         expand_hostlist(bad)
+
+
+# --- which GPU is this rank's --------------------------------------------------------------------------
+
+def node_of(local_world_size: int, local_rank: int, mask: str | None = None) -> dict[str, str]:
+    """torchrun's variables for one rank of a one-node job, with an optional CUDA_VISIBLE_DEVICES."""
+    env = {"TORCHELASTIC_RUN_ID": "x", "RANK": str(local_rank), "LOCAL_RANK": str(local_rank),
+           "WORLD_SIZE": str(local_world_size), "LOCAL_WORLD_SIZE": str(local_world_size)}
+    return env if mask is None else {**env, "CUDA_VISIBLE_DEVICES": mask}
+
+
+@pytest.mark.parametrize("visible,gpus", [
+    (1, [0, 0, 0, 0]),  # per-rank binding (srun --gpus-per-task=1, site scripts): each rank sees only its own
+    (4, [0, 1, 2, 3]),  # every rank sees the node's 4 GPUs: index by local rank
+    (8, [0, 1, 2, 3]),  # more GPUs than local ranks: the first four
+    (0, [0, 0, 0, 0]),  # no GPU (CPU run): the index is not used
+])
+def test_gpu_of_four_local_ranks(visible, gpus):
+    assert [launch_info(node_of(4, r), gpus=visible).gpu for r in range(4)] == gpus
+
+
+@pytest.mark.parametrize("visible", [2, 3])
+def test_fewer_gpus_than_local_ranks_is_one_clear_error(visible):
+    """Two ranks would share a GPU; NCCL refuses that with "Duplicate GPU detected", later and less clearly."""
+    mask = ",".join(str(i) for i in range(visible))
+    for r in range(4):  # every rank of the node says so (its local rank 0 prints it: common/errors.py)
+        with pytest.raises(LauncherError) as exc:
+            launch_info(node_of(4, r, mask), gpus=visible)
+        assert str(exc.value) == (f"4 ranks on this node but {visible} GPUs visible to rank {r} "
+                                  f"(CUDA_VISIBLE_DEVICES={mask}): one rank per GPU, seeing all or its own")
+
+
+def test_gpu_choice_over_every_small_node():
+    """Exhaustively, for 1-8 local ranks and 0-9 visible GPUs: each rank gets a GPU it can see; where
+    all ranks share one view, no two get the same one; the only refusals are 1 < visible < local ranks."""
+    for n in range(1, 9):
+        for visible in range(10):
+            picks = []
+            for r in range(n):
+                try:
+                    picks.append(launch_info(node_of(n, r), gpus=visible).gpu)
+                except LauncherError:
+                    picks.append(None)
+            if 1 < visible < n:
+                assert picks == [None] * n, (n, visible)
+            elif visible == 0:
+                assert picks == [0] * n  # CPU
+            else:
+                assert all(0 <= g < visible for g in picks), (n, visible, picks)
+                assert visible == 1 or len(set(picks)) == n, (n, visible, picks)  # one view: all different
+
+
+def test_detect_launcher_asks_torch_how_many_gpus_this_process_sees(monkeypatch, capsys):
+    """The wiring, in-process. No GPU can exist on the machines the suite runs on, so torch.cuda's answers
+    are stood in for; CUDA_VISIBLE_DEVICES is what torch.cuda.device_count() honours."""
+    import torch
+
+    from common.launcher import detect_launcher
+
+    for name, value in node_of(4, 1).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert detect_launcher().gpu == 1
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # srun --gpus-per-task=1
+    assert detect_launcher().gpu == 0
+    # Without CUDA the count is not consulted (and a CPU run is never refused for it).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert detect_launcher().gpu == 0
+    # 2 GPUs for 4 ranks: one error line from local rank 0, exit code 2, before any process group.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(SystemExit) as exc:
+        detect_launcher()
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == ("error: 4 ranks on this node but 2 GPUs visible to rank 0 "
+                                       "(CUDA_VISIBLE_DEVICES=0,1): one rank per GPU, seeing all or its own\n")
+
+
+def test_mp_spawn_inside_a_slurm_job_uses_its_own_rank_as_local_rank():
+    """mp.spawn starts every rank on this node; a Slurm job around it must not make them all local rank 0
+    (they would all pick GPU 0)."""
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu01", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4000"}
+    infos = [launch_info(env, rank=r, world_size=4, gpus=4) for r in range(4)]
+    assert [(i.local_rank, i.local_world_size, i.gpu) for i in infos] == [(r, 4, r) for r in range(4)]

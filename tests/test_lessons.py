@@ -60,7 +60,8 @@ def test_diff_count_is_what_diff_prints(tmp_path):
 def test_01_is_short_and_shows_every_ddp_line():
     source = LESSON.read_text()
     assert len(lines(LESSON)) <= 130
-    for visible in ('torch.device("cuda", launch.local_rank)', "torch.cuda.set_device(device)",
+    for visible in ('torch.device("cuda", launch.gpu)', "torch.cuda.set_device(device)", "CUDA_VISIBLE_DEVICES",
+                    "torch.manual_seed(cfg.seed)", "torch.manual_seed(cfg.seed + launch.rank)",
                     "dist.init_process_group(", "DistributedSampler(", "train_sampler.set_epoch(epoch)",
                     "model = DDP(model", "loss.backward()", "dist.all_reduce(totals)",
                     "if launch.rank == 0:  # plain file I/O", "torch.save(model.module.state_dict()",
@@ -101,7 +102,9 @@ def test_each_lesson_is_01_plus_its_topic(script):
     # The DDP lines of 01 appear verbatim.
     source = path.read_text()
     for line in ("    dist.init_process_group(backend, init_method=f\"tcp://{launch.master_addr}:{launch.master_port}\",",
-                 "    dist.destroy_process_group()"):
+                 "    dist.destroy_process_group()", "    torch.manual_seed(cfg.seed)  # same initial weights",
+                 "    device = torch.device(\"cuda\", launch.gpu) if torch.cuda.is_available()",
+                 "    torch.manual_seed(cfg.seed + launch.rank)  # "):
         assert line in LESSON.read_text() and any(l.startswith(line) for l in source.splitlines()), (script, line)
     assert "model = DDP(model, device_ids=[device.index] if device.type == \"cuda\" else None)" in source
 

@@ -74,21 +74,28 @@ def test_torchrun_two_nodes_c10d_agrees_with_one_node(tmp_path):
     assert two["final_train_loss"] == pytest.approx(one["final_train_loss"], rel=1e-5)
     assert two["replica_checksums"] == one["replica_checksums"]
     banner = (tmp_path / "node0.log").read_text() + (tmp_path / "node1.log").read_text()
-    assert re.search(r"^\s+1\s+0\s+\S+\s+cpu$", banner, re.M), "placement table row for rank 1 missing"
+    assert re.search(r"^\s+1\s+0\s+\S+\s+cpu\s+\S+$", banner, re.M), "placement table row for rank 1 missing"
 
 
 def test_placement_table_warns_when_two_ranks_share_a_gpu(capsys):
-    """Two torchruns started on one node (a classic mistake) put two ranks on each of its GPUs."""
+    """Two torchruns started on one node (a classic mistake) put two ranks on each of its GPUs. A GPU is
+    known by its UUID: under per-rank GPU binding every rank uses cuda:0, each a different GPU."""
     train = load_script("06_multinode/train.py", "multinode_train")
-    train.print_placement([dict(host="gpu1", rank=0, local_rank=0, device="cuda:0"),
-                           dict(host="gpu1", rank=1, local_rank=0, device="cuda:0"),
-                           dict(host="gpu2", rank=2, local_rank=0, device="cuda:0"),
-                           dict(host="gpu2", rank=3, local_rank=1, device="cuda:1")])
+
+    def rank(host, r, local_rank, device, uuid, visible="unset"):
+        return dict(host=host, rank=r, local_rank=local_rank, device=device, gpu_uuid=uuid, visible=visible)
+
+    train.print_placement([rank("gpu1", 0, 0, "cuda:0", "GPU-a"), rank("gpu1", 1, 0, "cuda:0", "GPU-a"),
+                           rank("gpu2", 2, 0, "cuda:0", "GPU-c"), rank("gpu2", 3, 1, "cuda:1", "GPU-d")])
     out = capsys.readouterr().out
-    assert re.search(r"^\s+1\s+0\s+gpu1\s+cuda:0$", out, re.M)
+    assert re.search(r"^\s+1\s+0\s+gpu1\s+cuda:0\s+unset$", out, re.M)
     assert "4 ranks on 2 host(s): gpu1, gpu2" in out
-    assert out.count("WARNING") == 1 and "WARNING: ranks [0, 1] share cuda:0 on gpu1" in out
-    train.print_placement([dict(host="vm", rank=r, local_rank=r, device="cpu") for r in range(2)])
+    assert out.count("WARNING") == 1 and "WARNING: ranks [0, 1] share one GPU (cuda:0 of rank 0) on gpu1" in out
+    # Per-rank binding (srun --gpus-per-task=1): cuda:0 everywhere, four GPUs, no warning; the masks are shown.
+    train.print_placement([rank("gpu1", r, r, "cuda:0", f"GPU-{r}", visible=str(r)) for r in range(4)])
+    out = capsys.readouterr().out
+    assert "WARNING" not in out and re.search(r"^\s+3\s+3\s+gpu1\s+cuda:0\s+3$", out, re.M)
+    train.print_placement([rank("vm", r, r, "cpu", "") for r in range(2)])
     assert "WARNING" not in capsys.readouterr().out  # CPU processes share the cores by design
 
 
@@ -367,6 +374,13 @@ def test_slow_nodes_are_below_half_the_median(comm):
 def test_comm_check_default_reaches_256_mib():
     result = run([PYTHON, COMM, "--help"], 60, check=True)
     assert "largest message in bytes (doubling from --min-bytes) (default: 268435456)" in " ".join(result.stdout.split())
+
+
+def test_comm_check_refuses_cuda_without_a_visible_gpu():
+    """--device cuda where the mask hides every GPU (or there is none): one line and exit code 2, no process group."""
+    result = run([PYTHON, COMM, "--device", "cuda"], 120, env=clean_env(CUDA_VISIBLE_DEVICES=""))
+    assert result.returncode == 2, result.output
+    assert result.stderr == "error: --device cuda, but this process sees no GPU (CUDA_VISIBLE_DEVICES=)\n"
 
 
 def test_wrong_master_addr_fails_clearly_within_timeout(tmp_path):
