@@ -109,7 +109,7 @@ def train(cfg, launch):
     memory_format = torch.channels_last if cfg.channels_last else torch.preserve_format
     model = model.to(memory_format=memory_format)
     if cfg.compile:  # in place, before the wrap: DDP's hooks stay outside the compiled graphs
-        model.compile()  # (nn.Module.compile: no wrapper, so state_dict keys stay the module's own)
+        model.compile()  # (no wrapper: state_dict keys stay the module's own; DDPOptimizer still splits at buckets)
     comm_hook = COMM_HOOKS[cfg.comm_hook] if cfg.ddp else None
     if cfg.ddp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
