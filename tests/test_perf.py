@@ -358,6 +358,15 @@ def test_no_ddp_stand_in():
 
 # --- the benchmark ----------------------------------------------------------------------------------
 
+def test_benchmark_keeps_the_run_with_the_median_step_time():
+    """benchmark/README.md: the median run; with an even number of repeats the faster of the two middle runs."""
+    bench = load_script("benchmark/benchmark.py", "benchmark_main")
+    runs = [{"step_ms": ms, "run": i} for i, ms in enumerate([30.0, 10.0, 20.0, 50.0])]
+    assert bench.median_run(runs[:3])["run"] == 2  # 10, 20, 30: the middle one
+    assert bench.median_run(runs)["run"] == 2  # 10, 20, 30, 50: 20, not 30 and not their mean
+    assert bench.median_run(runs[:2])["run"] == 1  # --repeats 2, as the published tables: the faster
+    assert bench.median_run(runs[:1])["run"] == 0
+
 def test_benchmark_table_and_sweep(tmp_path):
     """World sizes 1 and 2, DDP and --no-ddp, one knob swept: 5 runs of benchmark/train.py."""
     out = tmp_path / "bench"
