@@ -5,7 +5,8 @@ installed torch. Each rank prints one line `RESULT <rank> <json>`.
 
 - the wrap: ranks built with different weights and buffers hold rank 0's after DDP(...) (and keep
   their own with init_sync=False, the control);
-- at the start of forward DDP broadcasts rank 0's buffers again (not with forward_sync_buffers=False);
+- at the start of forward DDP broadcasts rank 0's buffers again (not with forward_sync_buffers=False, nor
+  right after a forward without grad or under no_sync());
 - nn.SyncBatchNorm refuses CPU tensors (its forward checks the device);
 - DDP(static_graph=True) with no_sync() accumulation fails (PyTorch issue 143580), run last: it
   leaves DDP's reducer in a failed state.
@@ -63,19 +64,38 @@ def wrap_facts(rank: int) -> dict:
             "buffers_after": after[1], "params_without_init_sync": gathered(digest(control.parameters()))}
 
 
+def set_running_means(model: nn.Module, value: float) -> None:
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.fill_(value)
+
+
 def forward_buffer_facts(rank: int) -> dict:
-    """Buffers made different AFTER the wrap; one forward in eval mode (which leaves them as they are)."""
+    """Buffers made different AFTER the wrap, then forwards in eval mode (which leave them as they are)."""
     result = {}
     for name, kwargs in (("default", {}), ("forward_sync_buffers_false", {"forward_sync_buffers": False})):
-        model = DDP(rank_own_model(0), **kwargs)
+        model = DDP(rank_own_model(0), **kwargs).eval()
+        set_running_means(model.module, float(rank) + 5)
+        different = gathered(digest(model.module.buffers()))
         with torch.no_grad():
-            for m in model.module.modules():
-                if isinstance(m, nn.BatchNorm2d):
-                    m.running_mean.fill_(float(rank) + 5)
-            different = gathered(digest(model.module.buffers()))
-            model.eval()
             model(torch.zeros(2, 1, 8, 8))
-        result[name] = {"before_forward": different, "after_forward": gathered(digest(model.module.buffers()))}
+        after = gathered(digest(model.module.buffers()))
+        # A forward without grad (or under no_sync) tells DDP that no gradient sync follows, and the next
+        # forward skips the buffer broadcast.
+        set_running_means(model.module, float(rank) + 7)
+        with torch.no_grad():
+            model(torch.zeros(2, 1, 8, 8))
+        after_no_grad = gathered(digest(model.module.buffers()))
+        # The same after a forward under no_sync() (grad enabled; eval mode, so no backward is needed).
+        model2 = DDP(rank_own_model(0), **kwargs).eval()
+        with model2.no_sync():
+            model2(torch.zeros(2, 1, 8, 8))
+        set_running_means(model2.module, float(rank) + 9)
+        model2(torch.zeros(2, 1, 8, 8))
+        result[name] = {"before_forward": different, "after_forward": after,
+                        "after_a_forward_after_no_grad": after_no_grad,
+                        "after_a_forward_after_no_sync": gathered(digest(model2.module.buffers()))}
     return result
 
 

@@ -43,11 +43,17 @@ def test_the_wrap_gives_every_rank_rank_0s_parameters_and_buffers(facts):
 
 
 def test_buffers_are_broadcast_from_rank_0_at_the_start_of_forward(facts):
+    """README.md: rank 0's buffers at the start of forward, unless the previous forward ran without grad
+    or under no_sync() (DDP's require_forward_param_sync, torch/nn/parallel/distributed.py)."""
     forward = facts[0]["forward"]
     default, control = forward["default"], forward["forward_sync_buffers_false"]
     assert default["before_forward"][0] != default["before_forward"][1]
     assert default["after_forward"] == [default["before_forward"][0]] * 2
     assert control["after_forward"] == control["before_forward"]  # forward_sync_buffers=False: no broadcast
+    # After a forward without grad or under no_sync() the next forward broadcasts nothing: the ranks keep
+    # the different buffers they were given.
+    for after in ("after_a_forward_after_no_grad", "after_a_forward_after_no_sync"):
+        assert default[after][0] != default[after][1], after
 
 
 def test_nn_syncbatchnorm_refuses_cpu_tensors(facts):
