@@ -1,7 +1,6 @@
 """A rank that dies by a signal, to see how torchrun reports it (`exitcode  : -N (pid: ...)`).
 
     torchrun --standalone --nproc_per_node=2 debugging/rank_signal.py --how abort   # -6 SIGABRT
-    torchrun --standalone --nproc_per_node=2 debugging/rank_signal.py --how kill    # -9 SIGKILL
     # -7 SIGBUS: shared memory larger than /dev/shm, as in a container started with a small --shm-size;
     # as root, without a container:
     unshare -m sh -c 'mount -t tmpfs -o size=1m tmpfs /dev/shm &&
@@ -13,7 +12,6 @@ no torch import: what torchrun prints is all there is to see. See debugging/READ
 
 import argparse
 import os
-import signal
 import time
 from multiprocessing import shared_memory
 
@@ -34,9 +32,9 @@ def fill_shared_memory(megabytes: int) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--how", choices=("abort", "kill", "shm"), required=True,
-                        help="abort: SIGABRT, as a C++ abort() (gloo, NCCL, 'terminate called ...'); "
-                             "kill: SIGKILL, as the kernel's out-of-memory killer sends; shm: fill shared memory")
+    parser.add_argument("--how", choices=("abort", "shm"), required=True,
+                        help="abort: SIGABRT, as a C++ abort() sends (gloo, NCCL, 'terminate called ...'); "
+                             "shm: write to shared memory (SIGBUS when /dev/shm is too small)")
     parser.add_argument("--shm-mb", type=int, default=4, help="MiB of shared memory to write (--how shm)")
     args = parser.parse_args()
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -45,8 +43,6 @@ def main():
         return
     if args.how == "abort":
         os.abort()
-    elif args.how == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
     else:
         fill_shared_memory(args.shm_mb)
 

@@ -33,15 +33,14 @@ def _root_cause(output: str) -> str:
 
 # --- torchrun's summary: exit codes of ranks killed by a signal ----------------------------------------
 
-@pytest.mark.parametrize("how,number,name", [("abort", 6, "SIGABRT"), ("kill", 9, "SIGKILL")])
-def test_rank_killed_by_a_signal_is_a_negative_exitcode(how, number, name):
-    result = torchrun("debugging/rank_signal.py", "--how", how, check=False, timeout=120)
+def test_rank_aborted_is_exitcode_minus_6_sigabrt():
+    result = torchrun("debugging/rank_signal.py", "--how", "abort", check=False, timeout=120)
     out = result.output
     assert result.returncode != 0
     assert "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in out
     root = _root_cause(out)
-    m = re.search(rf"rank      : 1 \(local_rank: 1\)\n  exitcode  : -{number} \(pid: (\d+)\)  \({name}\)\n"
-                  rf"  error_file: <N/A>\n  traceback : Signal {number} \({name}\) received by PID (\d+)", root)
+    m = re.search(r"rank      : 1 \(local_rank: 1\)\n  exitcode  : -6 \(pid: (\d+)\)  \(SIGABRT\)\n"
+                  r"  error_file: <N/A>\n  traceback : Signal 6 \(SIGABRT\) received by PID (\d+)", root)
     assert m and m[1] == m[2], root
     # The rank that was only waiting was stopped by torchrun: listed under Failures, not as the cause.
     failures = out.split("Root Cause")[0].split("Failures:")[-1]
@@ -109,7 +108,7 @@ def test_second_job_on_the_same_port_fails_with_address_already_in_use(tmp_path)
     # Ids PORT_SPAN (15000) apart derive the same port: the residual collision the README states.
     assert master_port({"SLURM_JOB_ID": str(job + 15000)}) == port
     # The first job: rank 0 of two holds the store on the derived port and waits for rank 1.
-    first = subprocess.Popen([PYTHON, REPO / TRAIN, *SHORT, "--timeout-s", "120", "--output-dir", tmp_path / "first"],
+    first = subprocess.Popen([PYTHON, REPO / TRAIN, *SHORT, "--timeout-s", "300", "--output-dir", tmp_path / "first"],
                              cwd=REPO, env=clean_env(RANK="0", WORLD_SIZE="2", SLURM_JOB_ID=str(job)), text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -153,6 +152,7 @@ def test_torch_distributed_launch_passes_local_rank_argument():
     assert plain.returncode != 0
     for rank in (0, 1):
         assert f"local_rank_args.py: error: unrecognized arguments: --local-rank={rank}" in plain.stderr, plain.stderr
+    assert "usage: local_rank_args.py [-h] [--epochs EPOCHS] [--plain]" in plain.stderr
     assert re.search(r"exitcode  : 2 \(pid: \d+\)", _root_cause(plain.output))
     assert "FutureWarning: The module torch.distributed.launch is deprecated" in plain.stderr
     # The parser that accepts both spellings gets the argument; under torchrun, which passes none, LOCAL_RANK.
@@ -179,7 +179,7 @@ import torch.multiprocessing as mp
 def worker(rank):
     print(f"worker {rank}", flush=True)
 
-mp.spawn(worker, nprocs=2)
+mp.spawn(worker, nprocs=1)
 """
 
 # The fix: the worker in a file of its own (in a notebook: a %%writefile ddp_worker.py cell), imported.
@@ -209,8 +209,8 @@ def test_mp_spawn_of_a_worker_defined_in_main_fails_and_an_imported_one_runs(tmp
     broken = run([PYTHON, "-c", NOTEBOOK_CELL], timeout=120, cwd=tmp_path)
     assert broken.returncode != 0
     assert "AttributeError: Can't get attribute 'worker' on <module '__main__' (built-in)>" in broken.stderr
-    assert re.search(r"torch\.multiprocessing\.spawn\.ProcessExitedException: process \d terminated with exit "
-                     r"code 1", broken.stderr), broken.stderr[-3000:]
+    assert ("torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with exit code 1"
+            in broken.stderr), broken.stderr[-3000:]
     assert "worker 0" not in broken.stdout
     # A lambda (or a function nested in another) has no importable name at all: the parent cannot send it.
     lam = run([PYTHON, "-c", "import torch.multiprocessing as mp\nmp.spawn(lambda rank: print(rank), nprocs=2)"],
@@ -223,7 +223,8 @@ def test_mp_spawn_of_a_worker_defined_in_main_fails_and_an_imported_one_runs(tmp
     fixed = run([PYTHON, "-c", FIXED_CELL.format(port=free_port())], timeout=120, cwd=tmp_path,
                 env=clean_env(PYTHONPATH=str(tmp_path)))
     assert fixed.returncode == 0, fixed.output[-3000:]
-    assert sorted(fixed.stdout.splitlines()) == ["rank 0: all_reduce gives 3", "rank 1: all_reduce gives 3"]
+    for rank in (0, 1):  # (two processes print at once: only their newlines may interleave)
+        assert f"rank {rank}: all_reduce gives 3" in fixed.stdout, fixed.output[-3000:]
 
 
 # --- two forward passes before one backward (a GAN discriminator) ---------------------------------------
