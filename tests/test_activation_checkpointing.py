@@ -244,3 +244,11 @@ def test_peak_memory_on_gpu_is_max_memory_allocated():
         del big
     finally:
         dist.destroy_process_group()
+
+
+def test_the_benchmark_sweeps_both_variants():
+    """benchmark.py --sweep-knobs ckpt_non_reentrant,ckpt_reentrant: flags benchmark/train.py takes."""
+    bench = load_script("benchmark/benchmark.py", "benchmark_main")
+    for knob, variant in (("ckpt_non_reentrant", "non_reentrant"), ("ckpt_reentrant", "reentrant")):
+        assert parse_config(train_script.PerfConfig, bench.KNOBS[knob]).activation_checkpointing == variant
+    assert "peak_memory_mib" in bench.SWEEP_COLUMNS and "peak_memory_mib" in bench.SCALING_COLUMNS
