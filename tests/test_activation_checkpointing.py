@@ -23,8 +23,9 @@ from torch.utils.checkpoint import checkpoint
 
 from common.config import parse_config
 from common.errors import ConfigError
+from common.launcher import LaunchInfo
 from common.models import build_model
-from tests.helpers import load_script, read_summary, torchrun
+from tests.helpers import free_port, load_script, read_summary, torchrun
 
 perf = sys.modules["perf"] = load_script("benchmark/perf.py", "perf")  # as tests/test_perf.py does
 train_script = load_script("benchmark/train.py", "benchmark_train")
@@ -106,10 +107,11 @@ def test_reentrant_with_find_unused_parameters_fails_in_ddp(tmp_path):
     parameters inside a reentrant checkpoint (its forward ran under no_grad), marks them unused and ready,
     and the recompute in backward marks them ready again."""
     out = tmp_path / "out"
-    result = torchrun("tests/perf_unchecked.py", *RUN, "--activation-checkpointing", "reentrant",
+    result = torchrun("tests/perf_unchecked.py", *RUN, "--log-every", "1", "--activation-checkpointing", "reentrant",
                       "--find-unused-parameters", "--output-dir", str(out), timeout=240, check=False)
     assert result.returncode != 0
     assert "activation checkpointing reentrant" in result.stdout  # training started: the banner
+    assert "epoch 1 step 1 loss" not in result.stdout  # the first step did not finish (a line per step)
     assert f"RuntimeError: {READY_ONCE}" in result.stderr and ".backward()" in result.stderr, result.output[-3000:]
     assert not (out / "summary.json").exists()
 
@@ -166,11 +168,39 @@ def test_batchnorm_in_a_checkpointed_block_updates_its_statistics_twice(variant)
     assert model.layer1[0].bn1.num_batches_tracked.item() == 2
 
 
+def test_reentrant_needs_an_input_that_requires_grad_and_is_torchs_fallback():
+    """Why the first layers run outside any checkpoint: under the reentrant variant a block whose inputs need
+    no gradient (the images) gives its parameters none. torch 2.14.1 still falls back to it, with a warning,
+    when use_reentrant is not passed."""
+    layer, images = nn.Linear(4, 4), torch.randn(2, 4)
+    assert checkpoint(layer, images, use_reentrant=False).requires_grad
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True. Gradients will be None"):
+        assert not checkpoint(layer, images, use_reentrant=True).requires_grad  # no path back to layer.weight
+    with pytest.warns(UserWarning, match="use_reentrant parameter should be passed explicitly"):
+        with pytest.warns(UserWarning, match="None of the inputs have requires_grad"):
+            assert not checkpoint(layer, images).requires_grad
+
+
 @pytest.fixture
 def one_rank_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+def test_non_reentrant_works_with_find_unused_parameters_and_static_graph(tmp_path):
+    """In this process as a world of one: benchmark/train.py with non_reentrant checkpointing and
+    find_unused_parameters, or static_graph, ends where the plain run without checkpointing ends."""
+    ckpt = ["--activation-checkpointing", "non_reentrant"]
+    for name, flags in (("none", []), ("find_unused", [*ckpt, "--find-unused-parameters"]),
+                        ("static_graph", [*ckpt, "--static-graph"])):
+        cfg = parse_config(train_script.PerfConfig, [*RUN, "--max-steps", "3", "--batch-size", "32",
+                                                     "--output-dir", str(tmp_path / name), *flags])
+        train_script.train(cfg, LaunchInfo("single", 0, 0, 1, 1, "127.0.0.1", free_port()))
+    for name, setting in (("find_unused", "ddp_find_unused_parameters"), ("static_graph", "ddp_static_graph")):
+        p = read_summary(tmp_path / name)["perf"]
+        assert p[setting] is True and p["activation_checkpointing_blocks"] == 1
+        assert relative_difference(load(tmp_path / name), load(tmp_path / "none")) < 1e-5
 
 
 class SharedTwice(nn.Module):
