@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import shutil
 import statistics
@@ -120,14 +119,26 @@ def checkpoint_blocks(model: nn.Module, variant: str) -> int:
     else:  # SmallCNN
         blocks = [model.classifier]
     for block in blocks:  # block(x) now calls checkpoint(<the block's own forward>, x, use_reentrant=...)
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=use_reentrant)
+        block.forward = CheckpointedForward(block.forward, use_reentrant)
     return len(blocks)
+
+
+class CheckpointedForward:
+    """A block's own forward, run under torch.utils.checkpoint while autograd records (training)."""
+
+    def __init__(self, forward, use_reentrant: bool):
+        self.forward, self.use_reentrant = forward, use_reentrant
+
+    def __call__(self, *args):
+        if not torch.is_grad_enabled():  # evaluation under no_grad keeps no activations: nothing to save
+            return self.forward(*args)
+        return checkpoint(self.forward, *args, use_reentrant=self.use_reentrant)
 
 
 def checkpointed_blocks(module: nn.Module) -> list[bool]:
     """use_reentrant of every block checkpoint_blocks changed, read back from the modules."""
-    return [m.forward.keywords["use_reentrant"] for m in module.modules()
-            if isinstance(vars(m).get("forward"), functools.partial) and m.forward.func is checkpoint]
+    return [m.forward.use_reentrant for m in module.modules()
+            if isinstance(vars(m).get("forward"), CheckpointedForward)]
 
 
 def peak_memory(device: torch.device) -> dict:
