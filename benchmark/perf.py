@@ -78,7 +78,8 @@ def check_knobs(cfg) -> None:
     if cfg.activation_checkpointing == "reentrant" and cfg.ddp and cfg.find_unused_parameters \
             and not cfg.static_graph:
         # DDP's graph walk cannot see into a reentrant checkpoint, marks the parameters inside unused, and then
-        # the recomputing backward marks them ready a second time (tests/test_perf.py runs it unrefused).
+        # the recomputing backward marks them ready a second time (tests/test_activation_checkpointing.py runs
+        # it unrefused).
         raise ConfigError("activation_checkpointing: reentrant with find_unused_parameters fails in DDP's backward "
                           "(\"Expected to mark a variable ready only once\"); use non_reentrant, or add "
                           "--static-graph")
@@ -118,7 +119,7 @@ def checkpoint_blocks(model: nn.Module, variant: str) -> int:
         blocks = [block for name in ("layer1", "layer2", "layer3", "layer4") for block in getattr(model, name)]
     else:  # SmallCNN
         blocks = [model.classifier]
-    for block in blocks:  # block(x) now calls checkpoint(<the block's own forward>, x, use_reentrant=...)
+    for block in blocks:  # training: block(x) calls checkpoint(<the block's own forward>, x, use_reentrant=...)
         block.forward = CheckpointedForward(block.forward, use_reentrant)
     return len(blocks)
 
@@ -144,8 +145,8 @@ def checkpointed_blocks(module: nn.Module) -> list[bool]:
 def peak_memory(device: torch.device) -> dict:
     """Collective: every rank's peak memory since it started, in bytes, on all ranks.
 
-    GPU: torch.cuda.max_memory_allocated, the most memory tensors held at once (the caching allocator
-    reserves more; nvidia-smi shows that). CPU: the process's peak resident set (getrusage's ru_maxrss),
+    GPU: torch.cuda.max_memory_allocated, the most memory tensors held at once. CPU: the process's peak
+    resident set (getrusage's ru_maxrss),
     which also counts the interpreter, torch's libraries and the data set, so a saving in activations shows
     as a difference between two runs, not as a fraction of this figure.
     """
