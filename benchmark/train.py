@@ -116,8 +116,8 @@ def train(cfg, launch):
     memory_format = torch.channels_last if cfg.channels_last else torch.preserve_format
     model = model.to(memory_format=memory_format)
     # Activation checkpointing: each block keeps only its input and runs again in backward (less memory, more
-    # compute). Before the wrap. non_reentrant works with any DDP setting; reentrant with find_unused_parameters
-    # only together with static_graph (benchmark/README.md, "Activation checkpointing with DDP").
+    # compute). Before the wrap. reentrant fails with find_unused_parameters unless static_graph is set
+    # (benchmark/README.md, "Activation checkpointing with DDP"); non_reentrant does not.
     checkpoint_blocks(model, cfg.activation_checkpointing)
     if cfg.compile:  # in place, before the wrap: DDP's hooks stay outside the compiled graphs
         model.compile()  # (nn.Module.compile: no wrapper, so state_dict keys stay the module's own)
