@@ -191,7 +191,7 @@ def train(cfg, launch):
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        if launch.rank < len(state["ranks"]):  # this rank's own RNG states; a new rank keeps its seed + 1 + rank
+        if launch.rank < len(state["ranks"]):  # this rank's own RNG states; a new rank keeps its seed + rank
             ckpt.set_rng_state(state["ranks"][launch.rank], device)
         step, start_epoch, consumed = state["step"], state["epoch"], state["consumed"]
         saved_world_size = state["world_size"]

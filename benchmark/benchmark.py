@@ -5,7 +5,8 @@ performance knob) twice, with DDP and with `--no-ddp` (the same loop without gra
 communication), each with `--profile-steps`, and prints one table:
 
     world size | images/s | per rank | scaling efficiency | step ms split into data wait /
-    forward+backward / exposed communication / optimizer / other | no-DDP images/s and step ms
+    forward+backward / exposed communication / optimizer / other | no-DDP images/s and step ms |
+    peak memory of the largest rank
 
 scaling efficiency = images/s at N ranks / (N x images/s at 1 rank), at a fixed local batch.
 Every figure is the median over the profiled steps (warm-up left out) of the mean over ranks;
@@ -52,6 +53,8 @@ KNOBS = {
     "fp16": ["--precision", "fp16"],
     "channels_last": ["--channels-last"],
     "compile": ["--compile"],
+    "ckpt_non_reentrant": ["--activation-checkpointing", "non_reentrant"],
+    "ckpt_reentrant": ["--activation-checkpointing", "reentrant"],
     "workers_1": ["--num-workers", "1"],
     "workers_2": ["--num-workers", "2"],
 }
@@ -60,9 +63,9 @@ PARTS = ("data_wait", "forward_backward", "exposed_comm", "optimizer", "other")
 SCALING_COLUMNS = ["world_size", "images_per_s", "images_per_s_per_rank", "scaling_efficiency", "step_ms",
                    "data_wait_ms", "forward_backward_ms", "exposed_comm_ms", "optimizer_ms", "other_ms",
                    "data_wait_pct", "exposed_comm_pct", "no_ddp_images_per_s", "no_ddp_step_ms",
-                   "ddp_overhead_ms"]
+                   "ddp_overhead_ms", "peak_memory_mib"]
 SWEEP_COLUMNS = ["knob", "flags", "world_size", "images_per_s", "step_ms", "exposed_comm_ms", "data_wait_ms",
-                 "images_per_s_ratio", "exposed_comm_ratio", "scaling_efficiency"]
+                 "images_per_s_ratio", "exposed_comm_ratio", "scaling_efficiency", "peak_memory_mib"]
 
 
 @dataclasses.dataclass
@@ -126,10 +129,15 @@ def launch(cfg: BenchConfig, nproc: int, name: str, flags: list[str], extra: lis
 
 
 def figures(summary: dict) -> dict:
-    """Per-run figures from the step profile: images/s from the median step time."""
+    """Per-run figures from the step profile: images/s from the median step time; the largest rank's peak
+    memory (GPU: max_memory_allocated; CPU: peak resident set, which includes torch and the data set)."""
     median = summary["profile"]["median_s"]
     step = median["step"]
-    row = {"images_per_s": summary["global_batch_size"] / step, "step_ms": 1000 * step}
+    row = {"images_per_s": summary["global_batch_size"] / step, "step_ms": 1000 * step,
+           "peak_memory_mib": None}
+    peaks = summary.get("perf", {}).get("peak_memory_bytes_per_rank")  # a --script may not report it
+    if peaks:
+        row["peak_memory_mib"] = max(peaks) / 2**20
     # A part no profiled step reached (the GradScaler skipped every optimizer step) stays empty.
     row.update({f"{part}_ms": None if median[part] is None else 1000 * median[part] for part in PARTS})
     return row
@@ -210,7 +218,7 @@ def main(argv=None):
                      "ddp_overhead_ms": ddp["step_ms"] - noddp["step_ms"]})
     print()
     print_table(SCALING_COLUMNS, rows, {"scaling_efficiency": 3, "images_per_s": 0, "images_per_s_per_rank": 0,
-                                        "no_ddp_images_per_s": 0})
+                                        "no_ddp_images_per_s": 0, "peak_memory_mib": 0})
     write_csv(out / "scaling.csv", SCALING_COLUMNS, rows)
 
     from torch.utils.tensorboard import SummaryWriter
@@ -239,11 +247,12 @@ def main(argv=None):
         print()
         print(f"sweep at world size {n} (ratios to the default of this run; exposed_comm_ratio = default / knob):")
         print_table(SWEEP_COLUMNS, sweep_rows, {"images_per_s": 0, "images_per_s_ratio": 2, "exposed_comm_ratio": 2,
-                                                "scaling_efficiency": 3})
+                                                "scaling_efficiency": 3, "peak_memory_mib": 0})
         write_csv(out / "sweep.csv", SWEEP_COLUMNS, sweep_rows)
         for i, row in enumerate(sweep_rows):
             writer.add_text("sweep/knobs", f"{i}: {row['knob']} {row['flags']}", i)
-            for column in ("images_per_s", "exposed_comm_ms", "images_per_s_ratio", "exposed_comm_ratio"):
+            for column in ("images_per_s", "exposed_comm_ms", "images_per_s_ratio", "exposed_comm_ratio",
+                           "peak_memory_mib"):
                 if row[column] is not None:
                     writer.add_scalar(f"sweep/{row['knob']}/{column}", row[column], n)
     writer.close()

@@ -7,10 +7,12 @@ arguments, register_comm_hook) stay visible in benchmark/train.py. Here live onl
     device_type(cfg)                      "cuda" or "cpu", from --device auto/cpu/cuda
     AMP_DTYPES[cfg.precision]             the autocast dtype
     COMM_HOOKS[cfg.comm_hook]             torch's default_hooks.bf16/fp16_compress_hook
+    checkpoint_blocks(model, variant)     activation checkpointing: each block under torch.utils.checkpoint
     loader_kwargs(cfg, device)            DataLoader input-pipeline settings from the config
     NoDDP(model)                          the --no-ddp baseline: DDP's interface, no communication
     StepTimer                             images/s, data wait and (--profile-steps) where a step's time goes
     perf_settings(...)                    what the knobs set, read back from the objects (summary.json)
+    peak_memory(device)                   every rank's peak memory (GPU: allocated by tensors; CPU: resident)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import dataclasses
 import math
 import shutil
 import statistics
+import sys
 import time
 
 import torch
@@ -27,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from common.errors import ConfigError
 
@@ -36,6 +40,9 @@ AMP_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float
 COMM_HOOKS = {"none": None,
               "bf16_compress": default_hooks.bf16_compress_hook,
               "fp16_compress": default_hooks.fp16_compress_hook}
+
+# --activation-checkpointing: off, or torch.utils.checkpoint with use_reentrant=False / True.
+ACTIVATION_CHECKPOINTING = {"none": None, "non_reentrant": False, "reentrant": True}
 
 # Settings that configure DDP, and so mean nothing with --no-ddp.
 DDP_ONLY = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters", "comm_hook")
@@ -68,6 +75,14 @@ def check_knobs(cfg) -> None:
         if changed:
             raise ConfigError(f"ddp: {', '.join(changed)} configure DDP, which --no-ddp leaves out "
                               "(drop them or drop --no-ddp)")
+    if cfg.activation_checkpointing == "reentrant" and cfg.ddp and cfg.find_unused_parameters \
+            and not cfg.static_graph:
+        # DDP's graph walk cannot see into a reentrant checkpoint, marks the parameters inside unused, and then
+        # the recomputing backward marks them ready a second time (tests/test_activation_checkpointing.py runs
+        # it unrefused).
+        raise ConfigError("activation_checkpointing: reentrant with find_unused_parameters fails in DDP's backward "
+                          "(\"Expected to mark a variable ready only once\"); use non_reentrant, or add "
+                          "--static-graph")
     if cfg.compile and kind == "cpu" and not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
         raise ConfigError("compile: torch.compile on CPU needs a C/C++ compiler (install gcc) "
                           "or run without --compile")
@@ -88,6 +103,70 @@ def loader_kwargs(cfg, device: torch.device) -> dict:
     if cfg.num_workers > 0:
         kwargs.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
     return kwargs
+
+
+def checkpoint_blocks(model: nn.Module, variant: str) -> int:
+    """--activation-checkpointing: run each block of `model` under torch.utils.checkpoint; returns how many.
+
+    A checkpointed block keeps only its input during forward and runs its forward again in backward to get
+    the activations it needs: less memory for one more forward of the block. The blocks are a torchvision
+    ResNet's residual blocks (layer1..layer4) and SmallCNN's classifier. The first layers run as usual:
+    their input, the images, needs no gradient, and the reentrant variant gives the parameters inside a
+    checkpoint no gradient unless an input of it requires one (torch.utils.checkpoint's docs).
+
+    Each block's `forward` is replaced on the instance (no wrapper module), so parameter names and
+    state_dict keys stay the model's own and model.pt loads into the model without checkpointing.
+    """
+    use_reentrant = ACTIVATION_CHECKPOINTING[variant]
+    if use_reentrant is None:
+        return 0
+    if all(hasattr(model, name) for name in ("layer1", "layer2", "layer3", "layer4")):  # torchvision ResNet
+        blocks = [block for name in ("layer1", "layer2", "layer3", "layer4") for block in getattr(model, name)]
+    else:  # SmallCNN
+        blocks = [model.classifier]
+    for block in blocks:  # training: block(x) calls checkpoint(<the block's own forward>, x, use_reentrant=...)
+        block.forward = CheckpointedForward(block.forward, use_reentrant)
+    return len(blocks)
+
+
+class CheckpointedForward:
+    """A block's own forward, run under torch.utils.checkpoint while autograd records (training)."""
+
+    def __init__(self, forward, use_reentrant: bool):
+        self.forward, self.use_reentrant = forward, use_reentrant
+
+    def __call__(self, *args):
+        if not torch.is_grad_enabled():  # evaluation under no_grad keeps no activations: nothing to save
+            return self.forward(*args)
+        return checkpoint(self.forward, *args, use_reentrant=self.use_reentrant)
+
+
+def checkpointed_blocks(module: nn.Module) -> list[bool]:
+    """use_reentrant of every block checkpoint_blocks changed, read back from the modules."""
+    return [m.forward.use_reentrant for m in module.modules()
+            if isinstance(vars(m).get("forward"), CheckpointedForward)]
+
+
+def peak_memory(device: torch.device) -> dict:
+    """Collective: every rank's peak memory since it started, in bytes, on all ranks.
+
+    GPU: torch.cuda.max_memory_allocated, the most memory tensors held at once. CPU: the process's peak
+    resident set (getrusage's ru_maxrss),
+    which also counts the interpreter, torch's libraries and the data set, so a saving in activations shows
+    as a difference between two runs, not as a fraction of this figure.
+    """
+    if device.type == "cuda":
+        kind, peak = "cuda_max_memory_allocated", torch.cuda.max_memory_allocated(device)
+    else:
+        import resource  # Unix only
+
+        # ru_maxrss is in kilobytes on Linux, in bytes on macOS.
+        kind = "cpu_max_rss"
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    mine = torch.tensor([peak], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return {"peak_memory": kind, "peak_memory_bytes_per_rank": [int(t.item()) for t in gathered]}
 
 
 class NoDDP(nn.Module):
@@ -238,6 +317,7 @@ def perf_settings(model: nn.Module, scaler: torch.amp.GradScaler, loader, comm_h
     """
     ddp = model if isinstance(model, DistributedDataParallel) else None
     weights = [p for p in model.module.parameters() if p.dim() == 4]  # conv weights
+    checkpointed = checkpointed_blocks(model.module)
     return {
         "ddp": type(model).__name__,
         "autocast_dtype": str(logits.dtype).replace("torch.", ""),  # the forward pass's output dtype
@@ -253,6 +333,8 @@ def perf_settings(model: nn.Module, scaler: torch.amp.GradScaler, loader, comm_h
         "ddp_static_graph": ddp.static_graph if ddp else None,
         "ddp_find_unused_parameters": ddp.find_unused_parameters if ddp else None,
         "ddp_comm_hook": comm_hook.__name__ if comm_hook else None,
+        "activation_checkpointing_blocks": len(checkpointed),
+        "activation_checkpointing_use_reentrant": checkpointed[0] if checkpointed else None,  # one variant for all
         "loader_num_workers": loader.num_workers,
         "loader_pin_memory": loader.pin_memory,
         "loader_persistent_workers": loader.persistent_workers,

@@ -1,11 +1,12 @@
 """The script with every performance knob: 01_basic_ddp/train.py plus mixed precision,
-channels_last, model.compile(), DDP's bucket and communication-hook settings, a --no-ddp baseline,
-device and backend choice, input-pipeline settings, a step profile and TensorBoard.
+channels_last, model.compile(), activation checkpointing, DDP's bucket and communication-hook settings,
+a --no-ddp baseline, device and backend choice, input-pipeline settings, a step profile, peak memory and
+TensorBoard.
 
 The lessons stay short; this is the script benchmark/benchmark.py runs. `diff 01_basic_ddp/train.py
 benchmark/train.py` shows every knob line. summary.json gets 01's fields plus `perf` (what each knob
-set, read back from the objects) and `profile` (images/s, data wait, and with --profile-steps the
-median split of a step).
+set, read back from the objects, and every rank's peak memory) and `profile` (images/s, data wait, and
+with --profile-steps the median split of a step).
 
     torchrun --standalone --nproc_per_node=2 benchmark/train.py --precision bf16 --comm-hook bf16_compress
     torchrun --standalone --nproc_per_node=2 benchmark/train.py --no-ddp --profile-steps 20   # the baseline
@@ -32,8 +33,8 @@ from common.data import check_data, load_datasets
 from common.launcher import detect_launcher
 from common.models import build_model
 from common.report import write_summary
-from perf import (AMP_DTYPES, COMM_HOOKS, NoDDP, StepTimer, check_knobs, device_type,  # benchmark/perf.py
-                  loader_kwargs, perf_settings)
+from perf import (ACTIVATION_CHECKPOINTING, AMP_DTYPES, COMM_HOOKS, NoDDP, StepTimer,  # benchmark/perf.py
+                  check_knobs, checkpoint_blocks, device_type, loader_kwargs, peak_memory, perf_settings)
 
 
 @dataclasses.dataclass
@@ -47,6 +48,10 @@ class PerfConfig(TrainConfig):
                            choices=("fp32", "bf16", "fp16"))
     channels_last: bool = field(False, "channels_last memory format for model and inputs")
     compile: bool = field(False, "model.compile() (before the DDP wrap)")
+    activation_checkpointing: str = field("none", "recompute each block's activations in backward instead of "
+                                          "keeping them: torch.utils.checkpoint with use_reentrant=False "
+                                          "(non_reentrant) or True (reentrant)",
+                                          choices=tuple(ACTIVATION_CHECKPOINTING))
     ddp: bool = field(True, "wrap in DDP; --no-ddp: the same loop without gradient communication (a baseline)")
     bucket_cap_mb: float = field(25.0, "DDP gradient bucket size in MiB", min=0.0)
     gradient_as_bucket_view: bool = field(False, "DDP: gradients are views into the buckets (saves a copy)")
@@ -108,6 +113,10 @@ def train(cfg, launch):
     # NHWC, the fast layout for convolutions on tensor cores; the inputs follow in the loop.
     memory_format = torch.channels_last if cfg.channels_last else torch.preserve_format
     model = model.to(memory_format=memory_format)
+    # Activation checkpointing: each block keeps only its input and runs again in backward (less memory, more
+    # compute). Before the wrap. reentrant fails with find_unused_parameters unless static_graph is set
+    # (benchmark/README.md, "Activation checkpointing with DDP"); non_reentrant does not.
+    checkpoint_blocks(model, cfg.activation_checkpointing)
     if cfg.compile:  # in place, before the wrap: DDP's hooks stay outside the compiled graphs
         model.compile()  # (no wrapper: state_dict keys stay the module's own; DDPOptimizer still splits at buckets)
     comm_hook = COMM_HOOKS[cfg.comm_hook] if cfg.ddp else None
@@ -139,7 +148,8 @@ def train(cfg, launch):
               f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), world size {launch.world_size}, "
               f"batch {cfg.batch_size} x {launch.world_size} = {cfg.batch_size * launch.world_size}; "
               f"{type(model).__name__}, precision {cfg.precision}, comm hook {cfg.comm_hook}, "
-              f"compile {cfg.compile}, channels_last {cfg.channels_last}", flush=True)
+              f"compile {cfg.compile}, channels_last {cfg.channels_last}, "
+              f"activation checkpointing {cfg.activation_checkpointing}", flush=True)
     step, images_seen = 0, 0
     for epoch in range(cfg.epochs):
         train_sampler.set_epoch(epoch)  # a new shuffle each epoch; without it every epoch repeats epoch 0
@@ -188,6 +198,10 @@ def train(cfg, launch):
         torch.save(model.module.state_dict(), Path(cfg.output_dir) / "model.pt")
         writer.close()
     profile = dict(timer.profile(), images_per_second=images_per_s, data_wait_fraction=data_wait)  # collective
+    memory = peak_memory(device)  # collective: GPU max_memory_allocated, CPU peak resident set, every rank
+    if launch.rank == 0:
+        print(f"peak memory per rank ({memory['peak_memory']}): "
+              + ", ".join(f"{b / 2**20:.0f}" for b in memory["peak_memory_bytes_per_rank"]) + " MiB", flush=True)
     elapsed = time.perf_counter() - start_time
     write_summary(cfg.output_dir, model, world_size=launch.world_size, launcher=launch.launcher, backend=backend,
                   global_batch_size=cfg.batch_size * launch.world_size,
@@ -195,7 +209,8 @@ def train(cfg, launch):
                   device=str(device), local_batch_size=cfg.batch_size, lr=cfg.lr, epochs=epoch + 1, steps=step,
                   final_train_loss=train_loss, eval_loss=eval_loss, eval_accuracy=eval_acc, eval_samples=eval_count,
                   wall_time_s=elapsed, profile=profile,
-                  perf=perf_settings(model, scaler, train_loader, comm_hook, cfg.compile, logits, images))
+                  perf=dict(perf_settings(model, scaler, train_loader, comm_hook, cfg.compile, logits, images),
+                            **memory))
     dist.destroy_process_group()
 
 

@@ -63,8 +63,9 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None) -> C:
         else:  # a string as typed, anything else by YAML's rules
             how = dict(type=str if kind is str else _flag_parser(name, kind), metavar=kind.__name__.upper())
         parser.add_argument(*flags, dest=name, default=argparse.SUPPRESS, help=help_text, **how)
+    parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)  # torch.distributed.launch's
     args = vars(parser.parse_args(argv))
-    config = args.pop("config")
+    config, _ = args.pop("config"), args.pop("local_rank")  # the local rank is read from LOCAL_RANK (launcher.py)
     values = _read_yaml(Path(config), fields, kinds) if config else {}
     cfg = cls(**{**values, **args})  # flags override the YAML file
     for name, f in fields.items():

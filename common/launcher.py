@@ -14,7 +14,7 @@ import torch
 from common.errors import LauncherError, exit_on_bad_input
 
 DEFAULT_PORT = 29500  # torchrun's default
-PORT_BASE, PORT_SPAN = 15000, 15000  # derived ports stay below Linux's ephemeral range (32768+)
+PORT_BASE, PORT_SPAN, ARRAY_STRIDE = 15000, 15000, 7537  # below the ephemeral range (32768+); stride coprime to span
 LOOPBACK = "127.0.0.1"
 _MPI_LIKE = [  # (launcher, variables that mark it, rank, local rank, world size, local world size)
     ("openmpi", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), "OMPI_COMM_WORLD_RANK",
@@ -108,14 +108,14 @@ def master_address(env: Mapping[str, str]) -> str:
 
 
 def master_port(env: Mapping[str, str]) -> int:
-    """MASTER_PORT, else a port derived from the job id (two jobs on a node differ), else 29500."""
+    """MASTER_PORT, else one from the job id (PBS array subjob i adds i x ARRAY_STRIDE), else 29500."""
     if env.get("MASTER_PORT"):
         port = _int(env, "MASTER_PORT")
         if not 1 <= port <= 65535:
             raise LauncherError(f"MASTER_PORT={port} is not a TCP port (1-65535)")
         return port
-    digits = re.match(r"\d+", _scheduler(env)[1])  # PBS ids look like '1234.pbs01', Slurm arrays '12_3'
-    return PORT_BASE + int(digits.group()) % PORT_SPAN if digits else DEFAULT_PORT
+    m = re.match(r"(\d+)(?:\[(\d+)\])?", _scheduler(env)[1])  # PBS: '1234.pbs01', array subjob '1234[5].pbs01'
+    return PORT_BASE + (int(m[1]) + int(m[2] or 0) * ARRAY_STRIDE) % PORT_SPAN if m else DEFAULT_PORT
 
 
 def detect_launcher(rank: int | None = None, world_size: int | None = None) -> LaunchInfo:

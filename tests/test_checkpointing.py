@@ -358,11 +358,11 @@ def test_resume_on_another_number_of_processes_reads_the_rest_of_the_epoch(refer
     # The epoch's loss sums went on from both saved ranks: the end-of-epoch checkpoint counts every read.
     epoch_end = next(state for state in checkpoints if state["epoch"] == 1 and state["consumed"] == 0)
     assert sum(rank["loss_sum"][1].item() for rank in epoch_end["ranks"]) == TRAIN_SIZE + len(padding)
-    # RNG: the saved ranks' own states on the ranks both runs have; a new rank has its seed + 1 + rank.
+    # RNG: the saved ranks' own states on the ranks both runs have; a new rank has its seed + rank.
     for state in checkpoints:
         assert len(state["ranks"]) == new_world
         for rank, rng in enumerate(state["ranks"]):
-            expected = marked[rank] if rank < 2 else torch.Generator().manual_seed(0 + 1 + rank).get_state()
+            expected = marked[rank] if rank < 2 else torch.Generator().manual_seed(0 + rank).get_state()
             assert torch.equal(rng["torch"], expected), (state["step"], rank)
     # Control: the saved schedule (90 steps long) stepped to the new last step would not end at 0; on 1 rank
     # it reaches 0 at step 90 and climbs again.

@@ -67,6 +67,8 @@ def test_without_record_the_summary_has_no_traceback(tmp_path):
                       timeout=180)
     root = _root_cause(result.output)
     assert "error_file: <N/A>" in root and "injected failure" not in root, root
+    # torchrun's stand-in for the missing traceback (debugging/README.md quotes it).
+    assert "traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html" in root, root
 
 
 @pytest.mark.parametrize("script", FAILURE_SCRIPTS)
@@ -78,6 +80,11 @@ def test_rank_killed_with_sigkill_ends_job_without_restarts(script, tmp_path):
     assert result.returncode != 0
     assert ended - _injected_at(out) < 30, "the job did not end within 30 s of the kill"
     assert re.search(r"exitcode\s+: -9 .*\(SIGKILL\)", _root_cause(out)), out[-3000:]
+    # The literal lines debugging/README.md keys on: a killed rank writes no error file, so no traceback.
+    assert "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in out
+    m = re.search(r"exitcode  : -9 \(pid: (\d+)\)  \(SIGKILL\)\n  error_file: <N/A>\n"
+                  r"  traceback : Signal 9 \(SIGKILL\) received by PID (\d+)", _root_cause(out))
+    assert m and m[1] == m[2], out[-3000:]
     assert out.count("injecting SIGKILL at") == 1, out[-3000:]  # a restarted worker would inject again
 
 

@@ -1,9 +1,14 @@
 """Launcher detection and host-list parsing, table-driven with plain environment dicts."""
 
+import re
+import subprocess
+
 import pytest
 
 from common.errors import LauncherError
-from common.launcher import DEFAULT_PORT, PORT_BASE, PORT_SPAN, launch_info, expand_hostlist, master_port
+from common.launcher import (ARRAY_STRIDE, DEFAULT_PORT, PORT_BASE, PORT_SPAN, launch_info, expand_hostlist,
+                             master_port)
+from tests.helpers import REPO, clean_env
 
 # (id, environment, expected (launcher, rank, local_rank, world_size, local_world_size, master_addr))
 CASES = [
@@ -86,6 +91,8 @@ def test_unreadable_or_empty_nodefile_is_an_error(tmp_path):
     ({"SLURM_JOB_ID": "123456"}, PORT_BASE + 123456 % PORT_SPAN),
     ({"SLURM_JOB_ID": "77_3"}, PORT_BASE + 77),  # array job
     ({"PBS_JOBID": "8812.pbs-server"}, PORT_BASE + 8812),
+    ({"PBS_JOBID": "8812[3].pbs-server"}, PORT_BASE + (8812 + 3 * ARRAY_STRIDE) % PORT_SPAN),  # array subjob
+    ({"PBS_JOBID": "8812[].pbs-server"}, PORT_BASE + 8812),  # the array job itself
 ])
 def test_master_port(env, port):
     assert master_port(env) == port
@@ -94,6 +101,46 @@ def test_master_port(env, port):
 def test_jobs_on_one_node_get_different_ports():
     assert master_port({"SLURM_JOB_ID": "1001"}) != master_port({"SLURM_JOB_ID": "1002"})
     assert all(1024 < master_port({"SLURM_JOB_ID": str(j)}) < 32768 for j in (0, 14999, 15000, 10**9 + 7))
+    # Any PORT_SPAN consecutive job ids get PORT_SPAN different ports ...
+    assert len({master_port({"SLURM_JOB_ID": str(j)}) for j in range(123_456, 123_456 + PORT_SPAN)}) == PORT_SPAN
+    # ... but ids PORT_SPAN apart share one (a job still running after PORT_SPAN more were submitted):
+    # the second fails at start with "address already in use" (tests/test_forum_errors.py).
+    assert master_port({"SLURM_JOB_ID": "1234"}) == master_port({"SLURM_JOB_ID": "16234"})
+
+
+def test_pbs_array_subjobs_get_different_ports():
+    """All subjobs of an array differ (they used to share the array's port), and the first 200 stay clear of
+    the 70 jobs submitted right after the array (ids that follow it)."""
+    for job in (1234, 77_777, 14_999):
+        subjobs = [master_port({"PBS_JOBID": f"{job}[{i}].pbs01"}) for i in range(PORT_SPAN)]
+        assert len(set(subjobs)) == PORT_SPAN
+        assert subjobs[0] == master_port({"PBS_JOBID": f"{job}.pbs01"})
+        following = {master_port({"PBS_JOBID": f"{job + d}.pbs01"}) for d in range(1, 71)}
+        assert not following & set(subjobs[:200])
+
+
+def _bash_port(job_file: str, env: dict[str, str]) -> int:
+    """Run the job file's own port lines in bash, MASTER_PORT unset, and print the port they derive."""
+    text = (REPO / "jobs" / job_file).read_text()
+    lines = [line for line in text.splitlines()
+             if re.match(r"(export )?(job_number|array_index|MASTER_PORT|RDZV_PORT)=", line)]
+    variable = "RDZV_PORT" if any(line.startswith("RDZV_PORT=") for line in lines) else "MASTER_PORT"
+    script = "\n".join(lines + [f'echo "${variable}"'])
+    out = subprocess.run(["bash", "-c", script], env=clean_env(**env), capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    return int(out.stdout)
+
+
+@pytest.mark.parametrize("job_file,variable,ids", [
+    ("slurm_srun.sbatch", "SLURM_JOB_ID", ["1234", "16234", "987654321"]),
+    ("slurm_torchrun.sbatch", "SLURM_JOB_ID", ["1234", "16234", "987654321"]),
+    ("pbs_mpiexec.pbs", "PBS_JOBID", ["1234.pbs01", "1234[0].pbs01", "1234[5].pbs01", "99[14999].server", "8812[]"]),
+    ("pbs_torchrun.pbs", "PBS_JOBID", ["1234.pbs01", "1234[0].pbs01", "1234[5].pbs01", "99[14999].server", "8812[]"]),
+])
+def test_job_files_derive_the_port_as_common_launcher_does(job_file, variable, ids):
+    ports = [_bash_port(job_file, {variable: job_id}) for job_id in ids]
+    assert ports == [master_port({variable: job_id}) for job_id in ids]
+    assert ports[0] == ports[1] and len(set(ports)) == len(ports) - 1  # 1234 and 16234 share; so do 1234, 1234[0]
 
 
 @pytest.mark.parametrize("env,message", [

@@ -61,8 +61,8 @@ def error_lines(result) -> list[str]:
 
 def test_every_knob_on_two_ranks(tmp_path):
     """fp16 + GradScaler, channels_last, fp16 hook, 1 MiB buckets, bucket views, static graph, loader
-    settings, step profile, progress lines and TensorBoard, under torchrun; on CIFAR-10-format files
-    through tests/perf_cifar.py (as the benchmark README's CIFAR figures were taken)."""
+    settings, activation checkpointing, step profile, progress lines and TensorBoard, under torchrun; on
+    CIFAR-10-format files through tests/perf_cifar.py (as the benchmark README's CIFAR figures were taken)."""
     write_cifar10(tmp_path / "data" / "cifar10", per_batch=20, test_size=30)
     out = tmp_path / "out"
     result = torchrun("tests/perf_cifar.py", "run", SCRIPT, *SMALL, "--dataset", "cifar10", "--data-dir",
@@ -70,6 +70,7 @@ def test_every_knob_on_two_ranks(tmp_path):
                       "--device", "cpu", "--backend", "gloo", "--precision", "fp16", "--channels-last",
                       "--comm-hook", "fp16_compress", "--bucket-cap-mb", "1", "--gradient-as-bucket-view",
                       "--static-graph", "--num-workers", "1", "--prefetch-factor", "3", "--no-persistent-workers",
+                      "--activation-checkpointing", "non_reentrant",
                       "--profile-warmup", "1", "--profile-steps", "2", "--output-dir", str(out), timeout=240)
     summary = read_summary(out)
     assert summary["perf"] == {
@@ -79,9 +80,12 @@ def test_every_knob_on_two_ranks(tmp_path):
         "ddp_bucket_cap_bytes": 1024 * 1024, "ddp_gradient_as_bucket_view": True, "ddp_static_graph": True,
         "ddp_find_unused_parameters": False, "ddp_comm_hook": "fp16_compress_hook",
         "loader_num_workers": 1, "loader_pin_memory": False,  # pinning is for GPUs only
-        "loader_persistent_workers": False, "loader_prefetch_factor": 3}
+        "loader_persistent_workers": False, "loader_prefetch_factor": 3,
+        "activation_checkpointing_blocks": 1, "activation_checkpointing_use_reentrant": False,  # the classifier
+        "peak_memory": "cpu_max_rss", "peak_memory_bytes_per_rank": summary["perf"]["peak_memory_bytes_per_rank"]}
     assert summary["perf"]["grad_scale"] > 1
     assert (summary["world_size"], summary["steps"], summary["backend"], summary["device"]) == (2, 4, "gloo", "cpu")
+    assert len(summary["perf"]["peak_memory_bytes_per_rank"]) == 2
     assert summary["replicas_identical"] and math.isfinite(summary["final_train_loss"])
     profile = summary["profile"]
     assert (profile["warmup_steps"], profile["steps"]) == (1, 2)
@@ -130,7 +134,10 @@ def test_precision_scaler_and_hook_in_process(here, tmp_path, monkeypatch, preci
                      "channels_last_inputs": False, "ddp_bucket_cap_bytes": 25 * 1024 * 1024,
                      "ddp_gradient_as_bucket_view": False, "ddp_static_graph": False,
                      "ddp_find_unused_parameters": False, "ddp_comm_hook": None, "loader_num_workers": 0,
-                     "loader_pin_memory": False, "loader_persistent_workers": False, "loader_prefetch_factor": None}
+                     "loader_pin_memory": False, "loader_persistent_workers": False, "loader_prefetch_factor": None,
+                     "activation_checkpointing_blocks": 0, "activation_checkpointing_use_reentrant": None,
+                     "peak_memory": "cpu_max_rss", "peak_memory_bytes_per_rank": p["peak_memory_bytes_per_rank"]}
+        assert len(p["peak_memory_bytes_per_rank"]) == 1 and p["peak_memory_bytes_per_rank"][0] > 0
         assert summary["profile"] == {"warmup_steps": 5, "steps": 0, "median_s": None,
                                       "images_per_second": summary["profile"]["images_per_second"],
                                       "data_wait_fraction": summary["profile"]["data_wait_fraction"]}
@@ -387,6 +394,8 @@ def test_benchmark_table_and_sweep(tmp_path):
         assert ips == pytest.approx(16 * n / (float(r["step_ms"]) / 1000), rel=1e-9)
         parts = [float(r[f"{part}_ms"]) for part in bench.PARTS]
         assert all(p >= 0 for p in parts) and float(r["step_ms"]) > 0 and float(r["no_ddp_images_per_s"]) > 0
+        peaks = read_summary(out / f"ws{n}_ddp_r0")["perf"]["peak_memory_bytes_per_rank"]  # the largest rank's
+        assert len(peaks) == n and float(r["peak_memory_mib"]) == pytest.approx(max(peaks) / 2**20, rel=1e-9)
     with (out / "sweep.csv").open() as f:
         sweep = list(csv.DictReader(f))
     assert list(sweep[0]) == bench.SWEEP_COLUMNS and [s["knob"] for s in sweep] == ["default", "bf16_compress"]

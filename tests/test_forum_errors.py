@@ -1,0 +1,265 @@
+"""The failures people paste into forums, each produced for real with the text debugging/README.md
+quotes, and each fix shown to work: a rank killed by a signal (torchrun's exit codes), "address
+already in use", "unrecognized arguments: --local-rank", mp.spawn of a worker defined in __main__,
+and two forward passes before one backward ("modified by an inplace operation").
+
+(torchrun's summary with and without @record, and a rank killed with SIGKILL: tests/test_failures.py.)
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shlex
+import socket
+import subprocess
+import time
+
+import pytest
+
+from tests.helpers import PYTHON, REPO, clean_env, free_port, kill_group, read_summary, run, torchrun
+from tests.launcher_tools import need_root, need_tools
+
+from common.launcher import master_port
+
+TRAIN = "01_basic_ddp/train.py"
+SHORT = ("--max-steps", "1", "--epochs", "1", "--batch-size", "16")
+
+
+def _root_cause(output: str) -> str:
+    assert "Root Cause" in output, output[-3000:]
+    return output.split("Root Cause")[-1]
+
+
+# --- torchrun's summary: exit codes of ranks killed by a signal ----------------------------------------
+
+def test_rank_aborted_is_exitcode_minus_6_sigabrt():
+    result = torchrun("debugging/rank_signal.py", "--how", "abort", check=False, timeout=120)
+    out = result.output
+    assert result.returncode != 0
+    assert "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in out
+    root = _root_cause(out)
+    m = re.search(r"rank      : 1 \(local_rank: 1\)\n  exitcode  : -6 \(pid: (\d+)\)  \(SIGABRT\)\n"
+                  r"  error_file: <N/A>\n  traceback : Signal 6 \(SIGABRT\) received by PID (\d+)", root)
+    assert m and m[1] == m[2], root
+    # The rank that was only waiting was stopped by torchrun: listed under Failures, not as the cause.
+    failures = out.split("Root Cause")[0].split("Failures:")[-1]
+    assert re.search(r"rank      : 0 \(local_rank: 0\)\n  exitcode  : -15 \(pid: \d+\)  \(SIGTERM\)", failures)
+
+
+DATALOADER = """
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+data = TensorDataset(torch.zeros(64, 3, 64, 64))  # one batch of 3 MiB, more than /dev/shm holds
+for (batch,) in DataLoader(data, batch_size=64, num_workers=1):
+    print("got a batch", flush=True)
+"""
+
+
+def test_small_dev_shm_sigbus_is_exitcode_minus_7_and_dataloader_says_no_space(tmp_path):
+    """A 1 MiB /dev/shm in a private mount namespace, as a container with a small --shm-size has: a rank
+    writing 4 MiB of POSIX shared memory dies with SIGBUS; torch's DataLoader reports the same shortage
+    as an error instead (torch reserves its shared memory up front)."""
+    need_root("a private /dev/shm (unshare -m, mount)")
+    need_tools("unshare", "mount")
+    inner = (f"exec 2>&1; mount -t tmpfs -o size=1m tmpfs /dev/shm || exit 97; "
+             f"{PYTHON} -m torch.distributed.run --standalone --nproc_per_node=2 debugging/rank_signal.py "
+             f"--how shm --shm-mb 4; echo '--- DataLoader'; {PYTHON} -c {shlex.quote(DATALOADER)}")
+    result = run(["unshare", "-m", "sh", "-c", inner], timeout=180)
+    assert result.returncode != 97, result.output[-3000:]
+    torchrun_part, dataloader_part = result.stdout.split("--- DataLoader")
+    root = _root_cause(torchrun_part)
+    m = re.search(r"rank      : 1 \(local_rank: 1\)\n  exitcode  : -7 \(pid: (\d+)\)  \(SIGBUS\)\n"
+                  r"  error_file: <N/A>\n  traceback : Signal 7 \(SIGBUS\) received by PID (\d+)", root)
+    assert m and m[1] == m[2], result.output[-3000:]
+    assert "got a batch" not in dataloader_part
+    assert "Caught RuntimeError in DataLoader worker process 0" in dataloader_part, dataloader_part[-3000:]
+    assert re.search(r"RuntimeError: unable to allocate shared memory\(shm\) for file </torch_[\w]+>: "
+                     r"No space left on device \(28\)", dataloader_part), dataloader_part[-3000:]
+    # Negative control: the same rank with this machine's own /dev/shm writes its 4 MiB and exits 0.
+    fine = run([PYTHON, REPO / "debugging/rank_signal.py", "--how", "shm", "--shm-mb", "4"], timeout=60)
+    assert fine.returncode == 0 and "wrote 4 MiB to /dev/shm/" in fine.stdout, fine.output
+
+
+# --- "address already in use": two jobs, one port -------------------------------------------------------
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore: TIME_WAIT does not count
+        try:
+            s.bind(("", port))
+            return True
+        except OSError:
+            return False
+
+
+def _free_job_id() -> int:
+    """A Slurm-like job id whose derived port, and the next id's, are free here."""
+    for _ in range(100):
+        job = random.randrange(100_000, 10_000_000)
+        if all(_bindable(master_port({"SLURM_JOB_ID": str(j)})) for j in (job, job + 1)):
+            return job
+    pytest.fail("no free derived port found")
+
+
+def test_second_job_on_the_same_port_fails_with_address_already_in_use(tmp_path):
+    job = _free_job_id()
+    port = master_port({"SLURM_JOB_ID": str(job)})
+    # Ids PORT_SPAN (15000) apart derive the same port: the residual collision the README states.
+    assert master_port({"SLURM_JOB_ID": str(job + 15000)}) == port
+    # The first job: rank 0 of two holds the store on the derived port and waits for rank 1.
+    first = subprocess.Popen([PYTHON, REPO / TRAIN, *SHORT, "--timeout-s", "300", "--output-dir", tmp_path / "first"],
+                             cwd=REPO, env=clean_env(RANK="0", WORLD_SIZE="2", SLURM_JOB_ID=str(job)), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while _bindable(port):
+            assert first.poll() is None and time.monotonic() < deadline, "the first job never listened"
+            time.sleep(0.2)
+        # A second job on the same node whose id derives the same port (TCPStore without libuv, as before
+        # torch 2.4 and with USE_LIBUV=0): the capitalised "Address already in use".
+        second = run([PYTHON, REPO / TRAIN, *SHORT, "--output-dir", tmp_path / "second"], timeout=120,
+                     env=clean_env(SLURM_JOB_ID=str(job + 15000), USE_LIBUV="0"))
+        assert second.returncode != 0
+        assert re.search(r"torch\.distributed\.DistNetworkError: The server socket has failed to listen on any local "
+                         rf"network address\. The server socket has failed to bind to \S+:{port} \(errno: 98 - Address "
+                         r"already in use\)", second.stderr), second.stderr[-3000:]
+        # torchrun without --standalone on that port (its default is 29500 for every job): libuv's wording.
+        agent = run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={port}",
+                     REPO / TRAIN, *SHORT, "--output-dir", tmp_path / "agent"], timeout=120)
+        assert agent.returncode != 0
+        assert ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
+                f"address. port: {port}, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use"
+                in agent.stderr), agent.stderr[-3000:]
+        # The fix: another port. The next job id derives the next port, and that job runs.
+        assert master_port({"SLURM_JOB_ID": str(job + 1)}) != port
+        fixed = run([PYTHON, REPO / TRAIN, *SHORT, "--output-dir", tmp_path / "fixed"], timeout=120,
+                    env=clean_env(SLURM_JOB_ID=str(job + 1)))
+        assert fixed.returncode == 0 and read_summary(tmp_path / "fixed")["world_size"] == 1, fixed.output[-3000:]
+        assert first.poll() is None  # the first job was never disturbed
+    finally:
+        kill_group(first)
+        first.wait()
+
+
+# --- "unrecognized arguments: --local-rank=0" ------------------------------------------------------------
+
+LAUNCH = [PYTHON, "-m", "torch.distributed.launch", "--nproc-per-node=2", "--master-port"]
+
+
+def test_torch_distributed_launch_passes_local_rank_argument():
+    plain = run([*LAUNCH, str(free_port()), REPO / "debugging/local_rank_args.py", "--plain"], timeout=120)
+    assert plain.returncode != 0
+    for rank in (0, 1):
+        assert f"local_rank_args.py: error: unrecognized arguments: --local-rank={rank}" in plain.stderr, plain.stderr
+    assert "usage: local_rank_args.py [-h] [--epochs EPOCHS] [--plain]" in plain.stderr
+    assert re.search(r"exitcode  : 2 \(pid: \d+\)", _root_cause(plain.output))
+    assert "FutureWarning: The module torch.distributed.launch is deprecated" in plain.stderr
+    # The parser that accepts both spellings gets the argument; under torchrun, which passes none, LOCAL_RANK.
+    fixed = run([*LAUNCH, str(free_port()), REPO / "debugging/local_rank_args.py"], timeout=120, check=True)
+    modern = torchrun("debugging/local_rank_args.py", timeout=120)
+    for rank in (0, 1):
+        assert f"rank {rank}: local rank {rank} (from the --local-rank argument, LOCAL_RANK={rank})" in fixed.stdout
+        assert f"rank {rank}: local rank {rank} (from LOCAL_RANK, LOCAL_RANK={rank})" in modern.stdout
+
+
+def test_the_examples_accept_and_ignore_local_rank():
+    from common.config import TrainConfig, parse_config
+
+    for spelling in ("--local-rank=1", "--local_rank=1"):
+        assert parse_config(TrainConfig, [spelling, "--epochs", "2"]) == TrainConfig(epochs=2)
+    # (A real run under torch.distributed.launch: test_two_forwards_through_ddp_work_since_torch_2_12.)
+
+
+# --- mp.spawn with a worker defined in __main__ (a notebook, python -c, the REPL) ------------------------
+
+NOTEBOOK_CELL = """
+import torch.multiprocessing as mp
+
+def worker(rank):
+    print(f"worker {rank}", flush=True)
+
+mp.spawn(worker, nprocs=1)
+"""
+
+# The fix: the worker in a file of its own (in a notebook: a %%writefile ddp_worker.py cell), imported.
+WORKER_FILE = """
+import torch
+import torch.distributed as dist
+
+
+def worker(rank, world_size, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    print(f"rank {rank}: all_reduce gives {total.item():.0f}", flush=True)
+    dist.destroy_process_group()
+"""
+
+FIXED_CELL = """
+import torch.multiprocessing as mp
+from ddp_worker import worker
+
+mp.spawn(worker, args=(2, {port}), nprocs=2)
+"""
+
+
+def test_mp_spawn_of_a_worker_defined_in_main_fails_and_an_imported_one_runs(tmp_path):
+    # No file behind __main__ (python -c, as a notebook or the REPL): the spawned processes cannot find `worker`.
+    broken = run([PYTHON, "-c", NOTEBOOK_CELL], timeout=120, cwd=tmp_path)
+    assert broken.returncode != 0
+    assert "AttributeError: Can't get attribute 'worker' on <module '__main__' (built-in)>" in broken.stderr
+    assert ("torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with exit code 1"
+            in broken.stderr), broken.stderr[-3000:]
+    assert "worker 0" not in broken.stdout
+    # A lambda (or a function nested in another) has no importable name at all: the parent cannot send it.
+    lam = run([PYTHON, "-c", "import torch.multiprocessing as mp\nmp.spawn(lambda rank: print(rank), nprocs=2)"],
+              timeout=120, cwd=tmp_path)
+    assert lam.returncode != 0
+    assert re.search(r"_pickle\.PicklingError: Can't pickle <function <lambda> at 0x[0-9a-f]+>: attribute lookup "
+                     r"<lambda> on __main__ failed", lam.stderr), lam.stderr[-3000:]
+    # The fix, still from python -c: the same call with the worker imported from a file.
+    (tmp_path / "ddp_worker.py").write_text(WORKER_FILE)
+    fixed = run([PYTHON, "-c", FIXED_CELL.format(port=free_port())], timeout=120, cwd=tmp_path,
+                env=clean_env(PYTHONPATH=str(tmp_path)))
+    assert fixed.returncode == 0, fixed.output[-3000:]
+    for rank in (0, 1):  # (two processes print at once: only their newlines may interleave)
+        assert f"rank {rank}: all_reduce gives 3" in fixed.stdout, fixed.output[-3000:]
+
+
+# --- two forward passes before one backward (a GAN discriminator) ---------------------------------------
+
+TWO_FORWARDS = "debugging/two_forwards.py"
+INPLACE_ERROR = (r"RuntimeError: one of the variables needed for gradient computation has been modified by an "
+                 r"inplace operation: \[torch\.FloatTensor \[32\]\] is at version \d+; expected version \d+ instead")
+
+
+def test_two_forwards_with_buffers_synced_in_place_fail(tmp_path):
+    """What DDP did up to torch 2.11: the second forward's buffer sync breaks the first forward's graph."""
+    result = torchrun(TWO_FORWARDS, "--buffers", "inplace", "--output-dir", str(tmp_path), check=False, timeout=120)
+    out = result.output
+    assert result.returncode != 0
+    assert re.search(rf"^\[rank\d\]: {INPLACE_ERROR}", out, re.M), out[-3000:]
+    assert "step 1 discriminator loss" not in out  # the first backward fails
+    assert re.search(INPLACE_ERROR, _root_cause(out))
+    assert re.search(r"^\[rank\d\]:\s+loss\.backward\(\)", out, re.M)  # raised by the backward
+
+
+@pytest.mark.parametrize("fix", [("--forward", "concat"), ("--buffers", "local")], ids=["concat", "local"])
+def test_two_forwards_fixes_run_with_identical_replicas(tmp_path, fix):
+    buffers = () if "--buffers" in fix else ("--buffers", "inplace")
+    result = torchrun(TWO_FORWARDS, *buffers, *fix, "--output-dir", str(tmp_path), timeout=120)
+    assert "step 3 discriminator loss" in result.stdout and "done:" in result.stdout
+    assert read_summary(tmp_path)["replicas_identical"]
+    if fix == ("--buffers", "local"):  # broadcast_buffers=False works, and torch >= 2.13 says the name is old
+        assert "FutureWarning: `broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead." in result.stderr
+
+
+def test_two_forwards_through_ddp_work_since_torch_2_12(tmp_path):
+    """DDP's own buffer sync no longer trips autograd (pytorch/pytorch#175851, torch 2.12). Launched with
+    torch.distributed.launch, which also shows that the examples' parser takes its --local-rank."""
+    result = run([*LAUNCH, str(free_port()), REPO / TWO_FORWARDS, "--output-dir", tmp_path], timeout=120, check=True)
+    assert "step 3 discriminator loss" in result.stdout and "done: separate forward(s), buffers ddp" in result.stdout
+    summary = read_summary(tmp_path)
+    assert summary["replicas_identical"]
+    assert tuple(int(v) for v in summary["torch_version"].split(".")[:2]) >= (2, 12)
