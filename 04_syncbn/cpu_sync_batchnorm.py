@@ -1,7 +1,9 @@
-"""CpuSyncBatchNorm: the arithmetic of nn.SyncBatchNorm, for CPU tensors (gloo).
+"""CpuSyncBatchNorm: what nn.SyncBatchNorm computes, for CPU tensors (gloo).
 
 nn.SyncBatchNorm refuses CPU tensors (its kernels are GPU-only). This module computes
-the same thing in plain PyTorch so the example runs, and can be tested, on any machine:
+the same thing in plain PyTorch so the example runs, and can be tested, on any machine.
+It communicates differently: nn.SyncBatchNorm all-gathers each rank's mean, inverse std and
+count (torch 2.14.1, torch/nn/modules/_functions.py); this module all-reduces sums:
 
   training mode, world size > 1:
     1. each rank sums, per channel, x and x*x over its batch and spatial positions, and counts them;

@@ -10,7 +10,8 @@ communication), each with `--profile-steps`, and prints one table:
 
 scaling efficiency = images/s at N ranks / (N x images/s at 1 rank), at a fixed local batch.
 Every figure is the median over the profiled steps (warm-up left out) of the mean over ranks;
-with --repeats R each run is repeated R times, interleaved, and the median run is kept.
+with --repeats R each run is repeated R times, interleaved, and the run with the median step time is
+kept (with an even R the faster of the two middle runs: with --repeats 2, the faster run).
 `--sweep` then runs each knob against the default at the largest world size and prints the
 ratio of each to the default, measured in the same invocation.
 
@@ -81,7 +82,8 @@ class BenchConfig:
     batch_size: int = field(32, "local batch per rank (fixed over world sizes: weak scaling)", min=1)
     warmup: int = field(5, "steps left out before measuring", min=0)
     steps: int = field(20, "measured steps per run (medians over these)", min=1)
-    repeats: int = field(1, "runs per configuration, interleaved; the median run is reported", min=1)
+    repeats: int = field(1, "runs per configuration, interleaved; the run with the median step time is reported "
+                            "(even: the faster of the two middle runs)", min=1)
     sweep: bool = field(False, "also run each knob of --sweep-knobs against the default at the largest world size")
     sweep_knobs: str = field(DEFAULT_SWEEP, f"comma-separated knobs to sweep, from: {', '.join(KNOBS)}")
     output_dir: str = field("runs/benchmark", "where CSV files, TensorBoard logs and the runs go")
@@ -142,7 +144,8 @@ def figures(summary: dict) -> dict:
 
 
 def median_run(rows: list[dict]) -> dict:
-    """The repeat with the median step time (keeps one run's parts together)."""
+    """The repeat with the median step time (keeps one run's parts together); with an even number of
+    repeats the faster of the two middle ones, a run that was measured rather than a mean of two."""
     ordered = sorted(rows, key=lambda r: r["step_ms"])
     return ordered[(len(ordered) - 1) // 2]
 

@@ -86,6 +86,11 @@ def check_knobs(cfg) -> None:
     if cfg.compile and kind == "cpu" and not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
         raise ConfigError("compile: torch.compile on CPU needs a C/C++ compiler (install gcc) "
                           "or run without --compile")
+    if cfg.compile and cfg.ddp and cfg.bucket_cap_mb < 1:
+        # Under DDP, torch.compile's DDPOptimizer splits the graph at DDP's buckets and asserts that they are
+        # no smaller than DDP's first bucket (1 MiB) (torch 2.14.1; tests/test_perf.py runs it unrefused).
+        raise ConfigError("compile: --bucket-cap-mb below 1 fails in torch.compile under DDP (its DDPOptimizer "
+                          "needs buckets of at least DDP's first one, 1 MiB); use 1 or more, or drop --compile")
 
 
 def loader_kwargs(cfg, device: torch.device) -> dict:

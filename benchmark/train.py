@@ -118,7 +118,7 @@ def train(cfg, launch):
     # (benchmark/README.md, "Activation checkpointing with DDP"); non_reentrant does not.
     checkpoint_blocks(model, cfg.activation_checkpointing)
     if cfg.compile:  # in place, before the wrap: DDP's hooks stay outside the compiled graphs
-        model.compile()  # (nn.Module.compile: no wrapper, so state_dict keys stay the module's own)
+        model.compile()  # (no wrapper: state_dict keys stay the module's own; DDPOptimizer still splits at buckets)
     comm_hook = COMM_HOOKS[cfg.comm_hook] if cfg.ddp else None
     if cfg.ddp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,

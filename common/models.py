@@ -4,8 +4,7 @@ from torch import nn
 
 
 class SmallCNN(nn.Module):
-    """Two conv and two linear layers; any input size. Without BatchNorm (`norm="batch"` adds it after each conv)
-    it has no buffers, so N-rank DDP equals one process on the global batch exactly (tests rely on that)."""
+    """Two conv and two linear layers, any input size; BatchNorm after each conv only with norm="batch"."""
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 32, norm: str = "none"):
         super().__init__()

@@ -77,19 +77,41 @@ def test_no_sync_all_reduces_once_per_optimizer_step(runs):
     assert with_no_sync["wrapped"] == without["wrapped"] == [[]]  # one DDP model (no BatchNorm)
 
 
-def test_short_last_window_of_an_epoch_is_the_exact_mean(tmp_path):
-    """719 samples per rank in micro-batches of 400: 400 + 319 make one window of 2 (not 3) micro-batches.
+SHORT_WINDOW = ("--batch-size", "400", "--accum-steps", "3", "--epochs", "1")
+LOSS_WEIGHT = "(loss * len(labels) / window_samples).backward()"  # the script's line
 
-    Dividing by accum_steps (3) or by the micro-batch count (2, ignoring the short 319) would not match
-    one process taking one step on all 1438 samples.
-    """
-    accum, reference = tmp_path / "accum", tmp_path / "reference"
-    result = torchrun(SCRIPT, "--batch-size", "400", "--accum-steps", "3", "--epochs", "1",
-                      "--output-dir", str(accum))
-    assert "2 micro-batches per rank per epoch" in result.stdout
+
+@pytest.fixture(scope="module")
+def one_step_on_everything(tmp_path_factory):
+    """01 in one process taking one step on all 1438 training samples."""
+    reference = tmp_path_factory.mktemp("one_step")
     torchrun(BASIC, "--batch-size", "2400", "--epochs", "1", "--output-dir", str(reference), nproc=1)
-    assert read_summary(accum)["steps"] == read_summary(reference)["steps"] == 1
-    assert relative_difference(load(accum), load(reference)) < 1e-5
+    assert read_summary(reference)["steps"] == 1
+    return load(reference)
+
+
+def test_short_last_window_of_an_epoch_is_the_exact_mean(tmp_path, one_step_on_everything):
+    """719 samples per rank in micro-batches of 400: 400 + 319 make one window of 2 (not 3) micro-batches,
+    and weighting each by its share of the window's samples gives one process's step on all 1438."""
+    result = torchrun(SCRIPT, *SHORT_WINDOW, "--output-dir", str(tmp_path))
+    assert "2 micro-batches per rank per epoch" in result.stdout
+    assert read_summary(tmp_path)["steps"] == 1
+    assert relative_difference(load(tmp_path), one_step_on_everything) < 1e-5
+
+
+@pytest.mark.parametrize("division", ["(loss / cfg.accum_steps).backward()",  # 3, though the window holds 2
+                                      "(loss / (window_end - window_start)).backward()"])  # 2: 319 counts as 400
+def test_dividing_by_accum_steps_or_by_the_micro_batch_count_misses_the_exact_mean(tmp_path, division,
+                                                                                 one_step_on_everything):
+    """Negative control for the test above: the script with either usual division instead of its weighting
+    ends more than 5e-4 away from one process's step (5e-3 and 1.4e-3 measured; the weighting: 5e-8)."""
+    source = (REPO / SCRIPT).read_text()
+    assert source.count(LOSS_WEIGHT) == 1
+    variant = tmp_path / "train.py"
+    variant.write_text(source.replace(LOSS_WEIGHT, division))  # `common` is found through PYTHONPATH
+    torchrun(variant, *SHORT_WINDOW, "--output-dir", str(tmp_path / "out"))
+    assert read_summary(tmp_path / "out")["steps"] == 1
+    assert relative_difference(load(tmp_path / "out"), one_step_on_everything) > 5e-4
 
 
 def test_accum_steps_below_one_is_rejected_in_one_line(tmp_path):

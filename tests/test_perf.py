@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from common.config import parse_config
 from common.errors import ConfigError
@@ -200,6 +201,38 @@ def test_compile_with_inductor(tmp_path):
     SmallCNN(1, 10).load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
 
 
+
+def compiled_graphs(ddp_kwargs: dict | None) -> int:
+    """How many graphs torch.compile hands its backend for a 2.4 MiB MLP compiled in place (model.compile()),
+    then wrapped in DDP with `ddp_kwargs` (None: not wrapped), after one forward and backward."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1024),
+                                torch.nn.ReLU(), torch.nn.Linear(1024, 64))
+    graphs = []
+    model.compile(backend=lambda graph_module, example_inputs: graphs.append(graph_module) or graph_module.forward)
+    run = model if ddp_kwargs is None else DistributedDataParallel(model, **ddp_kwargs)
+    try:
+        run(torch.randn(8, 64)).sum().backward()
+    finally:
+        torch.compiler.reset()
+    return len(graphs)
+
+
+def test_ddp_optimizer_splits_the_module_compiled_before_the_wrap(one_rank_group):
+    """README's compile row: compiled in place and then wrapped, the module still gets DDP's graph split:
+    torch.compile's DDPOptimizer cuts the graph where DDP's gradient buckets end (the first bucket holds
+    1 MiB of parameters, the rest here), so each bucket's all-reduce can start before the backward ends.
+    Without DDP the same module is one graph."""
+    assert compiled_graphs(None) == 1
+    assert compiled_graphs({}) == 2
+    # Buckets smaller than DDP's first one (1 MiB) fail in torch 2.14.1, which is why the script refuses
+    # --compile with --bucket-cap-mb below 1 (test_compile_with_small_buckets_is_refused). If torch starts
+    # to accept them, this fails: drop the refusal.
+    with pytest.raises(AssertionError, match="First bucket should be smaller/equal to other buckets"):
+        compiled_graphs({"bucket_cap_mb": 0.5})
+
+
 # --- the step profile ---------------------------------------------------------------------------------
 
 class SlowLoader:
@@ -282,6 +315,14 @@ def test_compile_without_a_compiler_is_refused(monkeypatch):
         parse_config(train_script.PerfConfig, ["--compile", "--device", "cpu"])
 
 
+def test_compile_with_small_buckets_is_refused(monkeypatch):
+    monkeypatch.setattr(perf.shutil, "which", lambda name: f"/usr/bin/{name}")  # a C compiler, as far as it asks
+    with pytest.raises(ConfigError, match="compile: --bucket-cap-mb below 1 fails in torch.compile under DDP"):
+        parse_config(train_script.PerfConfig, ["--compile", "--bucket-cap-mb", "0.5", "--device", "cpu"])
+    for accepted in (["--compile", "--bucket-cap-mb", "1"], ["--bucket-cap-mb", "0.5"]):
+        parse_config(train_script.PerfConfig, [*accepted, "--device", "cpu"])
+
+
 def test_cpu_takes_bf16_and_fp16():
     for precision in ("bf16", "fp16"):
         cfg = parse_config(train_script.PerfConfig, ["--precision", precision, "--device", "cpu"])
@@ -323,6 +364,15 @@ def test_no_ddp_stand_in():
 
 
 # --- the benchmark ----------------------------------------------------------------------------------
+
+def test_benchmark_keeps_the_run_with_the_median_step_time():
+    """benchmark/README.md: the median run; with an even number of repeats the faster of the two middle runs."""
+    bench = load_script("benchmark/benchmark.py", "benchmark_main")
+    runs = [{"step_ms": ms, "run": i} for i, ms in enumerate([30.0, 10.0, 20.0, 50.0])]
+    assert bench.median_run(runs[:3])["run"] == 2  # 10, 20, 30: the middle one
+    assert bench.median_run(runs)["run"] == 2  # 10, 20, 30, 50: 20, not 30 and not their mean
+    assert bench.median_run(runs[:2])["run"] == 1  # --repeats 2, as the published tables: the faster
+    assert bench.median_run(runs[:1])["run"] == 0
 
 def test_benchmark_table_and_sweep(tmp_path):
     """World sizes 1 and 2, DDP and --no-ddp, one knob swept: 5 runs of benchmark/train.py."""

@@ -88,6 +88,18 @@ def test_without_the_per_rank_seed_every_rank_draws_the_same(lesson_run, data_di
     assert rank0[1:] != views(lesson_run[1], 0)[1:]  # and rank 0 draws otherwise than with seed + 0
 
 
+def test_with_random_augmentation_ranks_do_not_equal_one_process_on_the_global_batch(lesson_run, data_dir, tmp_path):
+    """README.md's scope: N ranks equal one process on the global batch only without random augmentation.
+    Here 2 ranks x 4 and 1 process x 8 read the same samples in each step (test_basic_ddp.py shows them equal
+    on the digits, which have no augmentation), but crop and flip them differently."""
+    args = [*ARGS]
+    args[args.index("--batch-size") + 1] = str(2 * BATCH)
+    torchrun("tests/perf_cifar.py", "run", LESSON, *args, "--data-dir", str(data_dir), "--output-dir", str(tmp_path),
+             nproc=1, env=clean_env(CUDA_VISIBLE_DEVICES=""), timeout=300)
+    two_ranks, one = (torch.load(out / "model.pt", weights_only=True) for out in (lesson_run[1], tmp_path))
+    assert read_summary(tmp_path)["steps"] == read_summary(lesson_run[1])["steps"] == STEPS
+    assert max(((two_ranks[k] - one[k]).norm() / one[k].norm()).item() for k in one) > 1e-3
+
 class WorkerSeed(torch.utils.data.Dataset):
     def __len__(self):
         return 1

@@ -1,0 +1,139 @@
+"""Run under torchrun (2 ranks, gloo): what the READMEs say DDP and nn.SyncBatchNorm do, seen in the
+installed torch. Each rank prints one line `RESULT <rank> <json>`.
+
+    torchrun --standalone --nproc_per_node=2 tests/ddp_facts_worker.py
+
+- the wrap: ranks built with different weights and buffers hold rank 0's after DDP(...) (and keep
+  their own with init_sync=False, the control);
+- at the start of forward DDP broadcasts rank 0's buffers again (not with forward_sync_buffers=False, nor
+  right after a forward without grad or under no_sync());
+- nn.SyncBatchNorm refuses CPU tensors (its forward checks the device);
+- DDP(static_graph=True) with no_sync() accumulation fails (PyTorch issue 143580), run last: it
+  leaves DDP's reducer in a failed state.
+"""
+
+import hashlib
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.models import SmallCNN  # noqa: E402
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def gathered(value: str) -> list[str]:
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def rank_own_model(rank: int) -> nn.Module:
+    """A model with BatchNorm buffers, its weights and running statistics different on every rank."""
+    torch.manual_seed(100 + rank)
+    model = SmallCNN(1, 10, width=4, norm="batch")
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.fill_(float(rank))
+    return model
+
+
+def wrap_facts(rank: int) -> dict:
+    model = rank_own_model(rank)
+    before = (gathered(digest(model.parameters())), gathered(digest(model.buffers())))
+    DDP(model)
+    after = (gathered(digest(model.parameters())), gathered(digest(model.buffers())))
+    control = rank_own_model(rank)
+    DDP(control, init_sync=False)
+    return {"params_before": before[0], "buffers_before": before[1], "params_after": after[0],
+            "buffers_after": after[1], "params_without_init_sync": gathered(digest(control.parameters()))}
+
+
+def set_running_means(model: nn.Module, value: float) -> None:
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.fill_(value)
+
+
+def forward_buffer_facts(rank: int) -> dict:
+    """Buffers made different AFTER the wrap, then forwards in eval mode (which leave them as they are)."""
+    result = {}
+    for name, kwargs in (("default", {}), ("forward_sync_buffers_false", {"forward_sync_buffers": False})):
+        model = DDP(rank_own_model(0), **kwargs).eval()
+        set_running_means(model.module, float(rank) + 5)
+        different = gathered(digest(model.module.buffers()))
+        with torch.no_grad():
+            model(torch.zeros(2, 1, 8, 8))
+        after = gathered(digest(model.module.buffers()))
+        # A forward without grad (or under no_sync) tells DDP that no gradient sync follows, and the next
+        # forward skips the buffer broadcast.
+        set_running_means(model.module, float(rank) + 7)
+        with torch.no_grad():
+            model(torch.zeros(2, 1, 8, 8))
+        after_no_grad = gathered(digest(model.module.buffers()))
+        # The same after a forward under no_sync() (grad enabled; eval mode, so no backward is needed).
+        model2 = DDP(rank_own_model(0), **kwargs).eval()
+        with model2.no_sync():
+            model2(torch.zeros(2, 1, 8, 8))
+        set_running_means(model2.module, float(rank) + 9)
+        model2(torch.zeros(2, 1, 8, 8))
+        result[name] = {"before_forward": different, "after_forward": after,
+                        "after_a_forward_after_no_grad": after_no_grad,
+                        "after_a_forward_after_no_sync": gathered(digest(model2.module.buffers()))}
+    return result
+
+
+def syncbn_on_cpu() -> str:
+    layer = nn.SyncBatchNorm(4).train()
+    try:
+        layer(torch.randn(2, 4, 3, 3))
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return "no error"
+
+
+def static_graph_with_no_sync() -> str:
+    """PyTorch issue 143580: the very first micro-batch inside no_sync() with static_graph=True."""
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(4, 2), static_graph=True)
+    try:
+        with model.no_sync():
+            model(torch.randn(3, 4)).sum().backward()
+        model(torch.randn(3, 4)).sum().backward()  # the window's last micro-batch: all-reduces
+    except RuntimeError as e:
+        return f"RuntimeError: {str(e).splitlines()[0]}"
+    return "no error"
+
+
+def main():
+    warnings.simplefilter("ignore", FutureWarning)
+    dist.init_process_group("gloo")  # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    rank = dist.get_rank()
+    result = {"wrap": wrap_facts(rank), "forward": forward_buffer_facts(rank), "syncbn_cpu": syncbn_on_cpu()}
+    dist.barrier()
+    result["static_graph_no_sync"] = static_graph_with_no_sync()
+    # One write per line (both ranks print; a print() under PYTHONUNBUFFERED writes the text and the newline
+    # separately, and the two ranks' lines could interleave).
+    sys.stdout.write(f"RESULT {rank} {json.dumps(result)}\n")
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    os._exit(0)

@@ -1,0 +1,106 @@
+"""What the READMEs say DDP and nn.SyncBatchNorm do, held to the installed torch (2.14.1).
+
+On 2 ranks under torchrun (tests/ddp_facts_worker.py): DDP's wrap gives every rank rank 0's parameters
+and buffers; DDP broadcasts rank 0's buffers again at the start of forward; nn.SyncBatchNorm refuses
+CPU tensors; DDP(static_graph=True) with no_sync() accumulation fails (PyTorch issue 143580: when a
+release fixes it, that test fails and the README's warning can go). What nn.SyncBatchNorm communicates
+cannot run without a GPU: it is read from torch's source.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import REPO, torchrun
+
+WORKER = "tests/ddp_facts_worker.py"
+SYNCBN_FUNCTION = Path(torch.__file__).parent / "nn" / "modules" / "_functions.py"
+
+
+@pytest.fixture(scope="module")
+def facts() -> list[dict]:
+    """Each rank's RESULT line, in rank order."""
+    result = torchrun(WORKER, timeout=150)
+    lines = sorted(line.split(" ", 2)[1:] for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    assert [rank for rank, _ in lines] == ["0", "1"], result.output[-3000:]
+    return [json.loads(text) for _, text in lines]
+
+
+def test_the_wrap_gives_every_rank_rank_0s_parameters_and_buffers(facts):
+    """README.md, "What DDP does"; 01's table: DDP(...) broadcasts rank 0's parameters and buffers."""
+    wrap = facts[0]["wrap"]
+    assert wrap["params_before"][0] != wrap["params_before"][1]  # built with different weights
+    assert wrap["buffers_before"][0] != wrap["buffers_before"][1]
+    assert wrap["params_after"] == [wrap["params_before"][0]] * 2  # rank 0's, bitwise, on both ranks
+    assert wrap["buffers_after"] == [wrap["buffers_before"][0]] * 2
+    # Control: DDP(init_sync=False) skips that broadcast, and the ranks keep their own weights.
+    assert wrap["params_without_init_sync"] == wrap["params_before"]
+
+
+def test_buffers_are_broadcast_from_rank_0_at_the_start_of_forward(facts):
+    """README.md: rank 0's buffers at the start of forward, unless the previous forward ran without grad
+    or under no_sync() (DDP's require_forward_param_sync, torch/nn/parallel/distributed.py)."""
+    forward = facts[0]["forward"]
+    default, control = forward["default"], forward["forward_sync_buffers_false"]
+    assert default["before_forward"][0] != default["before_forward"][1]
+    assert default["after_forward"] == [default["before_forward"][0]] * 2
+    assert control["after_forward"] == control["before_forward"]  # forward_sync_buffers=False: no broadcast
+    # After a forward without grad or under no_sync() the next forward broadcasts nothing: the ranks keep
+    # the different buffers they were given.
+    for after in ("after_a_forward_after_no_grad", "after_a_forward_after_no_sync"):
+        assert default[after][0] != default[after][1], after
+
+
+def test_nn_syncbatchnorm_refuses_cpu_tensors(facts):
+    assert facts[0]["syncbn_cpu"] == facts[1]["syncbn_cpu"] == (
+        "ValueError: SyncBatchNorm expected input tensor to be on GPU or XPU or privateuseone")
+
+
+def test_static_graph_with_no_sync_accumulation_fails(facts):
+    """03's README: PyTorch issue 143580, still open in torch 2.14.1. The first backward inside no_sync()
+    of a DDP(static_graph=True) model trips an internal assert. If this test fails, torch has changed:
+    check the issue, then the README's warning."""
+    for rank in facts:
+        assert rank["static_graph_no_sync"].startswith("RuntimeError: expect_autograd_hooks_ INTERNAL ASSERT FAILED")
+
+
+def syncbn_method(name: str) -> ast.FunctionDef:
+    """A method of the autograd Function behind nn.SyncBatchNorm, from torch's source file."""
+    tree = ast.parse(SYNCBN_FUNCTION.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SyncBatchNorm")
+    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def collectives(function: ast.FunctionDef) -> set[str]:
+    """The torch.distributed functions a method calls (as `dist.x(...)` or `torch.distributed.x(...)`)."""
+    found = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = ast.unparse(node.func.value)
+            if owner in ("dist", "torch.distributed"):
+                found.add(node.func.attr)
+    return found
+
+
+def concatenated(function: ast.FunctionDef) -> list[list[str]]:
+    """The names in each `torch.cat([a, b, ...])` of a method: what goes into one message."""
+    return [[ast.unparse(e) for e in node.args[0].elts] for node in ast.walk(function)
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.cat"
+            and node.args and isinstance(node.args[0], ast.List)]
+
+
+def test_nn_syncbatchnorm_all_gathers_mean_invstd_count_and_all_reduces_gradient_sums():
+    """04's README: nn.SyncBatchNorm's forward all-gathers each rank's per-channel mean, inverse standard
+    deviation and count (all_gather on gloo, all_gather_single otherwise) and all-reduces nothing; its
+    backward all-reduces the two per-channel gradient sums. (CpuSyncBatchNorm all-reduces sums instead.)"""
+    forward, backward = syncbn_method("forward"), syncbn_method("backward")
+    assert collectives(forward) == {"all_gather", "all_gather_single"}
+    assert ["mean", "invstd", "count"] in concatenated(forward)
+    assert "batch_norm_gather_stats_with_counts" in ast.unparse(forward)
+    assert collectives(backward) == {"all_reduce"}
+    assert ["sum_dy", "sum_dy_xmu"] in concatenated(backward)

@@ -1,0 +1,79 @@
+"""The READMEs agree with the code and with each other where they quote it.
+
+- Every traceback frame a README quotes (`File ".../x.py", line N, in f` and the source line under it)
+  points at that line of the file, inside that function: a sample output goes stale when the script
+  moves, and this test then fails.
+- The tolerance the READMEs give for "N ranks equal one process on the global batch" is the one
+  tests/test_basic_ddp.py checks.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import torch
+
+from tests.helpers import REPO
+from tests.test_basic_ddp import assert_same_params
+
+DOCS = sorted(p for p in REPO.rglob("*.md") if ".git" not in p.parts)
+FRAME = re.compile(r'File "(?:\.\.\./)?(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>[\w<>]+)\n'
+                   r'(?:\[rank\d+\]:)?[ \t]*(?P<source>[^\n]+)')
+SITE_PACKAGES = Path(torch.__file__).resolve().parents[1]
+
+
+def enclosing_function(source: str, line: int) -> str:
+    """The innermost def containing `line`, or <module>."""
+    name, start = "<module>", 0
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno <= line <= node.end_lineno:
+            if node.lineno >= start:
+                name, start = node.name, node.lineno
+    return name
+
+
+def frame_problems(text: str) -> list[str]:
+    """What is wrong with each quoted frame in `text` (a file of this repository, or of site-packages)."""
+    problems = []
+    for frame in FRAME.finditer(text):
+        path, line = frame["path"], int(frame["line"])
+        file = next((root / path for root in (REPO, SITE_PACKAGES) if (root / path).is_file()), None)
+        if file is None:
+            problems.append(f"{path}: no such file")
+            continue
+        source = file.read_text()
+        actual = source.splitlines()[line - 1].strip() if line <= len(source.splitlines()) else "<past the end>"
+        if actual != frame["source"].strip():
+            problems.append(f"{path}, line {line}: quoted {frame['source'].strip()!r}, the file has {actual!r}")
+        if enclosing_function(source, line) != frame["function"]:
+            problems.append(f"{path}, line {line}: not in {frame['function']}()")
+    return problems
+
+
+def test_quoted_traceback_frames_point_at_the_quoted_lines():
+    quotes = {doc: doc.read_text() for doc in DOCS if FRAME.search(doc.read_text())}
+    assert REPO / "debugging" / "README.md" in quotes  # the timeout sample quotes 01's train.py
+    problems = [f"{doc.relative_to(REPO)}: {p}" for doc, text in quotes.items() for p in frame_problems(text)]
+    assert problems == []
+    # The check itself: a frame one line off, or in another function, is reported.
+    lesson = (REPO / "01_basic_ddp" / "train.py").read_text().splitlines()
+    number = next(i for i, text in enumerate(lesson, 1) if text.strip().startswith("loss.backward()"))
+    off_by_one = f'File ".../01_basic_ddp/train.py", line {number + 1}, in train\n    {lesson[number - 1].strip()}'
+    wrong_function = f'File ".../01_basic_ddp/train.py", line {number}, in main\n    {lesson[number - 1].strip()}'
+    assert len(frame_problems(off_by_one)) == 1 and len(frame_problems(wrong_function)) == 1
+
+
+def test_the_global_batch_tolerance_in_the_readmes_is_the_tested_one():
+    rtol = inspect.signature(assert_same_params).parameters["rtol"].default
+    quoted = f"{rtol:.0e}".replace("e-0", "e-")  # 1e-05 -> 1e-5, as the READMEs write it
+    assert quoted == "1e-5"
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert f"the tests check this to a relative tolerance of {quoted} for a model without BatchNorm" in readme
+    basic = " ".join((REPO / "01_basic_ddp" / "README.md").read_text().split())
+    assert f"as 1 process with batch 32 on the same samples (relative tolerance {quoted})" in basic
+    guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
+    claim = re.search(r"DDP with the same global batch should match one process to (\D*\d+e-\d+)", guide)
+    assert claim and claim[1] == f"a relative {quoted}", claim and claim[0]
