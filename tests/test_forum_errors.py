@@ -150,8 +150,9 @@ LAUNCH = [PYTHON, "-m", "torch.distributed.launch", "--nproc-per-node=2", "--mas
 def test_torch_distributed_launch_passes_local_rank_argument():
     plain = run([*LAUNCH, str(free_port()), REPO / "debugging/local_rank_args.py", "--plain"], timeout=120)
     assert plain.returncode != 0
-    for rank in (0, 1):
-        assert f"local_rank_args.py: error: unrecognized arguments: --local-rank={rank}" in plain.stderr, plain.stderr
+    # The first rank to fail ends the job: the other may be stopped before its parser prints.
+    assert any(f"local_rank_args.py: error: unrecognized arguments: --local-rank={rank}" in plain.stderr
+               for rank in (0, 1)), plain.stderr
     assert "usage: local_rank_args.py [-h] [--epochs EPOCHS] [--plain]" in plain.stderr
     assert re.search(r"exitcode  : 2 \(pid: \d+\)", _root_cause(plain.output))
     assert "FutureWarning: The module torch.distributed.launch is deprecated" in plain.stderr
