@@ -18,7 +18,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from tests.helpers import REPO
-from tests.torch_api import member_names, python_uses, torch_classes, uses_by_file
+from tests.torch_api import member_names, python_uses, torch_classes, torchrun_flags, torchrun_flags_used, uses_by_file
 
 SITE = REPO / "requirements-site.txt"
 PINNED = REPO / "requirements.txt"
@@ -118,7 +118,8 @@ def test_the_torch_check_fails_on_a_named_torch_or_a_dependency_that_brings_it(t
     assert torch_pulled_in(requirement_lines(edited)) == ["torch>=2.3", "torch"]
     info = tmp_path / "site" / "needs_vision-1.0.dist-info"
     info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: needs-vision\nVersion: 1.0\nRequires-Dist: torchvision\n")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: needs-vision\nVersion: 1.0\n"
+                                   "Requires-Dist: torchvision\n")
     pulled = torch_pulled_in([*requirement_lines(SITE), "needs-vision"], path=[str(tmp_path / "site"), *sys.path])
     assert "needs-vision -> torchvision" in pulled and "needs-vision -> torchvision -> torch" in pulled
 
@@ -206,3 +207,16 @@ def test_the_version_check_sees_new_apis_in_code(tmp_path):
     assert newest(uses) == "2.4" and Version(newest(uses)) > Version(stated_minimum()[0])
     assert "torch.accelerator.current_accelerator" not in torch_2_0_uses() | NEWER_THAN_2_0.keys()
     assert "re.compile" not in uses and python_uses("import re\nre.compile('x')\n", members) == set()
+
+
+def test_torchrun_flags_count_in_commands_only():
+    """A flag in a torchrun command (or an array it expands) counts; one in a comment or after the script not."""
+    known = torchrun_flags()
+    job = ('# torchrun must know --signals-to-handle\nextra+=("--local_addr=$HOST")\n'
+           '"$PYTHON" -m torch.distributed.run \\\n    --nnodes=2 --signals-to-handle=SIGUSR1 \\\n'
+           '    "$SCRIPT" --standalone  # --rdzv_id\n')
+    assert torchrun_flags_used(job, known) == {"torchrun --local_addr", "torchrun --nnodes",
+                                               "torchrun --signals-to-handle"}
+    assert newest(torchrun_flags_used(job, known)) == "2.10"
+    assert torchrun_flags_used(job.replace("--signals-to-handle=SIGUSR1 ", ""), known) == {
+        "torchrun --local_addr", "torchrun --nnodes"}

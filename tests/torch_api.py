@@ -33,7 +33,7 @@ def job_files() -> list[Path]:
 
 
 def torch_classes() -> dict[str, type]:
-    """The torch classes whose methods the examples call on objects, by the name the table uses."""
+    """The torch classes whose members, used on a variable, count as ".member" uses."""
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.join import Join
@@ -59,7 +59,8 @@ def python_uses(source: str, torch_members: set[str]) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                aliases[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+                top = alias.name.split(".")[0]  # `import torch.nn` binds `torch`
+                aliases[alias.asname or top] = alias.name if alias.asname else top
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for alias in node.names:
                 aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
@@ -109,7 +110,7 @@ def torchrun_flags_used(text: str, known: set[str]) -> set[str]:
     joined = text.replace("\\\n", " ")
     used = set()
     for line in joined.splitlines():
-        code = line.split(" #")[0]
+        code = re.sub(r"(^|\s)#.*", "", line)  # comments (and #SBATCH lines) name flags without passing them
         if "torch.distributed.run" in code or re.search(r"\btorchrun\b", code) or re.search(r"\w+\+=\(", code):
             before_script = re.split(r"\s\S*(?:\.py|SCRIPT\w*)\W", code + " ")[0]
             used.update(f"torchrun {flag}" for flag in re.findall(r"(--[a-z][a-z_-]*)", before_script) if flag in known)
