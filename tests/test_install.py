@@ -13,7 +13,6 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
