@@ -65,8 +65,6 @@ def check_knobs(cfg) -> None:
         raise ConfigError("backend: nccl needs CUDA tensors but the device is cpu (use --backend gloo or auto)")
     if cfg.backend == "nccl" and not dist.is_nccl_available():
         raise ConfigError("backend: this PyTorch build has no nccl (use --backend auto)")
-    if cfg.precision != "fp32" and not torch.amp.is_autocast_available(kind):
-        raise ConfigError(f"precision: {cfg.precision} autocast is not available on {kind} (use --precision fp32)")
     if cfg.precision == "bf16" and kind == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("precision: this GPU has no bf16 support (use --precision fp16, which adds a GradScaler)")
     if not cfg.ddp:

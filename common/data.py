@@ -1,7 +1,6 @@
 """Data sets: the embedded digits (offline, default), CIFAR-10, MNIST, Fashion-MNIST, ImageFolder, FakeData. Rank 0
 downloads while others wait, or a login node runs `python -m common.prepare` first (compute nodes are often offline)."""
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +13,8 @@ from common.errors import DataError, exit_on_bad_input
 
 DOWNLOADABLE = ("cifar10", "mnist", "fashion_mnist")
 FAKE_TRAIN_SIZE, FAKE_TEST_SIZE = 2048, 512
-DIGITS_SIZE, DIGITS_TEST_FRACTION = 1797, 0.2  # scikit-learn's bundled digits; 20% held out
+DIGITS_FILE = Path(__file__).with_name("digits.csv.gz")  # UCI handwritten digits; source and licence: DIGITS.md
+DIGITS_SIZE, DIGITS_TEST_FRACTION = 1797, 0.2  # 20% held out
 KNOWN_TRAIN_SIZE = {"digits": DIGITS_SIZE - int(DIGITS_SIZE * DIGITS_TEST_FRACTION), "fake": FAKE_TRAIN_SIZE}
 STATS = {  # per-channel mean and std of the training sets
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)), "mnist": ((0.1307,), (0.3081,)),
@@ -31,10 +31,8 @@ class DataBundle:
 
 
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """(images N x 8 x 8 with pixels 0..16, labels), read from scikit-learn's file: its import costs a second a rank."""
-    if (spec := importlib.util.find_spec("sklearn")) is None:
-        raise DataError("the digits data set ships with scikit-learn: pip install scikit-learn")
-    table = np.loadtxt(Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz", delimiter=",")
+    """(images N x 8 x 8 with pixels 0..16, labels) from the shipped file: one row of 64 pixels and the label each."""
+    table = np.loadtxt(DIGITS_FILE, delimiter=",")
     return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
 
 

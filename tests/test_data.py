@@ -1,5 +1,6 @@
 """Data sets: the embedded digits split, CIFAR-10 through torchvision's real loader, clear errors."""
 
+import hashlib
 import pickle
 
 import numpy as np
@@ -7,9 +8,10 @@ import pytest
 import torch
 from PIL import Image
 
-from common.data import build_datasets, digits
+from common.data import DIGITS_FILE, build_datasets, digits, digits_arrays
 from common.errors import DataError
 from tests.cifar_files import CIFAR_FOLDER, patch_cifar_md5, write_cifar10
+from tests.helpers import PYTHON, REPO, read_summary, run
 
 
 def test_digits_is_a_fixed_disjoint_split_of_all_1797_images():
@@ -77,12 +79,64 @@ def test_fake_data_is_deterministic_and_sized():
     assert torch.equal(a.test[5][0], b.test[5][0]) and not torch.equal(a.train[0][0], a.test[0][0])
 
 
-def test_digits_read_directly_equal_scikit_learns_load_digits():
-    from sklearn.datasets import load_digits
+# Recorded from scikit-learn 1.9.1's load_digits() (images as uint8, row by row, then the 1,797 labels as uint8),
+# which read the same file before it shipped here; the tests below hold the shipped file to it without scikit-learn.
+DIGITS_SHA256 = "87ff0c9e40dc7e2c0e34e7257799c2e3f3aec1a016363bb11cad869ec428a826"
+# Recorded with torch 2.14.1 from digits() when it still read scikit-learn's copy: the train and test tensors' bytes.
+SPLIT_SHA256 = "dade5ef4ba9e5aff360a66e7767868259503a153d28a93c8f9d4827f44fbb67c"
+UCI_TEST_CLASS_COUNTS = [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]  # optdigits.tes, UCI's description
 
-    from common.data import digits_arrays
 
+def digits_sha256(images, labels) -> str:
+    return hashlib.sha256(np.asarray(images, dtype=np.uint8).tobytes()
+                          + np.asarray(labels, dtype=np.uint8).tobytes()).hexdigest()
+
+
+def test_the_shipped_digits_are_uci_s_test_set_as_recorded():
+    images, labels = digits_arrays()
+    assert images.shape == (1797, 8, 8) and labels.shape == (1797,)
+    assert np.array_equal(images, np.round(images)) and images.min() == 0 and images.max() == 16
+    assert np.bincount(labels).tolist() == UCI_TEST_CLASS_COUNTS
+    assert digits_sha256(images, labels) == DIGITS_SHA256
+    # Negative control: one pixel changed changes the digest.
+    changed = images.copy()
+    changed[0, 0, 0] += 1
+    assert digits_sha256(changed, labels) != DIGITS_SHA256
+
+
+def test_the_split_is_the_one_measured_before_the_data_shipped_here():
+    data = digits()
+    digest = hashlib.sha256()
+    for tensor in (*data.train.tensors, *data.test.tensors):
+        digest.update(tensor.numpy().tobytes())
+    assert digest.hexdigest() == SPLIT_SHA256
+
+
+def test_digits_md_names_the_file_its_digest_source_and_licence():
+    notice = (REPO / "common" / "DIGITS.md").read_text()
+    assert hashlib.sha256(DIGITS_FILE.read_bytes()).hexdigest() in notice
+    assert ", ".join(map(str, UCI_TEST_CLASS_COUNTS)) in " ".join(notice.split())
+    for source in ("Alpaydin", "Kaynak", "10.24432/C50P49", "CC BY 4.0"):
+        assert source in notice
+    readme = (REPO / "README.md").read_text()
+    assert "common/DIGITS.md" in readme and "CC BY 4.0" in readme
+
+
+def test_digits_load_and_train_without_scikit_learn(tmp_path):
+    """In a process where scikit-learn (and scipy) cannot be imported, the digits load and a run trains."""
+    block = ("import runpy, sys; sys.modules['sklearn'] = sys.modules['scipy'] = None\n"
+             "try:\n    import sklearn\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit('not blocked')\n"
+             "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    result = run([PYTHON, "-c", block, REPO / "01_basic_ddp" / "train_single.py", "--epochs", "1",
+                  "--output-dir", tmp_path], timeout=180, check=True)
+    assert "not blocked" not in result.output
+    summary = read_summary(tmp_path)
+    assert summary["epochs"] == 1 and summary["eval_accuracy"] > 0.5
+
+
+def test_digits_equal_scikit_learns_load_digits_where_installed():
+    load_digits = pytest.importorskip("sklearn.datasets").load_digits
     images, labels = digits_arrays()
     raw = load_digits()
     assert np.array_equal(images, raw.images) and np.array_equal(labels, raw.target)
-    assert images.shape == (1797, 8, 8)
+    assert digits_sha256(raw.images, raw.target) == DIGITS_SHA256
