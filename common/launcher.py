@@ -126,7 +126,8 @@ def detect_launcher(rank: int | None = None, world_size: int | None = None) -> L
 
 def launch_info(env: Mapping[str, str], rank: int | None = None, world_size: int | None = None,
                 gpus: int = 0) -> LaunchInfo:
-    """Rank, local rank, world sizes, master address/port, launcher name and GPU (of the `gpus` it sees) from `env`."""
+    """Rank, local rank, world sizes, master address/port, launcher name and GPU (of the `gpus` it sees) from `env`.
+    A process started alone, outside any job, gets port 0: its store takes any free port (nobody connects)."""
     scheduler, job_id = _scheduler(env)
     name, r, lr, ws, lws = _find(env, rank, world_size)
     ws = 1 if ws is None else ws
@@ -147,7 +148,8 @@ def launch_info(env: Mapping[str, str], rank: int | None = None, world_size: int
     if 1 < gpus < lws:  # two ranks would share a GPU, which NCCL refuses ("Duplicate GPU detected")
         raise LauncherError(f"{lws} ranks on this node but {gpus} GPUs visible to rank {r} (CUDA_VISIBLE_DEVICES="
                             f"{env.get('CUDA_VISIBLE_DEVICES', 'unset')}): one rank per GPU, seeing all or its own")
-    return LaunchInfo(name, r, lr, ws, lws, master_address(env), master_port(env), scheduler, job_id, gpu)
+    port = 0 if name == "single" and scheduler == "none" and not env.get("MASTER_PORT") else master_port(env)
+    return LaunchInfo(name, r, lr, ws, lws, master_address(env), port, scheduler, job_id, gpu)
 
 
 def _find(env, rank, world_size):

@@ -3,6 +3,7 @@ and the single-process baseline is the same training."""
 
 import hashlib
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -127,6 +128,30 @@ def test_single_process_without_launcher(tmp_path):
     run([PYTHON, REPO / SCRIPT, "--max-steps", "3", "--output-dir", tmp_path], timeout=120, check=True)
     summary = read_summary(tmp_path)
     assert (summary["launcher"], summary["world_size"], summary["steps"]) == ("single", 1, 3)
+
+
+def test_two_single_processes_side_by_side_do_not_share_a_port(tmp_path):
+    """Started alone, a script's store binds any free port, so two at once on one machine both run. (With a
+    fixed port, here MASTER_PORT, the second fails while the first holds it: the control.)"""
+    for fixed_port in (None, str(free_port())):
+        env = clean_env(**({"MASTER_PORT": fixed_port} if fixed_port else {}))
+        first = subprocess.Popen([PYTHON, REPO / SCRIPT, "--epochs", "1000", "--output-dir", tmp_path / "first"],
+                                 cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while "epoch 1" not in (line := first.stdout.readline()):  # the first one's store is up
+                assert line and time.monotonic() < deadline, "the first run never trained"
+            second = run([PYTHON, REPO / SCRIPT, "--max-steps", "3", "--output-dir", tmp_path / "second"],
+                         timeout=120, env=env)
+            assert first.poll() is None  # still running, still holding its store's port
+        finally:
+            os.killpg(first.pid, 9)
+            first.wait()
+        if fixed_port:
+            assert second.returncode != 0 and "address already in use" in second.stderr.lower(), second.stderr[-2000:]
+        else:
+            assert second.returncode == 0, second.stderr[-2000:]
 
 
 # --- bad input: one line, exit code 2, no traceback wall, no hang ------------------------------

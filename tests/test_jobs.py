@@ -125,7 +125,7 @@ def test_sbatch_job_completes(slurm_jobs, cluster, name, launcher):
     # First host from scontrol (node1), its NodeAddr as the rendezvous address, port from the job id.
     assert f"first host node1, rendezvous 127.0.0.1:{port}" in output
     # Rank 0's placement table: ranks 0 and 1, each local rank 0 (one per node), on CPU.
-    assert re.search(r"^\s+0\s+0\s+\S+\s+cpu\n\s+1\s+0\s+\S+\s+cpu$", output, re.M), output
+    assert re.search(r"^\s+0\s+0\s+\S+\s+cpu\s+unset\n\s+1\s+0\s+\S+\s+cpu\s+unset$", output, re.M), output
     assert "launcher " + launcher in output
     if launcher == "slurm":
         assert (summary["master_addr"], summary["master_port"]) == ("127.0.0.1", port)

@@ -268,3 +268,12 @@ def test_mp_spawn_inside_a_slurm_job_uses_its_own_rank_as_local_rank():
     env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu01", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4000"}
     infos = [launch_info(env, rank=r, world_size=4, gpus=4) for r in range(4)]
     assert [(i.local_rank, i.local_world_size, i.gpu) for i in infos] == [(r, 4, r) for r in range(4)]
+
+
+def test_a_process_started_alone_takes_any_free_port():
+    """Outside any launcher and job nobody connects to its store: port 0 lets the OS pick a free one, so two
+    such runs on one machine do not collide (test_basic_ddp runs two). In a job or with MASTER_PORT: as before."""
+    assert launch_info({}).master_port == 0
+    assert launch_info({"MASTER_PORT": "4000"}).master_port == 4000
+    assert launch_info({"SLURM_JOB_ID": "4321"}).master_port == PORT_BASE + 4321  # a batch shell: the job's port
+    assert launch_info({"RANK": "0", "WORLD_SIZE": "1"}).master_port == DEFAULT_PORT  # a launcher's world of one

@@ -18,7 +18,7 @@ from torch.utils.data import DistributedSampler
 
 from common.data import digits
 from common.models import SmallCNN
-from tests.helpers import PYTHON, REPO, load_script, read_summary, run, torchrun
+from tests.helpers import PYTHON, REPO, clean_env, free_port, load_script, read_summary, run, torchrun
 
 DIR = "02_sampler_patterns"
 
@@ -240,8 +240,10 @@ def test_gather_predictions_refuses_missing_or_unfitting_weights(tmp_path):
     assert missing.stderr.startswith("error: weights: no file") and missing.stderr.count("\n") == 1
     assert "01_basic_ddp/train.py" in missing.stderr
     torch.save(SmallCNN(1, 7).state_dict(), tmp_path / "seven_classes.pt")  # a head for 7 classes, not 10
+    # This refusal comes after the process group (of one) has started: its own port, not the default 29500
+    # that other tests running side by side may hold.
     unfitting = run([PYTHON, REPO / DIR / "gather_predictions.py", "--weights", tmp_path / "seven_classes.pt",
-                     "--output-dir", tmp_path], timeout=120)
+                     "--output-dir", tmp_path], timeout=120, env=clean_env(MASTER_PORT=str(free_port())))
     assert unfitting.returncode == 2 and unfitting.stdout == ""
     assert unfitting.stderr.startswith("error: weights:") and "does not fit --model small_cnn on digits" in unfitting.stderr
     assert unfitting.stderr.count("\n") == 1 and "size mismatch" in unfitting.stderr
