@@ -79,12 +79,17 @@ def test_rank_killed_with_sigkill_ends_job_without_restarts(script, tmp_path):
     out = result.output
     assert result.returncode != 0
     assert ended - _injected_at(out) < 30, "the job did not end within 30 s of the kill"
-    assert re.search(r"exitcode\s+: -9 .*\(SIGKILL\)", _root_cause(out)), out[-3000:]
     # The literal lines debugging/README.md keys on: a killed rank writes no error file, so no traceback.
     assert "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in out
+    summary = out.split("ChildFailedError")[-1]
     m = re.search(r"exitcode  : -9 \(pid: (\d+)\)  \(SIGKILL\)\n  error_file: <N/A>\n"
-                  r"  traceback : Signal 9 \(SIGKILL\) received by PID (\d+)", _root_cause(out))
+                  r"  traceback : Signal 9 \(SIGKILL\) received by PID (\d+)", summary)
     assert m and m[1] == m[2], out[-3000:]
+    # Root Cause is the earliest whole-second time; the killed rank's is when torchrun collected it, so the
+    # survivor's consequence (its peer's connection gone) can take that place (debugging/README.md says so).
+    root = _root_cause(out)
+    assert re.search(r"exitcode\s+: -9 .*\(SIGKILL\)", root) or re.search(
+        r"Connection (reset|closed) by peer", root), root
     assert out.count("injecting SIGKILL at") == 1, out[-3000:]  # a restarted worker would inject again
 
 
