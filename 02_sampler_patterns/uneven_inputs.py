@@ -101,7 +101,7 @@ def train(cfg, launch):
                 digests.append((epoch, step, grads, digest(model.parameters())))
         # Every rank waits here for the others. With --fix none a rank that ran out of batches waits
         # while another waits in its gradient all-reduce, until --timeout-s. gloo's monitored_barrier
-        # then names the rank that never arrived; NCCL has none (and a plain barrier just waits).
+        # then names the rank that never arrived; NCCL has none (a plain barrier waits until its watchdog's timeout).
         if backend == "gloo":
             dist.monitored_barrier()
         else:

@@ -15,8 +15,8 @@ code 75 (requeue me). `diff 01_basic_ddp/train.py train.py` shows exactly that.
 
 import dataclasses
 import math
-import signal
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -70,8 +70,9 @@ class ResumableSampler(DistributedSampler):
 
     def __iter__(self):
         order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        rest = order.tolist()[self.consumed:]
-        rest += (order.tolist() * self.num_replicas)[:len(self) * self.num_replicas - len(rest)]  # padding
+        order = order.tolist()
+        rest = order[self.consumed:]
+        rest += (order * self.num_replicas)[:len(self) * self.num_replicas - len(rest)]  # padding
         return iter(rest[self.rank::self.num_replicas])
 
     def __len__(self):

@@ -13,8 +13,8 @@ or everything running on one host.
     srun -N2 --ntasks-per-node=4 python 06_multinode/train.py      # inside a Slurm allocation
 Job files for Slurm and PBS are in jobs/; run 06_multinode/comm_check.py first on a new allocation.
 """
-import socket
 import os
+import socket
 import sys
 import time
 from datetime import timedelta

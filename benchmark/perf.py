@@ -149,9 +149,8 @@ def peak_memory(device: torch.device) -> dict:
     """Collective: every rank's peak memory since it started, in bytes, on all ranks.
 
     GPU: torch.cuda.max_memory_allocated, the most memory tensors held at once. CPU: the process's peak
-    resident set (getrusage's ru_maxrss),
-    which also counts the interpreter, torch's libraries and the data set, so a saving in activations shows
-    as a difference between two runs, not as a fraction of this figure.
+    resident set (getrusage's ru_maxrss), which also counts the interpreter, torch's libraries and the data
+    set, so a saving in activations shows as a difference between two runs, not as a fraction of this figure.
     """
     if device.type == "cuda":
         kind, peak = "cuda_max_memory_allocated", torch.cuda.max_memory_allocated(device)

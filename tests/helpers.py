@@ -92,3 +92,22 @@ def load_script(path: str | Path, name: str):
 
 def read_summary(output_dir: Path) -> dict:
     return json.loads((Path(output_dir) / "summary.json").read_text())
+
+
+def root_cause(output: str) -> str:
+    """The part of torchrun's closing summary that names the first failure (its "Root Cause")."""
+    assert "Root Cause" in output, output[-3000:]
+    return output.split("Root Cause")[-1]
+
+
+def load_model(output_dir: Path) -> dict:
+    """The state_dict a run wrote to output_dir/model.pt."""
+    import torch
+
+    return torch.load(Path(output_dir) / "model.pt", weights_only=True)
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """Largest ||a - b|| / ||b|| over the tensors of two state dicts (same keys required)."""
+    assert a.keys() == b.keys()
+    return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm()).item() for k in a)

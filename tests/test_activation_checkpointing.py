@@ -26,7 +26,7 @@ from common.config import parse_config
 from common.errors import ConfigError
 from common.launcher import LaunchInfo
 from common.models import build_model
-from tests.helpers import free_port, load_script, read_summary, torchrun
+from tests.helpers import free_port, load_model, load_script, read_summary, relative_difference, torchrun
 
 perf = sys.modules["perf"] = load_script("benchmark/perf.py", "perf")  # as tests/test_perf.py does
 train_script = load_script("benchmark/train.py", "benchmark_train")
@@ -35,16 +35,6 @@ SCRIPT = "benchmark/train.py"
 RUN = ["--epochs", "1", "--max-steps", "6", "--batch-size", "16", "--log-every", "1000"]
 MIB = 2**20
 READY_ONCE = "Expected to mark a variable ready only once"
-
-
-def relative_difference(a: dict, b: dict) -> float:
-    """Largest ||a - b|| / ||b|| over the tensors of two state dicts (same keys required)."""
-    assert a.keys() == b.keys()
-    return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm()).item() for k in a)
-
-
-def load(output_dir) -> dict:
-    return torch.load(output_dir / "model.pt", weights_only=True)
 
 
 VARIANTS = {  # name: flags; "none" is the run without checkpointing, "lr" the negative control
@@ -71,7 +61,7 @@ def test_checkpointed_runs_end_where_the_run_without_ends(runs, name):
     summary, reference = read_summary(root / name), read_summary(root / "none")
     assert summary["steps"] == reference["steps"] == 6 and summary["world_size"] == 2
     assert summary["replicas_identical"] is True
-    assert relative_difference(load(root / name), load(root / "none")) < 1e-5
+    assert relative_difference(load_model(root / name), load_model(root / "none")) < 1e-5
     assert summary["final_train_loss"] == pytest.approx(reference["final_train_loss"], rel=1e-5)
     p = summary["perf"]
     assert p["activation_checkpointing_blocks"] == 1  # SmallCNN's classifier
@@ -85,7 +75,7 @@ def test_the_comparison_tells_a_different_run_apart(runs):
     """Negative control: the same run at lr 0.09 instead of 0.1 is far outside 1e-5."""
     root, _ = runs
     assert read_summary(root / "lr")["replicas_identical"] is True
-    assert relative_difference(load(root / "lr"), load(root / "none")) > 1e-3
+    assert relative_difference(load_model(root / "lr"), load_model(root / "none")) > 1e-3
 
 
 def test_peak_memory_is_reported_per_rank(runs):
@@ -187,13 +177,6 @@ def test_reentrant_needs_an_input_that_requires_grad_and_is_torchs_fallback():
             assert not checkpoint(layer, images).requires_grad
 
 
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_more_settings_that_work_in_one_process(tmp_path):
     """In this process as a world of one, benchmark/train.py ends where the plain run without checkpointing
     ends with: non_reentrant + find_unused_parameters, non_reentrant + static_graph, and reentrant with plain
@@ -211,7 +194,7 @@ def test_more_settings_that_work_in_one_process(tmp_path):
         assert p["activation_checkpointing_use_reentrant"] is name.startswith("reentrant")
         assert p["ddp_find_unused_parameters"] is name.endswith("find_unused")
         assert p["ddp_static_graph"] is name.endswith("static_graph")
-        assert relative_difference(load(tmp_path / name), load(tmp_path / "none")) < 1e-5, name
+        assert relative_difference(load_model(tmp_path / name), load_model(tmp_path / "none")) < 1e-5, name
 
 
 class SharedTwice(nn.Module):

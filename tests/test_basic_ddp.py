@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PYTHON, REPO, clean_env, free_port, read_summary, run, torchrun
+from tests.helpers import PYTHON, REPO, clean_env, free_port, kill_group, read_summary, run, torchrun
 
 SCRIPT = "01_basic_ddp/train.py"
 
@@ -146,7 +146,7 @@ def test_two_single_processes_side_by_side_do_not_share_a_port(tmp_path):
                          timeout=120, env=env)
             assert first.poll() is None  # still running, still holding its store's port
         finally:
-            os.killpg(first.pid, 9)
+            kill_group(first)
             first.wait()
         if fixed_port:
             assert second.returncode != 0 and "address already in use" in second.stderr.lower(), second.stderr[-2000:]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, torchrun
+from tests.helpers import torchrun
 
 WORKER = "tests/ddp_facts_worker.py"
 SYNCBN_FUNCTION = Path(torch.__file__).parent / "nn" / "modules" / "_functions.py"

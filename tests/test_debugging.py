@@ -14,15 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, clean_env, kill_group, read_summary, torchrun
+from tests.helpers import PYTHON, REPO, clean_env, kill_group, read_summary, root_cause, torchrun
 
 DEMO = "debugging/demo_bugs.py"
-
-
-def _root_cause(output: str) -> str:
-    """The part of torchrun's closing summary that names the first failure."""
-    assert "Root Cause" in output, output[-3000:]
-    return output.split("Root Cause")[-1]
 
 
 def test_demo_runs_clean_without_a_bug(tmp_path):
@@ -63,7 +57,7 @@ def test_demo_mismatched_collective_named_by_debug_detail(tmp_path):
     assert {int(m.group(1)): m.group(3), int(m.group(4)): m.group(5)} == {0: "1", 1: "2"}
     assert re.search(r"^\[rank\d\]: RuntimeError: Detected mismatch between collectives", out, re.M)
     # @record put the exception into torchrun's summary.
-    assert "Detected mismatch between collectives on ranks" in _root_cause(out)
+    assert "Detected mismatch between collectives on ranks" in root_cause(out)
 
 
 def test_demo_unused_parameter_error_and_both_fixes(tmp_path):
@@ -76,7 +70,7 @@ def test_demo_unused_parameter_error_and_both_fixes(tmp_path):
                      r"before starting a new one", out, re.M), out[-3000:]
     # DDP names the aux head's weight and bias (parameters 4 and 5), on each rank that reports.
     assert re.search(r"^\[rank\d\]: Parameter indices which did not receive grad for rank \d: 4 5$", out, re.M)
-    root = _root_cause(out)
+    root = root_cause(out)
     assert "Expected to have finished reduction" in root and re.search(r"did not receive grad for rank \d: 4 5", root)
     for fix in ("find_unused", "use_all"):
         fixed = torchrun(DEMO, "--bug", "unused_parameter", "--fix", fix, "--output-dir", str(tmp_path / fix),
@@ -132,8 +126,8 @@ def test_demo_rank0_only_barrier_ends_at_the_timeout_with_both_waits_shown(tmp_p
     rank1 = "\n".join(line for line in out.splitlines() if line.startswith("[rank1]:"))
     assert "dist.barrier()  # BUG" in rank0 and "loss.backward()" not in rank0, rank0
     assert "loss.backward()" in rank1 and "dist.barrier()" not in rank1, rank1
-    root_cause = _root_cause(out)
-    assert "Timed out waiting 5000ms" in root_cause or "Connection closed by peer" in root_cause, root_cause
+    root = root_cause(out)
+    assert "Timed out waiting 5000ms" in root or "Connection closed by peer" in root, root
 
 
 # --- static check: rank-0-only blocks call no collective ----------------------------------------

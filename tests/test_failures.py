@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, clean_env, free_port, run, torchrun
+from tests.helpers import PYTHON, REPO, clean_env, free_port, root_cause, run, torchrun
 
 SCRIPTS = sorted(p.relative_to(REPO).as_posix() for p in REPO.glob("0*/train.py"))
 # The failure path is torch's and the launcher's, the same in every lesson (each has @record on
@@ -35,11 +34,6 @@ def _fail_env(mode: str, step: int = 3, rank: int = 1, **extra: str) -> dict[str
                      DDP_TEST_FAIL_RANK=str(rank), DDP_TEST_FAIL_MODE=mode, **extra)
 
 
-def _root_cause(output: str) -> str:
-    assert "Root Cause" in output, output[-3000:]
-    return output.split("Root Cause")[-1]
-
-
 @pytest.mark.parametrize("script", FAILURE_SCRIPTS)
 def test_rank_raising_mid_training_ends_job_fast_and_torchrun_names_it(script, tmp_path):
     result = torchrun(script, *FAST, "--output-dir", str(tmp_path), env=_fail_env("raise"), check=False, timeout=180)
@@ -50,7 +44,7 @@ def test_rank_raising_mid_training_ends_job_fast_and_torchrun_names_it(script, t
     # The failing rank's traceback, printed once by the rank itself (torchrun labels its lines).
     assert out.count("[rank1]: RuntimeError: injected failure at step 3 on rank 1") == 1, out[-3000:]
     # @record wrote rank 1's exception into torchrun's error file: its summary names it as the root cause.
-    root = _root_cause(out)
+    root = root_cause(out)
     assert re.search(r"rank\s+: 1 \(local_rank: 1\)", root), root
     assert "RuntimeError: injected failure at step 3 on rank 1" in root, root
 
@@ -65,7 +59,7 @@ def test_without_record_the_summary_has_no_traceback(tmp_path):
         "Path(__file__).resolve().parents[1]", repr(str(REPO))))
     result = torchrun(copy, *FAST, "--output-dir", str(tmp_path / "out"), env=_fail_env("raise"), check=False,
                       timeout=180)
-    root = _root_cause(result.output)
+    root = root_cause(result.output)
     assert "error_file: <N/A>" in root and "injected failure" not in root, root
     # torchrun's stand-in for the missing traceback (debugging/README.md quotes it).
     assert "traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html" in root, root
@@ -87,7 +81,7 @@ def test_rank_killed_with_sigkill_ends_job_without_restarts(script, tmp_path):
     assert m and m[1] == m[2], out[-3000:]
     # Root Cause is the earliest whole-second time; the killed rank's is when torchrun collected it, so the
     # survivor's consequence (its peer's connection gone) can take that place (debugging/README.md says so).
-    root = _root_cause(out)
+    root = root_cause(out)
     assert re.search(r"exitcode\s+: -9 .*\(SIGKILL\)", root) or re.search(
         r"Connection (reset|closed) by peer", root), root
     assert out.count("injecting SIGKILL at") == 1, out[-3000:]  # a restarted worker would inject again
@@ -102,7 +96,7 @@ def test_hung_rank_ends_the_job_at_the_timeout(tmp_path):
     out = result.output
     assert result.returncode != 0
     assert 5 <= ended - _injected_at(out) < 30
-    root = _root_cause(out)
+    root = root_cause(out)
     assert re.search(r"rank\s+: 0 ", root) and "Timed out waiting 5000ms" in root, root
     assert "loss.backward()" in root, root  # the call in the script where rank 0 waited
 

@@ -17,18 +17,13 @@ import time
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, clean_env, free_port, kill_group, read_summary, run, torchrun
+from tests.helpers import PYTHON, REPO, clean_env, free_port, kill_group, read_summary, root_cause, run, torchrun
 from tests.launcher_tools import need_root, need_tools
 
 from common.launcher import master_port
 
 TRAIN = "01_basic_ddp/train.py"
 SHORT = ("--max-steps", "1", "--epochs", "1", "--batch-size", "16")
-
-
-def _root_cause(output: str) -> str:
-    assert "Root Cause" in output, output[-3000:]
-    return output.split("Root Cause")[-1]
 
 
 # --- torchrun's summary: exit codes of ranks killed by a signal ----------------------------------------
@@ -38,7 +33,7 @@ def test_rank_aborted_is_exitcode_minus_6_sigabrt():
     out = result.output
     assert result.returncode != 0
     assert "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in out
-    root = _root_cause(out)
+    root = root_cause(out)
     m = re.search(r"rank      : 1 \(local_rank: 1\)\n  exitcode  : -6 \(pid: (\d+)\)  \(SIGABRT\)\n"
                   r"  error_file: <N/A>\n  traceback : Signal 6 \(SIGABRT\) received by PID (\d+)", root)
     assert m and m[1] == m[2], root
@@ -68,7 +63,7 @@ def test_small_dev_shm_sigbus_is_exitcode_minus_7_and_dataloader_says_no_space(t
     result = run(["unshare", "-m", "sh", "-c", inner], timeout=180)
     assert result.returncode != 97, result.output[-3000:]
     torchrun_part, dataloader_part = result.stdout.split("--- DataLoader")
-    root = _root_cause(torchrun_part)
+    root = root_cause(torchrun_part)
     m = re.search(r"rank      : 1 \(local_rank: 1\)\n  exitcode  : -7 \(pid: (\d+)\)  \(SIGBUS\)\n"
                   r"  error_file: <N/A>\n  traceback : Signal 7 \(SIGBUS\) received by PID (\d+)", root)
     assert m and m[1] == m[2], result.output[-3000:]
@@ -154,7 +149,7 @@ def test_torch_distributed_launch_passes_local_rank_argument():
     assert any(f"local_rank_args.py: error: unrecognized arguments: --local-rank={rank}" in plain.stderr
                for rank in (0, 1)), plain.stderr
     assert "usage: local_rank_args.py [-h] [--epochs EPOCHS] [--plain]" in plain.stderr
-    assert re.search(r"exitcode  : 2 \(pid: \d+\)", _root_cause(plain.output))
+    assert re.search(r"exitcode  : 2 \(pid: \d+\)", root_cause(plain.output))
     assert "FutureWarning: The module torch.distributed.launch is deprecated" in plain.stderr
     # The parser that accepts both spellings gets the argument; under torchrun, which passes none, LOCAL_RANK.
     fixed = run([*LAUNCH, str(free_port()), REPO / "debugging/local_rank_args.py"], timeout=120, check=True)
@@ -242,7 +237,7 @@ def test_two_forwards_with_buffers_synced_in_place_fail(tmp_path):
     assert result.returncode != 0
     assert re.search(rf"^\[rank\d\]: {INPLACE_ERROR}", out, re.M), out[-3000:]
     assert "step 1 discriminator loss" not in out  # the first backward fails
-    assert re.search(INPLACE_ERROR, _root_cause(out))
+    assert re.search(INPLACE_ERROR, root_cause(out))
     assert re.search(r"^\[rank\d\]:\s+loss\.backward\(\)", out, re.M)  # raised by the backward
 
 

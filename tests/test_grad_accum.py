@@ -11,24 +11,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from tests.helpers import PYTHON, REPO, read_summary, run, torchrun
+from tests.helpers import PYTHON, REPO, load_model, read_summary, relative_difference, run, torchrun
 
 SCRIPT = "03_grad_accum/train.py"
 BASIC = "01_basic_ddp/train.py"
 PROBE = "tests/ddp_probe.py"
 K = 3  # micro-batches per optimizer step
-
-
-def relative_difference(a: dict, b: dict) -> float:
-    """Largest ||a - b|| / ||b|| over the tensors of two state dicts (same keys required)."""
-    assert a.keys() == b.keys()
-    return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm()).item() for k in a)
-
-
-def load(output_dir) -> dict:
-    return torch.load(output_dir / "model.pt", weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +41,16 @@ def runs(tmp_path_factory):
 
 def test_accumulation_equals_one_process_with_the_large_batch(runs):
     out, _ = runs
-    reference = load(out["reference"])
+    reference = load_model(out["reference"])
     for name in ("no_sync", "sync_every"):
         summary = read_summary(out[name])
         assert (summary["steps"], summary["accum_steps"], summary["global_batch_size"]) == (3, K, 24)
         assert summary["replicas_identical"]
-        assert relative_difference(load(out[name]), reference) < 1e-5, name
+        assert relative_difference(load_model(out[name]), reference) < 1e-5, name
     assert read_summary(out["no_sync"])["use_no_sync"] and not read_summary(out["sync_every"])["use_no_sync"]
     # Negative control: the same micro-batches without accumulation (a step after each) end elsewhere.
     assert read_summary(out["no_accum"])["steps"] == 3
-    assert relative_difference(load(out["no_accum"]), reference) > 1e-3
+    assert relative_difference(load_model(out["no_accum"]), reference) > 1e-3
 
 
 def test_no_sync_all_reduces_once_per_optimizer_step(runs):
@@ -87,7 +76,7 @@ def one_step_on_everything(tmp_path_factory):
     reference = tmp_path_factory.mktemp("one_step")
     torchrun(BASIC, "--batch-size", "2400", "--epochs", "1", "--output-dir", str(reference), nproc=1)
     assert read_summary(reference)["steps"] == 1
-    return load(reference)
+    return load_model(reference)
 
 
 def test_short_last_window_of_an_epoch_is_the_exact_mean(tmp_path, one_step_on_everything):
@@ -96,7 +85,7 @@ def test_short_last_window_of_an_epoch_is_the_exact_mean(tmp_path, one_step_on_e
     result = torchrun(SCRIPT, *SHORT_WINDOW, "--output-dir", str(tmp_path))
     assert "2 micro-batches per rank per epoch" in result.stdout
     assert read_summary(tmp_path)["steps"] == 1
-    assert relative_difference(load(tmp_path), one_step_on_everything) < 1e-5
+    assert relative_difference(load_model(tmp_path), one_step_on_everything) < 1e-5
 
 
 @pytest.mark.parametrize("division", ["(loss / cfg.accum_steps).backward()",  # 3, though the window holds 2
@@ -111,7 +100,7 @@ def test_dividing_by_accum_steps_or_by_the_micro_batch_count_misses_the_exact_me
     variant.write_text(source.replace(LOSS_WEIGHT, division))  # `common` is found through PYTHONPATH
     torchrun(variant, *SHORT_WINDOW, "--output-dir", str(tmp_path / "out"))
     assert read_summary(tmp_path / "out")["steps"] == 1
-    assert relative_difference(load(tmp_path / "out"), one_step_on_everything) > 5e-4
+    assert relative_difference(load_model(tmp_path / "out"), one_step_on_everything) > 5e-4
 
 
 def test_accum_steps_below_one_is_rejected_in_one_line(tmp_path):

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from tests.helpers import REPO
@@ -57,10 +58,6 @@ NEWER_THAN_2_0 = {
 NOT_TORCH = {".append": "list.append (the code calls no Store.append)", ".index": "list.index and str.index"}
 
 
-def normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def requirement_lines(path: Path) -> list[str]:
     """The requirements of a pip requirements file, following `-r other.txt`."""
     lines = []
@@ -82,7 +79,7 @@ def installed_closure(requirements: list[str], path: list[str] | None = None) ->
     todo = [(Requirement(line), "") for line in requirements]
     while todo:
         requirement, chain = todo.pop()
-        name = normalize(requirement.name)
+        name = canonicalize_name(requirement.name)
         if name in pulled:
             continue
         pulled[name] = f"{chain} -> {requirement.name}" if chain else requirement.name
@@ -97,7 +94,7 @@ def installed_closure(requirements: list[str], path: list[str] | None = None) ->
 
 
 def torch_pulled_in(requirements: list[str], path: list[str] | None = None) -> list[str]:
-    named = [line for line in requirements if normalize(Requirement(line).name) in TORCH_PACKAGES]
+    named = [line for line in requirements if canonicalize_name(Requirement(line).name) in TORCH_PACKAGES]
     pulled = [chain for name, chain in installed_closure(requirements, path).items() if name in TORCH_PACKAGES]
     return named + pulled
 
@@ -126,7 +123,7 @@ def test_the_torch_check_fails_on_a_named_torch_or_a_dependency_that_brings_it(t
 def test_requirements_txt_is_the_installed_pair_plus_the_site_file():
     """The quick start installs the pair CI tests and then exactly the site file."""
     lines = requirement_lines(PINNED)
-    pins = {normalize(Requirement(line).name): line for line in lines if normalize(Requirement(line).name)
+    pins = {canonicalize_name(Requirement(line).name): line for line in lines if canonicalize_name(Requirement(line).name)
             in TORCH_PACKAGES}
     installed = {name: Version(metadata.version(name)).public for name in TORCH_PACKAGES}  # 2.14.1+cpu -> 2.14.1
     assert pins == {name: f"{name}=={version}" for name, version in installed.items()}

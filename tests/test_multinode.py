@@ -20,11 +20,6 @@ COMM = REPO / "06_multinode" / "comm_check.py"
 SMALL = ("--max-steps", "4", "--epochs", "1", "--batch-size", "16")
 
 
-def two_node_torchrun(tmp_path, script_args, env=None, timeout=150):
-    """Two torchrun processes ("nodes"), one worker each, meeting at a c10d rendezvous on 127.0.0.1."""
-    torchrun_nodes(tmp_path, TRAIN, script_args, nodes=2, env_of_node=lambda node: env or clean_env(), timeout=timeout)
-
-
 def torchrun_nodes(tmp_path, script, script_args, nodes, nproc=1, env_of_node=lambda node: clean_env(), timeout=150):
     """`nodes` torchrun processes ("nodes") with `nproc` workers each, meeting at a c10d rendezvous on 127.0.0.1;
     each node's log is tmp_path/node<i>.log, and env_of_node(i) its environment."""
@@ -61,7 +56,7 @@ def logs(tmp_path):
 
 
 def test_torchrun_two_nodes_c10d_agrees_with_one_node(tmp_path):
-    two_node_torchrun(tmp_path, [*SMALL, "--output-dir", str(tmp_path / "two")])
+    torchrun_nodes(tmp_path, TRAIN, [*SMALL, "--output-dir", str(tmp_path / "two")], nodes=2)  # one worker each
     two = read_summary(tmp_path / "two")
     torchrun("06_multinode/train.py", *SMALL, "--output-dir", str(tmp_path / "one"), nproc=2)
     one = read_summary(tmp_path / "one")

@@ -250,13 +250,6 @@ class SlowModel(SmallCNN):
         return super().forward(x)
 
 
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_step_profile_splits_each_step(one_rank_group):
     """Known sleeps land in their parts: loader -> data_wait, forward -> forward_backward, between
     backward and optimizer.step() -> exposed_comm, inside step() -> optimizer, after it -> other.
