@@ -233,6 +233,35 @@ def test_ddp_optimizer_splits_the_module_compiled_before_the_wrap(one_rank_group
         compiled_graphs({"bucket_cap_mb": 0.5})
 
 
+def test_ddp_all_reduces_a_bucket_while_backward_still_runs(one_rank_group):
+    """README.md, "What DDP does", 3: gradients are all-reduced bucket by bucket, overlapped with the rest of the
+    backward pass. From the second pass on (the first is one bucket: torch/nn/parallel/distributed.py,
+    compute_bucket_size_limits), DDP's communication hook (one call per bucket) runs for the last layer's
+    bucket before autograd has accumulated the first layer's gradient."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 64) for _ in range(3)]  # 16 KiB of weights each: one bucket each
+    model = DistributedDataParallel(torch.nn.Sequential(*layers), bucket_cap_mb=0.01)
+    events = []
+
+    def recording_allreduce(state, bucket):
+        names = {id(p): i for i, layer in enumerate(layers) for p in layer.parameters()}
+        events.append(("bucket", sorted({names[id(p)] for p in bucket.parameters()})))
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())  # one rank: the average is the gradient itself
+        return future
+
+    model.register_comm_hook(None, recording_allreduce)
+    layers[0].weight.register_post_accumulate_grad_hook(lambda p: events.append(("first layer's gradient",)))
+    model(torch.randn(4, 64)).sum().backward()  # the first pass is one bucket; DDP then rebuilds them
+    for _ in range(2):
+        events.clear()
+        model(torch.randn(4, 64)).sum().backward()
+        first_grad = events.index(("first layer's gradient",))
+        buckets = [e for e in events if e[0] == "bucket"]
+        assert len(buckets) >= 3, events  # bucket by bucket, not one all-reduce at the end
+        assert any(e[0] == "bucket" and 2 in e[1] for e in events[:first_grad]), events  # overlapped
+
+
 # --- the step profile ---------------------------------------------------------------------------------
 
 class SlowLoader:

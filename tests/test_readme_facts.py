@@ -1,0 +1,106 @@
+"""The top-level README's own statements that no folder's test shows: each test names its sentence.
+
+All in this process or with small subprocesses (no launcher): DistributedSampler's padding,
+--download's order on rank 0 and the others,
+a virtual environment on top of this Python, the defaults the README quotes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+import common.data
+from common.config import DATASETS, TrainConfig
+from common.errors import DataError
+from tests.helpers import PYTHON, REPO
+
+README = " ".join((REPO / "README.md").read_text().split())  # line breaks as spaces
+
+
+def test_distributed_sampler_pads_the_last_ranks_with_the_epochs_first_samples():
+    """ "What DDP does", 2: disjoint apart from padding (when N does not divide the data set, the last ranks
+    each read one of the epoch's first samples again)."""
+    assert "the last ranks each read one of the epoch's first samples again" in README
+    for n, w in [(10, 3), (10, 4), (5, 8), (1, 4), (16, 4), (7, 7)]:
+        for shuffle in (False, True):
+            order = list(DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=shuffle, seed=3))
+            shards = [list(DistributedSampler(range(n), num_replicas=w, rank=r, shuffle=shuffle, seed=3))
+                      for r in range(w)]
+            extra = math.ceil(n / w) * w - n  # the padding
+            for r, shard in enumerate(shards):
+                own = order[r::w]  # every W-th sample of the epoch's order
+                if r < w - extra:
+                    assert shard == own, (n, w, r)
+                else:  # one more: the epoch's first samples, in rank order
+                    assert shard == own + [order[(r - (w - extra)) % n]], (n, w, r)
+            # Without padding (N divisible by W, or drop_last) no sample is read twice.
+            dropped = [x for r in range(w) for x in DistributedSampler(range(n), w, r, shuffle=shuffle,
+                                                                       seed=3, drop_last=True)]
+            assert len(dropped) == len(set(dropped)) == n // w * w
+            if extra == 0:
+                assert sorted(x for shard in shards for x in shard) == list(range(n))
+
+
+def recorded_load(monkeypatch, rank: int, fail: bool = False) -> list:
+    """common.data.load_datasets(--download) on `rank`, with the data set and the barrier recorded."""
+    calls = []
+
+    def build(name, data_dir, image_size=0, download=False):
+        calls.append(("download" if download else "open", name))
+        if download and fail:
+            raise DataError(f"{name}: download failed")
+        return SimpleNamespace(train=range(100))
+
+    monkeypatch.setattr(common.data, "build_datasets", build)
+    monkeypatch.setattr(common.data.dist, "barrier", lambda: calls.append(("barrier",)))
+    cfg = SimpleNamespace(dataset="cifar10", data_dir="data", image_size=0, download=True)
+    try:
+        common.data.load_datasets(cfg, rank)
+    except SystemExit as exc:
+        calls.append(("exit", exc.code))
+    return calls
+
+
+def test_download_rank_0_downloads_while_the_others_wait_at_a_barrier(monkeypatch):
+    """ "Data sets": pass --download: rank 0 downloads while the other ranks wait at a barrier."""
+    assert "rank 0 downloads while the other ranks wait at a barrier" in README
+    assert recorded_load(monkeypatch, 0) == [("download", "cifar10"), ("barrier",), ("open", "cifar10")]
+    assert recorded_load(monkeypatch, 1) == [("barrier",), ("open", "cifar10")]  # no download of its own
+    # A failed download still releases the others; every rank then exits with code 2.
+    assert recorded_load(monkeypatch, 0, fail=True) == [("download", "cifar10"), ("barrier",), ("exit", 2)]
+
+
+def test_a_venv_sees_this_pythons_torch_only_with_system_site_packages(tmp_path):
+    """ "On a cluster": a virtual environment on top of the site's Python needs
+    `python -m venv --system-site-packages` to see the site's torch (here: this Python's torch)."""
+    assert "needs `python -m venv --system-site-packages` to see the site's torch" in README
+    finds_torch = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('torch') else 3)"
+    codes = {}
+    for flags in ([], ["--system-site-packages"]):
+        venv = tmp_path / ("system" if flags else "plain")
+        subprocess.run([PYTHON, "-m", "venv", "--without-pip", *flags, venv], check=True, timeout=120)
+        codes[bool(flags)] = subprocess.run([venv / "bin" / "python", "-c", finds_torch], timeout=120).returncode
+    assert codes == {False: 3, True: 0}
+
+
+def test_the_defaults_and_choices_the_readme_quotes():
+    """ "Troubleshooting": `--timeout-s` (60 s); "Data sets": digits is the default, then the other five;
+    "Concepts": --batch-size is per rank; "Examples" and "Each numbered script": 01's and common/'s sizes."""
+    defaults = TrainConfig()
+    assert f"`--timeout-s` ({defaults.timeout_s:.0f} s)" in README
+    assert defaults.dataset == "digits" and "`--dataset digits` (default;" in README
+    for name in DATASETS[1:]:
+        assert re.search(rf"`{name}`", README.split("## Data sets")[1].split("## Output")[0]), name
+    help_text = TrainConfig.__dataclass_fields__["batch_size"].metadata["help"]
+    assert "per rank" in help_text and "`--batch-size` is per rank (the local batch)" in README
+    lesson_lines = len((REPO / "01_basic_ddp" / "train.py").read_text().splitlines())
+    assert f"the minimal complete DDP script ({lesson_lines} lines," in README
+    common_lines = sum(len(p.read_text().splitlines()) for p in (REPO / "common").glob("*.py"))
+    assert common_lines <= 600 and "at most 600 lines" in README
