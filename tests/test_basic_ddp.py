@@ -3,6 +3,7 @@ and the single-process baseline is the same training."""
 
 import hashlib
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -61,6 +62,21 @@ def test_banner_and_progress_come_from_rank_0_only(quick_start):
     assert result.stdout.count("epoch 1 step 10 loss") == 1
     assert result.stdout.count("epoch 12 done") == 1
     assert "Traceback" not in result.output
+
+
+def test_output_has_the_lines_and_summary_fields_the_readme_lists(quick_start):
+    """README.md, "Output": progress lines (epoch, step, rank 0's loss), one line per epoch with the exact train
+    loss, eval loss and accuracy, and summary.json with the fields it lists, next to model.pt."""
+    result, out = quick_start
+    summary = read_summary(out)
+    for key in ("world_size", "launcher", "backend", "global_batch_size", "epochs", "final_train_loss", "eval_loss",
+                "eval_accuracy", "images_per_second", "wall_time_s", "replica_checksums"):
+        assert key in summary, key
+    assert re.search(r"^epoch 1 step 10 loss \d+\.\d{4} \(rank 0's batch\)$", result.stdout, re.M), result.stdout
+    last = (f"epoch {summary['epochs']} done: train loss {summary['final_train_loss']:.4f}, eval loss "
+            f"{summary['eval_loss']:.4f}, eval accuracy {summary['eval_accuracy']:.4f} (359 images)")
+    assert result.stdout.count(last) == 1 and result.stdout.count(" done: train loss ") == summary["epochs"]
+    assert (out / "model.pt").is_file()
 
 
 def test_every_rank_ends_with_identical_parameters(quick_start):

@@ -104,3 +104,25 @@ def test_the_defaults_and_choices_the_readme_quotes():
     assert f"the minimal complete DDP script ({lesson_lines} lines," in README
     common_lines = sum(len(p.read_text().splitlines()) for p in (REPO / "common").glob("*.py"))
     assert common_lines <= 600 and "at most 600 lines" in README
+
+
+def test_the_messages_the_troubleshooting_section_quotes_are_torchs_own():
+    """ "Troubleshooting": gloo's `Timed out waiting 60000ms for recv operation to complete` and `Connection closed
+    by peer` are in torch's CPU library; nccl's watchdog line is made of literals of its NCCL library that
+    tests/test_nccl_docs.py finds there (torch 2.14.1)."""
+    from tests.test_nccl_docs import WATCHDOG_MESSAGES, found_in_library
+
+    troubleshooting = README.split("## Troubleshooting")[1].split("## Data sets")[0]
+    quoted = "`Timed out waiting 60000ms for recv operation to complete`"
+    assert quoted in troubleshooting and "`Connection closed by peer`" in troubleshooting
+    found = found_in_library("libtorch_cpu.so", ["Timed out waiting ", "ms for recv operation to complete",
+                                                 "Connection closed by peer", "Timed out waiting 60000ms"])
+    assert found == {"Timed out waiting ": True, "ms for recv operation to complete": True,
+                     "Connection closed by peer": True,
+                     "Timed out waiting 60000ms": False}  # filled in at run time: the check can fail
+    watchdog = re.search(r"`(Watchdog caught collective operation timeout: [^`]+)`", troubleshooting)[1]
+    pieces = [piece for piece in watchdog.split("...") if piece.strip(", )")]
+    assert pieces == ["Watchdog caught collective operation timeout: WorkNCCL(SeqNum=", ", OpType=", ", NumelIn="]
+    literals = ["Watchdog caught collective operation timeout: ", "WorkNCCL(", "SeqNum=", ", OpType=", ", NumelIn="]
+    assert "".join(literals[:3]) == pieces[0] and literals[3:] == pieces[1:]
+    assert all(literal in WATCHDOG_MESSAGES for literal in literals)
