@@ -139,4 +139,9 @@ def test_digits_equal_scikit_learns_load_digits_where_installed():
     images, labels = digits_arrays()
     raw = load_digits()
     assert np.array_equal(images, raw.images) and np.array_equal(labels, raw.target)
+    # common/DIGITS.md: a byte-for-byte copy of scikit-learn's file.
+    from pathlib import Path
+
+    import sklearn.datasets
+    assert DIGITS_FILE.read_bytes() == (Path(sklearn.datasets.__file__).parent / "data" / "digits.csv.gz").read_bytes()
     assert digits_sha256(raw.images, raw.target) == DIGITS_SHA256

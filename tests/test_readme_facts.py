@@ -7,6 +7,8 @@ a virtual environment on top of this Python, the defaults the README quotes.
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata as metadata
 import math
 import re
 import subprocess
@@ -126,3 +128,46 @@ def test_the_messages_the_troubleshooting_section_quotes_are_torchs_own():
     literals = ["Watchdog caught collective operation timeout: ", "WorkNCCL(", "SeqNum=", ", OpType=", ", NumelIn="]
     assert "".join(literals[:3]) == pieces[0] and literals[3:] == pieces[1:]
     assert all(literal in WATCHDOG_MESSAGES for literal in literals)
+
+
+def test_the_code_is_python_3_10_syntax():
+    """ "Quick start": Python 3.10+. Every .py file parses with Python 3.10's grammar (ast's feature_version,
+    best effort: it catches newer syntax such as except*, the control below); tested with 3.11 ("Versions")."""
+    assert "(Python 3.10+;" in README
+    files = [p for p in REPO.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(REPO).parts)]
+    assert len(files) > 30
+    for path in files:
+        ast.parse(path.read_text(), filename=str(path), feature_version=(3, 10))
+    with pytest.raises(SyntaxError, match="3.11"):
+        ast.parse("try:\n    pass\nexcept* ValueError:\n    pass\n", feature_version=(3, 10))
+
+
+def test_the_pinned_wheels_are_a_few_gb_with_their_own_nccl_and_no_network_plugin():
+    """ "Quick start": the first install downloads torch, a few GB. "On a cluster": requirements.txt brings the
+    wheel's own NCCL, and a generic wheel has no NCCL network plugin (libnccl-net*.so, e.g. AWS OFI for
+    Slingshot) that a site's build carries. Read from the installed distributions of requirements.txt."""
+    from tests.test_install import PINNED, installed_closure, requirement_lines
+
+    pulled = installed_closure(requirement_lines(PINNED))
+    files = {name: metadata.distribution(name).files or [] for name in pulled}
+    size = sum(int(f.size or 0) for found in files.values() for f in found)
+    assert size > 2 * 10**9, f"{size / 1e9:.1f} GB"  # measured here: 5.7 GB installed (torch 2.14.1, CUDA 13)
+    nccl = [name for name in pulled if name.startswith("nvidia-nccl")]
+    assert nccl and pulled[nccl[0]].endswith(f"torch -> {metadata.distribution(nccl[0]).metadata['Name']}")
+    libraries = [str(f) for found in files.values() for f in found if "libnccl" in str(f)]
+    assert any(lib.endswith("libnccl.so.2") for lib in libraries), libraries
+    assert not [lib for lib in libraries if "libnccl-net" in lib], libraries
+
+
+def test_each_site_file_names_the_date_its_sources_were_read():
+    """jobs/sites/README.md: each setting's site page is a [tag] listed at the top of the file, with the date it
+    was read (2026-11); Perlmutter's pytorch module is marked [check]."""
+    sites = REPO / "jobs" / "sites"
+    readme = " ".join((sites / "README.md").read_text().split())
+    date = re.search(r"each file names the pages and the date they were read \((\d{4}-\d\d)\)", readme)[1]
+    for path in sorted(sites.glob("*.sh")):
+        sources = re.search(r"^# Sources, read (\d{4}-\d\d)\b", path.read_text(), re.M)
+        assert sources and sources[1] == date, path.name
+    perlmutter = (sites / "perlmutter.sh").read_text()
+    assert "Perlmutter's `pytorch` module is marked `[check]`" in readme
+    assert re.search(r"^# -+ Modules: .*\[check\]", perlmutter, re.M) and "#   [check]" in perlmutter
