@@ -564,7 +564,8 @@ def test_benchmark_passes_leading_arguments_extra_flags_threads_and_timeout(monk
     is captured here; test_benchmark_table_and_sweep runs it.)"""
     bench = load_script("benchmark/benchmark.py", "benchmark_main")
     cfg = parse_config(bench.BenchConfig, ["--script", "tests/perf_cifar.py run benchmark/train.py", "--dataset",
-                                           "cifar10", "--timeout-s", "7", "--output-dir", str(tmp_path)])
+                                           "cifar10", "--data-dir", "/d", "--model", "resnet18", "--image-size", "24",
+                                           "--timeout-s", "7", "--output-dir", str(tmp_path)])
     calls = []
 
     def no_run(cmd, **kwargs):
@@ -577,7 +578,9 @@ def test_benchmark_passes_leading_arguments_extra_flags_threads_and_timeout(monk
     [(cmd, kwargs)] = calls
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     assert cmd[5:8] == ["tests/perf_cifar.py", "run", "benchmark/train.py"]
-    assert cmd[-3:] == ["--lr", "0.05", "--static-graph"] and cmd[cmd.index("--dataset") + 1] == "cifar10"
+    assert cmd[-3:] == ["--lr", "0.05", "--static-graph"]
+    passed = {flag: cmd[cmd.index(flag) + 1] for flag in ("--dataset", "--data-dir", "--model", "--image-size")}
+    assert passed == {"--dataset": "cifar10", "--data-dir": "/d", "--model": "resnet18", "--image-size": "24"}
     assert kwargs["timeout"] == 7 and kwargs["env"]["OMP_NUM_THREADS"] == "3"
 
 
@@ -622,6 +625,7 @@ def test_the_published_figures_agree_with_the_formulas():
         assert efficiency == pytest.approx(images_per_s / (2 * one), abs=0.001), row
         assert 2 * 128 / (step_ms / 1000) == pytest.approx(images_per_s, rel=0.005), row
     assert max(float(row[2]) for row in digits[1:]) > 0.9  # "brings efficiency above 0.9" (the bf16 hook)
+    assert float(digits[0][4]) == 14.0 and 2 <= float(digits[1][3]) <= 3  # "a step of only 14 ms", "2-3 ms"
     resnet = readme_table("ResNet-18 at 32x32 on CIFAR-10-format data")
     one, default_comm = float(resnet[0][1]), float(resnet[1][3])
     for row in resnet[1:]:
@@ -638,6 +642,8 @@ def test_the_published_figures_agree_with_the_formulas():
         saved64.append(float(saving))
         saved128 += [p - float(v) for p, v in zip(plain128, row[2].split(","))]
     assert (min(saved64), max(saved64), min(saved128), max(saved128)) == (108, 137, 150, 255)
+    rank_gaps = [abs(a - b) for a, b in (map(float, row[2].split(",")) for row in memory)]
+    assert max(rank_gaps) == 100  # "peaks differ by up to 100 MiB between ranks"
     assert [round(float(memory[0][3]) / float(row[3])) for row in memory[1:]] == [2, 2]  # "(2x slower)"
 
 
