@@ -9,7 +9,8 @@ communication), each with `--profile-steps`, and prints one table:
     peak memory of the largest rank
 
 scaling efficiency = images/s at N ranks / (N x images/s at 1 rank), at a fixed local batch.
-Every figure is the median over the profiled steps (warm-up left out) of the mean over ranks;
+Every time is the median over the profiled steps (warm-up left out) of the mean over ranks, images/s
+is the global batch over the median step time, peak memory the largest rank's;
 with --repeats R each run is repeated R times, interleaved, and the run with the median step time is
 kept (with an even R the faster of the two middle runs: with --repeats 2, the faster run).
 `--sweep` then runs each knob against the default at the largest world size and prints the

@@ -10,9 +10,12 @@ BatchNorm inside a checkpoint, a block checkpointed twice (needs static_graph), 
 
 from __future__ import annotations
 
+import copy
+import inspect
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,7 +133,8 @@ def one_thread():
 @pytest.mark.parametrize("variant", ["non_reentrant", "reentrant"])
 def test_checkpoint_blocks_changes_no_names_and_no_results(model_name, blocks, variant):
     """The same parameter names and state_dict keys (model.pt loads into the plain model), the same
-    outputs and gradients, and the blocks read back; a ResNet's residual blocks, SmallCNN's classifier."""
+    outputs and gradients, and the blocks read back; a ResNet's residual blocks, SmallCNN's classifier.
+    Less memory: the tensors autograd keeps for backward (activations, not the weights) take fewer bytes."""
     torch.manual_seed(0)
     plain = build_model(model_name, 10, 3, 16)
     model = build_model(model_name, 10, 3, 16)
@@ -147,8 +151,21 @@ def test_checkpoint_blocks_changes_no_names_and_no_results(model_name, blocks, v
         warnings.simplefilter("error")
         torch.testing.assert_close(model(images), plain(images))
     plain.train(), model.train()
+    kept_bytes = []
     for m in (plain, model):
-        F.cross_entropy(m(images), labels).backward()
+        weights = {p.untyped_storage().data_ptr() for p in m.parameters()}
+        kept = {}  # storage -> bytes of every tensor saved for backward outside a checkpoint (its input included)
+
+        def keep(tensor):
+            if tensor.untyped_storage().data_ptr() not in weights:
+                kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            loss = F.cross_entropy(m(images), labels)
+        loss.backward()
+        kept_bytes.append(sum(kept.values()))
+    assert kept_bytes[1] < kept_bytes[0], kept_bytes
     for (name, a), (_, b) in zip(plain.named_parameters(), model.named_parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -158,10 +175,16 @@ def test_batchnorm_in_a_checkpointed_block_updates_its_statistics_twice(variant)
     """The recompute is a second training-mode forward: running statistics move twice per step (here the
     first residual block's BatchNorm), while the stem, outside any checkpoint, moves once."""
     model = build_model("resnet18", 10, 3, 16)
+    plain = copy.deepcopy(model)
     perf.checkpoint_blocks(model, variant)
-    F.cross_entropy(model(torch.randn(4, 3, 16, 16)), torch.tensor([0, 1, 2, 3])).backward()
+    images = torch.randn(4, 3, 16, 16)
+    for m in (model, plain):
+        F.cross_entropy(m(images), torch.tensor([0, 1, 2, 3])).backward()
     assert model.bn1.num_batches_tracked.item() == 1
     assert model.layer1[0].bn1.num_batches_tracked.item() == 2
+    # So evaluation, which normalizes with the running statistics, can differ from a run without checkpointing.
+    assert not torch.allclose(model.layer1[0].bn1.running_mean, plain.layer1[0].bn1.running_mean)
+    torch.testing.assert_close(model.bn1.running_mean, plain.bn1.running_mean)  # outside: the same
 
 
 def test_reentrant_needs_an_input_that_requires_grad_and_is_torchs_fallback():
@@ -276,3 +299,28 @@ def test_the_benchmark_sweeps_both_variants():
     for knob, variant in (("ckpt_non_reentrant", "non_reentrant"), ("ckpt_reentrant", "reentrant")):
         assert parse_config(train_script.PerfConfig, bench.KNOBS[knob]).activation_checkpointing == variant
     assert "peak_memory_mib" in bench.SWEEP_COLUMNS and "peak_memory_mib" in bench.SCALING_COLUMNS
+
+
+def test_the_why_is_read_from_torch_source():
+    """benchmark/README.md's "Why", read from torch 2.14.1: the reentrant checkpoint runs the block under
+    no_grad and calls torch.autograd.backward itself in backward; the non-reentrant one works through
+    saved-tensor hooks; DDP walks the graph after forward (prepare_for_backward on the outputs) only with
+    find_unused_parameters and without static_graph; and DDP's docstring says what the README quotes."""
+    reentrant = inspect.getsource(torch.utils.checkpoint.CheckpointFunction)
+    assert "with torch.no_grad():" in reentrant and "torch.autograd.backward(" in reentrant
+    checkpoint_source = Path(torch.utils.checkpoint.__file__).read_text()
+    assert "class _checkpoint_internal_hook(torch.autograd.graph.saved_tensors_hooks):" in checkpoint_source
+    assert "class _checkpoint_hook(_checkpoint_internal_hook):" in checkpoint_source
+    assert "    with _checkpoint_hook(new_frame), forward_context:" in checkpoint_source  # the non-reentrant forward
+    ddp_source = Path(inspect.getsourcefile(DDP)).read_text()
+    assert ("            if self.find_unused_parameters and not self.static_graph:\n"
+            "                # Do not need to populate this for static graph.\n"
+            "                self.reducer.prepare_for_backward(list(_find_tensors(output)))") in ddp_source
+    doc = " ".join(inspect.getdoc(DDP).split())
+    for quoted in ("If the checkpoint is done with use_reentrant=False (recommended), DDP will work as expected "
+                   "without any limitations.",
+                   "DDP will work as expected when there are no unused parameters in the model and each layer is "
+                   "checkpointed at most once (make sure you are not passing `find_unused_parameters=True` to DDP)",
+                   "1) Reentrant backwards. 2) Activation checkpointing multiple times. 3) Activation checkpointing "
+                   "when model has unused parameters."):
+        assert quoted in doc, quoted

@@ -9,23 +9,30 @@ the GradScaler, the all-reduces and torch.compile.
 from __future__ import annotations
 
 import csv
+import difflib
+import inspect
 import math
+import os
 import re
 import shutil
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.nn.parallel import DistributedDataParallel
 
-from common.config import parse_config
+from common.config import TrainConfig, parse_config
 from common.errors import ConfigError
 from common.launcher import LaunchInfo
 from common.models import SmallCNN
 from tests.cifar_files import write_cifar10
-from tests.helpers import PYTHON, REPO, clean_env, free_port, load_script, read_summary, run, torchrun
+from tests.helpers import (PYTHON, REPO, clean_env, free_port, load_model, load_script, read_summary,
+                           relative_difference, run, torchrun)
 
 # benchmark/train.py imports its helpers as `perf` (its own folder is on sys.path when it runs); here
 # they are registered under that name instead, so this file puts no folder with a train.py on sys.path.
@@ -312,6 +319,21 @@ def test_step_profile_splits_each_step(one_rank_group):
     assert 0 < images_per_s < 24 / 0.18 and 0 < data_wait < 1
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_step_profile_on_a_gpu_marks_cuda_events(one_rank_group):
+    """On a GPU the marks are CUDA events (the GPU's time line), read after a synchronize per profiled step."""
+    device = torch.device("cuda", 0)
+    model = SmallCNN().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    timer = perf.StepTimer(model, optimizer, device, warmup=0, steps=2)
+    loader = [(torch.zeros(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))] * 2
+    for images, labels in timer.iterate(loader):
+        torch.nn.functional.cross_entropy(model(images.to(device)), labels.to(device)).backward()
+        optimizer.step()
+        assert all(isinstance(mark, torch.cuda.Event) for mark in timer.marks.values())
+    assert len(timer.rows) == 2 and all(part >= 0 for row in timer.rows for part in row)
+
+
 # --- refusals -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flags,message", [
@@ -397,13 +419,23 @@ def test_benchmark_keeps_the_run_with_the_median_step_time():
     assert bench.median_run(runs[:1])["run"] == 0
 
 def test_benchmark_table_and_sweep(tmp_path):
-    """World sizes 1 and 2, DDP and --no-ddp, one knob swept: 5 runs of benchmark/train.py."""
+    """World sizes 1 and 2, DDP and --no-ddp, one knob swept: 5 runs of benchmark/train.py (each a real
+    torchrun), with a flag after `--` that goes to every run."""
     out = tmp_path / "bench"
     result = run([PYTHON, REPO / "benchmark" / "benchmark.py", "--world-sizes", "1,2", "--batch-size", "16",
                   "--warmup", "1", "--steps", "2", "--sweep", "--sweep-knobs", "bf16_compress",
-                  "--output-dir", out], timeout=420, check=True)
+                  "--output-dir", out, "--", "--lr", "0.05"], timeout=420, check=True)
     bench = load_script("benchmark/benchmark.py", "benchmark_main")
     assert bench.BenchConfig.__dataclass_fields__["script"].default == SCRIPT
+    assert bench.BenchConfig.__dataclass_fields__["output_dir"].default == "runs/benchmark"
+    runs = sorted(p.name for p in out.iterdir() if (p / "summary.json").exists())
+    assert runs == ["ws1_ddp_r0", "ws1_noddp_r0", "ws2_bf16_compress_r0", "ws2_ddp_r0", "ws2_noddp_r0"]
+    for name in runs:  # each run: torchrun, the flag after --, warm-up + measured steps + 1 (the last is not timed)
+        summary = read_summary(out / name)
+        assert (summary["launcher"], summary["lr"], summary["steps"]) == ("torchrun", 0.05, 1 + 2 + 1), name
+        assert (summary["profile"]["warmup_steps"], summary["profile"]["steps"]) == (1, 2), name
+    # On CPU each rank gets cores / largest world size threads.
+    assert f"{max(1, (os.cpu_count() or 1) // 2)} thread(s) per rank on CPU" in result.stdout
     with (out / "scaling.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == bench.SCALING_COLUMNS
@@ -416,6 +448,11 @@ def test_benchmark_table_and_sweep(tmp_path):
         assert ips == pytest.approx(16 * n / (float(r["step_ms"]) / 1000), rel=1e-9)
         parts = [float(r[f"{part}_ms"]) for part in bench.PARTS]
         assert all(p >= 0 for p in parts) and float(r["step_ms"]) > 0 and float(r["no_ddp_images_per_s"]) > 0
+        median = read_summary(out / f"ws{n}_ddp_r0")["profile"]["median_s"]  # the columns are the profile's parts
+        assert parts == pytest.approx([1000 * median[part] for part in bench.PARTS], rel=1e-9)
+        no_ddp_step = 1000 * read_summary(out / f"ws{n}_noddp_r0")["profile"]["median_s"]["step"]
+        assert float(r["no_ddp_step_ms"]) == pytest.approx(no_ddp_step, rel=1e-9)
+        assert float(r["ddp_overhead_ms"]) == pytest.approx(float(r["step_ms"]) - no_ddp_step, rel=1e-9, abs=1e-9)
         peaks = read_summary(out / f"ws{n}_ddp_r0")["perf"]["peak_memory_bytes_per_rank"]  # the largest rank's
         assert len(peaks) == n and float(r["peak_memory_mib"]) == pytest.approx(max(peaks) / 2**20, rel=1e-9)
     with (out / "sweep.csv").open() as f:
@@ -423,14 +460,25 @@ def test_benchmark_table_and_sweep(tmp_path):
     assert list(sweep[0]) == bench.SWEEP_COLUMNS and [s["knob"] for s in sweep] == ["default", "bf16_compress"]
     assert float(sweep[1]["images_per_s_ratio"]) == pytest.approx(
         float(sweep[1]["images_per_s"]) / float(sweep[0]["images_per_s"]), rel=1e-9)
+    assert float(sweep[1]["exposed_comm_ratio"]) == pytest.approx(  # default / knob: > 1 is less exposed
+        float(sweep[0]["exposed_comm_ms"]) / float(sweep[1]["exposed_comm_ms"]), rel=1e-9)
+    assert [int(s["world_size"]) for s in sweep] == [2, 2]  # the largest world size
     assert read_summary(out / "ws2_bf16_compress_r0")["perf"]["ddp_comm_hook"] == "bf16_compress_hook"
     no_ddp = read_summary(out / "ws2_noddp_r0")
     assert no_ddp["perf"]["ddp"] == "NoDDP"
     assert no_ddp["replicas_identical"] is False  # no gradient communication: the replicas drift apart
     median = no_ddp["profile"]["median_s"]
     assert median["exposed_comm"] < 0.25 * median["step"]  # nothing to wait for after the last gradient
-    assert read_summary(out / "ws2_ddp_r0")["replicas_identical"] is True
-    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    ddp = read_summary(out / "ws2_ddp_r0")
+    assert ddp["replicas_identical"] is True
+    # Negative control: with DDP, backward() waits there for the last buckets' all-reduce.
+    assert ddp["profile"]["median_s"]["exposed_comm"] > median["exposed_comm"]
+    accumulator = EventAccumulator(str(out / "tensorboard"))
+    accumulator.Reload()
+    tags = set(accumulator.Tags()["scalars"])
+    assert {f"scaling/{c}" for c in ("images_per_s", "scaling_efficiency", "exposed_comm_ms")} <= tags
+    assert {"sweep/bf16_compress/images_per_s_ratio", "sweep/default/exposed_comm_ms"} <= tags
+    assert [e.step for e in accumulator.Scalars("scaling/images_per_s")] == [1, 2]  # over world size
     assert "scaling_efficiency" in result.stdout and "sweep at world size 2" in result.stdout
 
 
@@ -441,3 +489,217 @@ def test_benchmark_table_and_sweep(tmp_path):
 def test_benchmark_refuses_bad_input(tmp_path, flags, message):
     result = run([PYTHON, REPO / "benchmark" / "benchmark.py", *flags, "--output-dir", tmp_path], timeout=60)
     assert result.returncode == 2 and len(error_lines(result)) == 1 and message in result.stderr, result.output
+
+
+# --- what benchmark/README.md and the scripts' docstrings say ------------------------------------------
+
+README = (REPO / "benchmark" / "README.md").read_text()
+
+
+def test_the_script_is_01_plus_the_knob_lines():
+    """01's structure and DDP lines verbatim (the wrap and the device choice take knobs), and the diff from 01
+    adds each knob's own line: `diff 01_basic_ddp/train.py benchmark/train.py` shows them."""
+    lesson, script = (REPO / "01_basic_ddp" / "train.py").read_text(), (REPO / SCRIPT).read_text()
+    diff = difflib.unified_diff(lesson.splitlines(), script.splitlines(), n=0, lineterm="")
+    added = [line[1:] for line in list(diff)[2:] if line.startswith("+")]
+    for knob in ("torch.autocast(device.type, dtype=AMP_DTYPES[cfg.precision]", "torch.amp.GradScaler(",
+                 "torch.channels_last if cfg.channels_last", "model.compile()", "bucket_cap_mb=cfg.bucket_cap_mb",
+                 "gradient_as_bucket_view=cfg.gradient_as_bucket_view", "static_graph=cfg.static_graph",
+                 "find_unused_parameters=cfg.find_unused_parameters", "model.register_comm_hook(",
+                 "checkpoint_blocks(model, cfg.activation_checkpointing)", "loader_kwargs(cfg, device)",
+                 "model = NoDDP(model)", "StepTimer(", "peak_memory(device)", "SummaryWriter("):
+        assert any(knob in line for line in added), knob
+    for ddp_line in ("    torch.cuda.set_device(device)", "    dist.init_process_group(backend, init_method=",
+                     "    torch.manual_seed(cfg.seed)  # same initial weights", "DistributedSampler(data.train",
+                     "        train_sampler.set_epoch(epoch)", "    dist.all_reduce(totals)  # sum over ranks",
+                     "    torch.manual_seed(cfg.seed + launch.rank)",
+                     "        torch.save(model.module.state_dict(), Path(cfg.output_dir) / \"model.pt\")",
+                     "    dist.destroy_process_group()",
+                     "        model = DDP(model, device_ids=[device.index] if device.type == \"cuda\" else None"):
+        assert ddp_line.strip() in lesson and ddp_line in script, ddp_line
+    main_of = {name: re.search(r"@record.*?\n\n\n", text, re.S).group(0) for name, text in
+               (("01", lesson), ("benchmark", script))}
+    assert main_of["benchmark"].replace("PerfConfig", "TrainConfig") == main_of["01"]
+
+
+def test_the_defaults_train_as_01_does(here, tmp_path):
+    """No knob set: the same model.pt as 01_basic_ddp/train.py, bitwise; a different run (lr) differs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a small model on a busy machine: one thread is faster
+    try:
+        check_the_defaults_train_as_01_does(here, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_the_defaults_train_as_01_does(here, tmp_path):
+    lesson = load_script("01_basic_ddp/train.py", "basic_train")
+    flags = [*SMALL, "--batch-size", "64", "--max-steps", "3"]
+    lesson.train(parse_config(TrainConfig, [*flags, "--output-dir", str(tmp_path / "01")]),
+                 LaunchInfo("single", 0, 0, 1, 1, "127.0.0.1", free_port()))
+    summary = here(tmp_path / "bench", *flags)
+    assert (summary["backend"], summary["device"]) == ("gloo", "cpu")  # --backend auto, --device auto: no GPU here
+    reference = load_model(tmp_path / "01")
+    for name, tensor in load_model(tmp_path / "bench").items():
+        assert torch.equal(tensor, reference[name]), name
+    here(tmp_path / "lr", *flags, "--lr", "0.09")  # negative control: the comparison tells runs apart
+    assert relative_difference(load_model(tmp_path / "lr"), reference) > 1e-4
+
+
+def test_device_auto_is_cuda_where_there_is_a_gpu(monkeypatch):
+    for gpu in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+        assert perf.device_type(parse_config(train_script.PerfConfig, ["--device", "cpu"])) == "cpu"
+        cfg = parse_config(train_script.PerfConfig, [])
+        assert perf.device_type(cfg) == ("cuda" if gpu else "cpu")
+
+
+def test_profile_is_the_median_over_steps_of_the_mean_over_ranks(monkeypatch):
+    """Two ranks' step times, [0, 1, 10] s here and [10, 10, 0] s on the other: the means per step are
+    [5, 5.5, 5], their median 5 (the mean of the two ranks' medians would be 5.5). A part missing on a rank
+    (NaN) leaves that step out of the part's median."""
+    model = SmallCNN()
+    timer = perf.StepTimer(model, torch.optim.SGD(model.parameters(), lr=0.1), CPU, warmup=0, steps=3)
+    nan = math.nan
+    timer.rows = [[1, 1, 1, 1, 1, step] for step in (0.0, 1.0, 10.0)]
+    other_rank = torch.tensor([[3, 1, 1, 1, 1, 10.0], [3, 1, 1, nan, 1, 10.0], [3, 1, 1, 1, 1, 0.0]],
+                              dtype=torch.float64)
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM):
+        if op == dist.ReduceOp.SUM:  # the table; the step count (MIN) is the same on both ranks
+            tensor += other_rank
+
+    monkeypatch.setattr(perf.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(perf.dist, "get_world_size", lambda: 2)
+    median = timer.profile()["median_s"]
+    assert median["step"] == 5.0 and median["data_wait"] == 2.0 and median["optimizer"] == 1.0
+
+
+def test_gradient_as_bucket_view_puts_the_gradients_into_the_bucket(one_rank_group):
+    """The help's "gradients are views into the buckets (saves a copy)": one storage for all gradients of a
+    one-bucket model with the knob, one per parameter without it (negative control)."""
+    for view in (True, False):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(SmallCNN(), gradient_as_bucket_view=view)
+        for _ in range(2):  # views from the first iteration on (DDP's docstring)
+            model(torch.randn(4, 1, 8, 8)).sum().backward()
+        storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+        assert len(storages) == (1 if view else len(list(model.parameters())))
+
+
+def test_benchmark_passes_leading_arguments_extra_flags_threads_and_timeout(monkeypatch, tmp_path):
+    """--script may carry leading arguments; flags after `--` follow the benchmark's own; OMP_NUM_THREADS is
+    the threads per rank; a run longer than --timeout-s ends the benchmark with one error line. (The command
+    is captured here; test_benchmark_table_and_sweep runs it.)"""
+    bench = load_script("benchmark/benchmark.py", "benchmark_main")
+    cfg = parse_config(bench.BenchConfig, ["--script", "tests/perf_cifar.py run benchmark/train.py", "--dataset",
+                                           "cifar10", "--data-dir", "/d", "--model", "resnet18", "--image-size", "24",
+                                           "--timeout-s", "7", "--output-dir", str(tmp_path)])
+    calls = []
+
+    def no_run(cmd, **kwargs):
+        calls.append((cmd, kwargs))
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
+
+    monkeypatch.setattr(bench.subprocess, "run", no_run)
+    with pytest.raises(SystemExit, match="error: run ws2_ddp took longer than timeout_s=7 s"):
+        bench.launch(cfg, 2, "ws2_ddp", ["--static-graph"], ["--lr", "0.05"], threads=3)
+    [(cmd, kwargs)] = calls
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert cmd[5:8] == ["tests/perf_cifar.py", "run", "benchmark/train.py"]
+    assert cmd[-3:] == ["--lr", "0.05", "--static-graph"]
+    passed = {flag: cmd[cmd.index(flag) + 1] for flag in ("--dataset", "--data-dir", "--model", "--image-size")}
+    assert passed == {"--dataset": "cifar10", "--data-dir": "/d", "--model": "resnet18", "--image-size": "24"}
+    assert kwargs["timeout"] == 7 and kwargs["env"]["OMP_NUM_THREADS"] == "3"
+
+
+def test_benchmark_repeats_round_robin():
+    """--repeats 3: every job once, then every job again (so slow phases of a busy machine hit all of them)."""
+    bench = load_script("benchmark/benchmark.py", "benchmark_main")
+    order = []
+    bench.launch = lambda cfg, nproc, name, flags, extra, threads: order.append(name) or name
+    bench.figures = lambda name: {"step_ms": float(len(order)), "run": name}
+    cfg = parse_config(bench.BenchConfig, ["--repeats", "3"])
+    result = bench.run_all(cfg, [("a", 1, []), ("b", 2, [])], [], 1)
+    assert order == ["a_r0", "b_r0", "a_r1", "b_r1", "a_r2", "b_r2"]
+    assert result["a"]["run"] == "a_r1" and result["b"]["run"] == "b_r1"  # the median step time
+
+
+def test_the_readme_lists_every_sweep_knob():
+    bench = load_script("benchmark/benchmark.py", "benchmark_main")
+    listed = README.split("Available knobs:")[1].split("Both tables")[0]
+    assert re.findall(r"`(\w+)`", listed) == list(bench.KNOBS)
+
+
+def readme_table(after: str) -> list[list[str]]:
+    """The body rows of the first Markdown table after the line starting with `after`, as cells."""
+    lines = README[README.index("\n" + after) + 1:].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start + 2:]:  # after the header and the |---| line
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip().strip("*") for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_the_published_figures_agree_with_the_formulas():
+    """The README's tables, as printed: efficiency = images/s / (2 x the 1-rank images/s), images/s = global
+    batch / step, exposed-comm ratio = default / setting, and the sentences that quote them."""
+    digits = readme_table("Small CNN on the embedded digits")
+    one = float(digits[0][1])
+    assert 128 / (float(digits[0][4]) / 1000) == pytest.approx(one, rel=0.005)
+    for row in digits[1:]:
+        images_per_s, efficiency, step_ms = float(row[1]), float(row[2]), float(row[4])
+        assert efficiency == pytest.approx(images_per_s / (2 * one), abs=0.001), row
+        assert 2 * 128 / (step_ms / 1000) == pytest.approx(images_per_s, rel=0.005), row
+    assert max(float(row[2]) for row in digits[1:]) > 0.9  # "brings efficiency above 0.9" (the bf16 hook)
+    assert float(digits[0][4]) == 14.0 and 2 <= float(digits[1][3]) <= 3  # "a step of only 14 ms", "2-3 ms"
+    resnet = readme_table("ResNet-18 at 32x32 on CIFAR-10-format data")
+    one, default_comm = float(resnet[0][1]), float(resnet[1][3])
+    for row in resnet[1:]:
+        assert float(row[2]) == pytest.approx(float(row[1]) / (2 * one), rel=0.02), row  # integer images/s
+        assert float(row[4]) == pytest.approx(default_comm / float(row[3]), abs=0.01), row
+    assert max(float(row[4]) for row in resnet[1:]) == 1.58  # "cuts exposed communication 1.58x"
+    assert all(float(row[5].rstrip("%")) < 1 for row in resnet)  # "data wait ... under 1% of the step"
+    memory = readme_table("| setting (2 ranks) | peak memory, batch 64")
+    plain64, plain128 = float(memory[0][1]), [float(v) for v in memory[0][2].split(",")]
+    saved64, saved128 = [], []
+    for row in memory[1:]:
+        peak64, saving = re.fullmatch(r"(\d+) \(-(\d+)\)", row[1]).groups()
+        assert plain64 - float(peak64) == float(saving), row
+        saved64.append(float(saving))
+        saved128 += [p - float(v) for p, v in zip(plain128, row[2].split(","))]
+    assert (min(saved64), max(saved64), min(saved128), max(saved128)) == (108, 137, 150, 255)
+    rank_gaps = [abs(a - b) for a, b in (map(float, row[2].split(",")) for row in memory)]
+    assert max(rank_gaps) == 100  # "peaks differ by up to 100 MiB between ranks"
+    assert [round(float(memory[0][3]) / float(row[3])) for row in memory[1:]] == [2, 2]  # "(2x slower)"
+
+
+def test_scaler_step_unscales_before_the_optimizer_step_and_skips_it_on_overflow():
+    """Read from torch 2.14.1's source: with fp16 the unscale and the inf check happen inside scaler.step()
+    before optimizer.step() (so in the profile's exposed_comm), and a step with an overflow calls no
+    optimizer.step() (the profile leaves that step's last three parts out)."""
+    step = inspect.getsource(torch.amp.GradScaler.step)
+    assert -1 < step.index("self.unscale_(optimizer)") < step.index("self._maybe_opt_step(")
+    maybe_step = inspect.getsource(torch.amp.GradScaler._maybe_opt_step)
+    assert 'if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):' in maybe_step
+
+
+def test_what_the_help_texts_say_about_torch_is_its_documentation():
+    """Read from torch 2.14.1: DDP's, DataLoader's and max_memory_allocated's docstrings, and inductor's C++
+    compiler lookup (why --compile on CPU needs a C compiler)."""
+    ddp = " ".join(inspect.getdoc(DistributedDataParallel).split())
+    for said in ("gradients will be views pointing to different offsets of ``allreduce`` communication buckets",
+                 "it avoids the overhead of copying between gradients and ``allreduce`` communication buckets",
+                 "When set to ``True``, DDP knows the trained graph is static",
+                 "find_unused_parameters (bool): Traverse the autograd graph",
+                 "a default size of 25 MiB will be used"):
+        assert said in ddp, said
+    loader = " ".join(inspect.getdoc(torch.utils.data.DataLoader).split())
+    assert "will not shut down the worker processes after a dataset has been consumed once" in loader
+    assert "prefetch_factor (int, optional, keyword-only arg): Number of batches loaded in advance by each worker" \
+        in loader
+    assert "maximum GPU memory occupied by tensors" in torch.cuda.max_memory_allocated.__doc__
+    cpp_builder = (Path(torch.__file__).parent / "_inductor" / "cpp_builder.py").read_text()
+    assert "def get_cpp_compiler()" in cpp_builder and "cpp_compiler_search(" in cpp_builder
