@@ -314,3 +314,18 @@ def test_every_setting_is_a_yaml_key_and_a_flag(script, name, tmp_path):
         argv = [flag if value else f"--no-{f.name.replace('_', '-')}"] if isinstance(value, bool) else [flag, str(value)]
         assert getattr(parse_config(config_class_, ["--config", str(yaml_file)]), f.name) == value, f.name
         assert getattr(parse_config(config_class_, argv), f.name) == value, f.name
+
+
+def test_same_seed_same_initial_weights_and_the_default_run_has_no_batchnorm_or_augmentation():
+    """01's table: the same seed before the model is built gives every rank the same weights (another seed
+    does not). The README's "digits and the small CNN: no BatchNorm, no random augmentation"."""
+    def initial(seed: int) -> list[torch.Tensor]:
+        torch.manual_seed(seed)
+        return list(build_model("small_cnn", 10, 1, 8).state_dict().values())
+
+    assert all(torch.equal(a, b) for a, b in zip(initial(0), initial(0)))
+    assert not all(torch.equal(a, b) for a, b in zip(initial(0), initial(1)))
+    model = build_model(TrainConfig().model, 10, 1, 8)
+    assert TrainConfig().dataset == "digits" and not any("BatchNorm" in type(m).__name__ for m in model.modules())
+    data = digits()
+    assert isinstance(data.train, torch.utils.data.TensorDataset)  # fixed tensors: no transform runs per sample

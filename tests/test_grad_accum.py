@@ -163,6 +163,10 @@ def test_the_readmes_code_is_the_scripts():
     (block,) = python_blocks(README)
     code = [line.split("  #")[0].strip() for line in block if line.strip()]
     assert len(code) == 7 and [line for line in code if line not in script] == []
+    # "a config subclass with two keys"
+    source = (REPO / SCRIPT).read_text()
+    accum_config = source.split("class AccumConfig(TrainConfig):", 1)[1].split("\n\n", 1)[0]
+    assert re.findall(r"^    (\w+): ", accum_config, re.M) == ["accum_steps", "use_no_sync"]
 
 
 def test_the_sample_outputs_counts():
