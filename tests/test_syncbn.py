@@ -18,8 +18,9 @@ from torch import nn
 
 from tests.helpers import REPO, load_script, read_summary, torchrun
 
-sys.path.insert(0, str(REPO / "04_syncbn"))  # as the script imports it: its neighbour
-from cpu_sync_batchnorm import CpuSyncBatchNorm, convert_to_cpu_sync_batchnorm  # noqa: E402
+cpu_sync_batchnorm = load_script("04_syncbn/cpu_sync_batchnorm.py", "cpu_sync_batchnorm_under_test")
+CpuSyncBatchNorm, convert_to_cpu_sync_batchnorm = (cpu_sync_batchnorm.CpuSyncBatchNorm,
+                                                   cpu_sync_batchnorm.convert_to_cpu_sync_batchnorm)
 
 SCRIPT = "04_syncbn/train.py"
 WORKER = "tests/syncbn_worker.py"
@@ -135,7 +136,12 @@ def test_the_readmes_code_is_the_scripts():
 
 
 def test_defaults_are_the_readmes():
-    syncbn_config = load_script(SCRIPT, "syncbn_for_defaults").SyncBNConfig()
+    folder = str(REPO / "04_syncbn")
+    sys.path.insert(0, folder)  # the script imports its neighbour cpu_sync_batchnorm.py, as when run
+    try:
+        syncbn_config = load_script(SCRIPT, "syncbn_for_defaults").SyncBNConfig()
+    finally:
+        sys.path.remove(folder)
     assert (syncbn_config.batch_norm, syncbn_config.batch_size, syncbn_config.epochs, syncbn_config.lr) == (
         "compare", 4, 3, 0.01)
     assert "`--batch-norm compare|plain|sync`; defaults: 4 samples per rank, 3 epochs, lr 0.01" in README.read_text()
