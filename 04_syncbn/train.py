@@ -4,7 +4,7 @@ Plain BatchNorm under DDP normalizes with the mean and variance of each rank's L
 small per-rank batch they are noisy, and the model is not the one a single process would train on
 the global batch. SyncBatchNorm combines the ranks' per-channel statistics, so 2 ranks x 4 samples
 behave like 1 x 8. Convert the model BEFORE the DDP wrap. On GPU: nn.SyncBatchNorm; it refuses CPU
-tensors, so on CPU the script uses CpuSyncBatchNorm (cpu_sync_batchnorm.py), the same result.
+tensors, so on CPU the script uses CpuSyncBatchNorm (cpu_sync_batchnorm.py): the same global statistics.
 By default it trains twice, plain then synchronized BatchNorm, and compares them.
 
     torchrun --standalone --nproc_per_node=2 04_syncbn/train.py

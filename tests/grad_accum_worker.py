@@ -5,7 +5,8 @@
 Counts the all-reduces with tests/ddp_probe.py's counting communication hook (1 bucket: a tiny
 model): DDP decides in forward() whether the coming backward all-reduces. Then: syncing on the
 first micro-batch leaves the replicas' gradients different; an extra division by the world size
-shrinks the gradient.
+shrinks the gradient; zeroing the gradients between micro-batches keeps only the last one's; and with
+BatchNorm, accumulated micro-batches do not give the large batch's gradient (a model without does).
 """
 
 import os
@@ -68,6 +69,38 @@ def main():
     model(rank_data[0]).sum().backward()
     ratio = (wrong.norm() / model.module.weight.grad.norm()).item()
     print0(f"extra division by world size: gradient x {ratio:.3f}")
+
+    # zero_grad between the micro-batches of a window: only the last micro-batch's gradient is left.
+    def window_gradient(zero_in_between: bool) -> torch.Tensor:
+        model.zero_grad()
+        for i, x in enumerate(rank_data):
+            if zero_in_between:
+                model.zero_grad()
+            with model.no_sync() if i != len(rank_data) - 1 else nullcontext():
+                (model(x).sum() / len(rank_data)).backward()
+        return model.module.weight.grad.clone()
+
+    zeroed, accumulated = window_gradient(True), window_gradient(False)
+    model.zero_grad()
+    (model(rank_data[-1]).sum() / len(rank_data)).backward()
+    last_only = model.module.weight.grad
+    print0(f"zero_grad between micro-batches: equals the last micro-batch's alone: {torch.equal(zeroed, last_only)}, "
+           f"equals the accumulated window: {torch.allclose(zeroed, accumulated)}")
+
+    # Accumulation equals the large batch only without BatchNorm (which normalizes each micro-batch on its own).
+    # One process's view, no DDP needed: 2 micro-batches of 4 accumulated vs one batch of 8.
+    batch = torch.randn(8, 3, 4, 4, generator=torch.Generator().manual_seed(5)) * 2 + 1
+    for label, norm in (("BatchNorm", torch.nn.BatchNorm2d(3)), ("no BatchNorm", torch.nn.Identity())):
+        torch.manual_seed(1)
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3), norm, torch.nn.Flatten(), torch.nn.Linear(12, 2))
+        net(batch).pow(2).mean().backward()
+        large = torch.cat([p.grad.flatten() for p in net.parameters()])
+        net.zero_grad()
+        for half in batch.split(4):
+            (net(half).pow(2).mean() / 2).backward()
+        accumulated = torch.cat([p.grad.flatten() for p in net.parameters()])
+        print0(f"accumulation vs the large batch, {label}: relative difference "
+               f"{((accumulated - large).norm() / large.norm()).item():.1e}")
     dist.destroy_process_group()
 
 

@@ -4,7 +4,8 @@
 
 CpuSyncBatchNorm on 2 ranks x half batch vs plain BatchNorm in this process on the full batch
 (forward output, DDP-averaged gradients, running statistics, over 3 SGD steps); plain BatchNorm
-on 2 ranks for contrast; and the number of all-reduces in train and eval mode.
+on 2 ranks for contrast; whether the running statistics are the same on every rank; and the number of
+all-reduces in train and eval mode.
 """
 
 import copy
@@ -81,6 +82,14 @@ def math_checks() -> dict:
             w = worst[name]
             ref_buffers, own = buffers(reference), buffers(models[name].module)
             w["running_stats"] = max([w["running_stats"]] + [relative(own[k], ref_buffers[k]) for k in ref_buffers])
+    # Eval mode normalizes with the running statistics: after synchronized updates they are the same on every rank
+    # (bitwise); plain BatchNorm's, updated from each rank's own batch, are not.
+    identical_running_stats = {}
+    for name in ("sync", "plain"):
+        mine = torch.cat([v.double().flatten() for v in buffers(models[name].module).values()])
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        identical_running_stats[name] = all(torch.equal(every[0], other) for other in every)
     for name in ("sync", "plain"):
         own = dict(models[name].module.named_parameters())
         worst[name]["params"] = max(relative(own[k], p) for k, p in reference.named_parameters())
@@ -113,7 +122,7 @@ def math_checks() -> dict:
         dist.all_reduce = real_all_reduce
     dist.barrier()
     layers = sum(isinstance(m, CpuSyncBatchNorm) for m in module.modules())
-    return dict(worst=worst, sync_layers=layers, train_forward_all_reduces=train_forward,
+    return dict(worst=worst, identical_running_stats=identical_running_stats, sync_layers=layers, train_forward_all_reduces=train_forward,
                 train_backward_all_reduces=train_backward, eval_forward_all_reduces=eval_forward)
 
 

@@ -1,17 +1,24 @@
 """01_basic_ddp under real launchers: it trains, DDP equals one big batch, replicas stay identical,
 and the single-process baseline is the same training."""
 
+import dataclasses
 import hashlib
+import json
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DistributedSampler
 
-from tests.helpers import PYTHON, REPO, clean_env, free_port, kill_group, read_summary, run, torchrun
+from common.config import TrainConfig, parse_config
+from common.data import digits
+from common.models import build_model
+from tests.helpers import PYTHON, REPO, clean_env, free_port, kill_group, load_script, read_summary, run, torchrun
 
 SCRIPT = "01_basic_ddp/train.py"
 
@@ -234,3 +241,106 @@ def test_runs_unchanged_under_mpiexec(tmp_path, flavour):
     summary = read_summary(tmp_path)
     assert (summary["launcher"], summary["world_size"], summary["replicas_identical"]) == (flavour, 2, True)
     assert result.stdout.count("launcher ") == 1
+
+
+# --- what 01's README says about its run, held to the quick-start run above -------------------------
+
+README = REPO / "01_basic_ddp" / "README.md"
+
+
+def readme_sample_output() -> list[str]:
+    """The README's sample output block (the one after "Output (rank 0 only ...")."""
+    text = README.read_text().split("Output (rank 0 only", 1)[1]
+    return text.split("```\n", 2)[1].splitlines()
+
+
+def test_readme_sample_output_is_what_the_quick_start_prints(quick_start):
+    """The sample has the run's shape line by line, the same counts, and its final accuracy within 0.02 of
+    this run's (the run reproduces the sample's numbers on this machine; another CPU may round differently)."""
+    result, out = quick_start
+    sample = readme_sample_output()
+    printed = result.stdout.replace(f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}",
+                                    "CUDA_VISIBLE_DEVICES=unset").splitlines()
+    assert sample[0] == printed[0]  # the banner, word for word
+    number = r"\d+\.\d{4}"
+    step = re.compile(rf"epoch 1 step 10 loss {number} \(rank 0's batch\)")
+    assert step.fullmatch(sample[1]) and any(step.fullmatch(line) for line in printed)
+    assert sample[2] == "..."
+    done = re.compile(rf"epoch 12 done: train loss {number}, eval loss {number}, eval accuracy ({number}) \(359 images\)")
+    (ran,) = [done.fullmatch(line) for line in printed if done.fullmatch(line)]
+    assert done.fullmatch(sample[3]) and abs(float(done.fullmatch(sample[3])[1]) - float(ran[1])) < 0.02
+    # The sample's output folder is the default one; the test moved it.
+    assert sample[4] == "summary written to runs/latest/summary.json" == f"summary written to {TrainConfig().output_dir}/summary.json"
+    assert printed[-1] == f"summary written to {out}/summary.json"
+    assert sorted(p.name for p in out.iterdir()) == ["model.pt", "summary.json"]
+
+
+def test_evaluation_is_exact_every_test_image_once(quick_start):
+    """01's strided Subset per rank + one all_reduce gives the metric of one process on the whole test set: the
+    saved model evaluated here, in one process, on all 359 images gives the summary's loss and accuracy."""
+    import torch.nn.functional as F
+
+    _, out = quick_start
+    summary = read_summary(out)
+    data = digits()
+    model = build_model("small_cnn", data.num_classes, data.in_channels, data.image_size)
+    model.load_state_dict(load_params(out / "model.pt"))
+    model.eval()
+    images, labels = data.test.tensors
+    with torch.no_grad():
+        logits = model(images)
+    assert summary["eval_samples"] == len(labels) == 359
+    assert abs(F.cross_entropy(logits, labels, reduction="sum").item() / 359 - summary["eval_loss"]) < 1e-5
+    assert summary["eval_accuracy"] == (logits.argmax(1) == labels).sum().item() / 359
+    # What the strided Subset avoids: a DistributedSampler pads 359 to 360 on 2 ranks, one image counted twice.
+    assert sum(len(DistributedSampler(data.test, num_replicas=2, rank=r)) for r in range(2)) == 360
+
+
+def test_without_set_epoch_every_epoch_repeats_epoch_0s_order():
+    sampler = DistributedSampler(range(100), num_replicas=2, rank=0, shuffle=True, seed=0)
+    first, again = list(sampler), list(sampler)
+    assert first == again  # no set_epoch: the next epoch reads the same order
+    sampler.set_epoch(1)
+    assert list(sampler) != first  # control: set_epoch reshuffles
+
+
+def config_class(script: str, name: str):
+    """A script's config class, imported as the script imports its neighbours (its folder first on the path)."""
+    folder = str((REPO / script).parent)
+    sys.path.insert(0, folder)
+    try:
+        return getattr(load_script(script, f"config_of_{Path(script).parent.name}"), name)
+    finally:
+        sys.path.remove(folder)
+        sys.modules.pop("train", None)  # train_spawn.py's `from train import train`: leave no stray module
+
+
+@pytest.mark.parametrize("script,name", [(SCRIPT, "TrainConfig"), ("01_basic_ddp/train_spawn.py", "SpawnConfig"),
+                                         ("03_grad_accum/train.py", "AccumConfig"), ("04_syncbn/train.py", "SyncBNConfig")])
+def test_every_setting_is_a_yaml_key_and_a_flag(script, name, tmp_path):
+    """01's README: every setting is a YAML key and a flag (and 03's and 04's keys, and train_spawn.py's)."""
+    config_class_ = config_class(script, name)
+    assert config_class_ is TrainConfig or issubclass(config_class_, TrainConfig)
+    for f in dataclasses.fields(config_class_):
+        value = f.default if f.type not in ("bool", bool) else not f.default
+        yaml_file = tmp_path / f"{f.name}.yaml"
+        yaml_file.write_text(f"{f.name}: {json.dumps(value)}\n")
+        flag = f"--{f.name.replace('_', '-')}"
+        argv = [flag if value else f"--no-{f.name.replace('_', '-')}"] if isinstance(value, bool) else [flag, str(value)]
+        assert getattr(parse_config(config_class_, ["--config", str(yaml_file)]), f.name) == value, f.name
+        assert getattr(parse_config(config_class_, argv), f.name) == value, f.name
+
+
+def test_same_seed_same_initial_weights_and_the_default_run_has_no_batchnorm_or_augmentation():
+    """01's table: the same seed before the model is built gives every rank the same weights (another seed
+    does not). The README's "digits and the small CNN: no BatchNorm, no random augmentation"."""
+    def initial(seed: int) -> list[torch.Tensor]:
+        torch.manual_seed(seed)
+        return list(build_model("small_cnn", 10, 1, 8).state_dict().values())
+
+    assert all(torch.equal(a, b) for a, b in zip(initial(0), initial(0)))
+    assert not all(torch.equal(a, b) for a, b in zip(initial(0), initial(1)))
+    model = build_model(TrainConfig().model, 10, 1, 8)
+    assert TrainConfig().dataset == "digits" and not any("BatchNorm" in type(m).__name__ for m in model.modules())
+    data = digits()
+    assert isinstance(data.train, torch.utils.data.TensorDataset)  # fixed tensors: no transform runs per sample

@@ -104,3 +104,30 @@ def test_nn_syncbatchnorm_all_gathers_mean_invstd_count_and_all_reduces_gradient
     assert "batch_norm_gather_stats_with_counts" in ast.unparse(forward)
     assert collectives(backward) == {"all_reduce"}
     assert ["sum_dy", "sum_dy_xmu"] in concatenated(backward)
+    # Which all-gather: all_gather where the group's backend is gloo, all_gather_single on any other.
+    (branch,) = [n for n in ast.walk(forward) if isinstance(n, ast.If) and "'gloo'" in ast.unparse(n.test)]
+    assert "!=" in ast.unparse(branch.test)
+    assert collectives(ast.Module(body=branch.body)) == {"all_gather_single"}
+    assert collectives(ast.Module(body=branch.orelse)) == {"all_gather"}
+
+
+def test_the_differentiable_all_reduce_is_deprecated_with_the_warning_04_silences():
+    """04_syncbn/cpu_sync_batchnorm.py: torch 2.14 marks torch.distributed.nn.functional.all_reduce deprecated
+    (in favour of a private module); the lesson filters exactly that warning."""
+    import inspect
+    import re
+    import warnings
+
+    import torch.distributed.nn.functional as dist_nn
+
+    assert "_deprecated(" in inspect.getsource(dist_nn.all_reduce)
+    lesson = (Path(__file__).resolve().parents[1] / "04_syncbn" / "cpu_sync_batchnorm.py").read_text()
+    (pattern,) = re.findall(r'message=r"([^"]+)"', lesson)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            dist_nn.all_reduce(torch.ones(1))  # no process group: the warning comes first, then the error
+        except (RuntimeError, ValueError):
+            pass
+    messages = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    assert messages and re.match(pattern, messages[0]) and "_functional_collectives" in messages[0], messages

@@ -8,9 +8,17 @@ with a counting DDP communication hook.
 
 from __future__ import annotations
 
+import inspect
 import json
+import math
+import re
+from pathlib import Path
 
 import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from common.data import digits
 
 from tests.helpers import PYTHON, REPO, load_model, read_summary, relative_difference, run, torchrun
 
@@ -122,3 +130,70 @@ def test_the_common_mistakes():
     assert "sync on the first micro-batch: gradients identical on all ranks: False" in result.stdout
     # DDP already averages over ranks; dividing again halves the step on 2 ranks.
     assert "extra division by world size: gradient x 0.500" in result.stdout
+    # zero_grad only after a step: zeroing in between throws the earlier micro-batches away.
+    assert ("zero_grad between micro-batches: equals the last micro-batch's alone: True, "
+            "equals the accumulated window: False") in result.stdout
+    # Equivalent to the large batch only without BatchNorm: each micro-batch is normalized on its own.
+    differences = dict(re.findall(r"accumulation vs the large batch, (BatchNorm|no BatchNorm): relative difference "
+                                  r"(\S+)", result.stdout))
+    assert float(differences["no BatchNorm"]) < 1e-5 and float(differences["BatchNorm"]) > 1e-2, differences
+
+
+def test_accum_steps_1_is_01s_loop(runs, tmp_path):
+    """The README: accum_steps defaults to 1, 01's loop. 03 with the default ends bitwise where 01 ends."""
+    out, _ = runs
+    assert read_summary(out["no_accum"])["accum_steps"] == 1
+    torchrun(BASIC, "--max-steps", "3", "--epochs", "1", "--batch-size", "4", "--output-dir", str(tmp_path))
+    basic, accum_1 = load_model(tmp_path), load_model(out["no_accum"])
+    assert basic.keys() == accum_1.keys() and all(torch.equal(basic[k], accum_1[k]) for k in basic)
+
+
+# --- what the README quotes and counts, held to the script -------------------------------------------
+
+README = REPO / "03_grad_accum" / "README.md"
+
+
+def python_blocks(readme: Path) -> list[list[str]]:
+    return [block.splitlines() for block in re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)]
+
+
+def test_the_readmes_code_is_the_scripts():
+    """Each line of the README's loop excerpt (without its comment) is a line of the script."""
+    script = {line.split("  #")[0].strip() for line in (REPO / SCRIPT).read_text().splitlines()}
+    (block,) = python_blocks(README)
+    code = [line.split("  #")[0].strip() for line in block if line.strip()]
+    assert len(code) == 7 and [line for line in code if line not in script] == []
+    # "a config subclass with two keys"
+    source = (REPO / SCRIPT).read_text()
+    accum_config = source.split("class AccumConfig(TrainConfig):", 1)[1].split("\n\n", 1)[0]
+    assert re.findall(r"^    (\w+): ", accum_config, re.M) == ["accum_steps", "use_no_sync"]
+
+
+def test_the_sample_outputs_counts():
+    """90 micro-batches of 8 per rank per epoch (719 samples per rank) make 23 optimizer steps of accum 4:
+    22 full windows and a last one of 2; the sample's step lines follow from that."""
+    data = digits()
+    loader = DataLoader(data.train, batch_size=8, sampler=DistributedSampler(data.train, num_replicas=2, rank=0))
+    per_epoch = len(loader)
+    steps = math.ceil(per_epoch / 4)
+    text = " ".join(README.read_text().split())
+    assert (per_epoch, steps) == (90, 23)
+    assert (f"{per_epoch} micro-batches per epoch make {steps} optimizer steps: {per_epoch // 4} windows of 4 and a "
+            f"last window of {per_epoch % 4}.") in text
+    sample = README.read_text().split("## Output", 1)[1].split("```\n", 2)[1]
+    assert ("batch 8 x 2 x accum 4 = 64, 90 micro-batches per rank per epoch, no_sync True") in sample
+    logged = [(int(e), int(s)) for e, s in re.findall(r"epoch (\d) step (\d+) loss", sample)]
+    assert logged and all((s - 1) // steps + 1 == e for e, s in logged)  # the epoch each step falls in
+
+
+def test_the_script_uses_lr_as_given():
+    """No scaling, no warm-up in the script; the README's LinearLR call is torch's signature, and torch wants
+    the scheduler's step() after optimizer.step() (it warns otherwise; torch 2.14.1, torch/optim/lr_scheduler.py)."""
+    source = (REPO / SCRIPT).read_text()
+    assert "lr=cfg.lr," in source and "lr_scheduler" not in source and "param_groups" not in source
+    parameters = inspect.signature(torch.optim.lr_scheduler.LinearLR).parameters
+    assert {"start_factor", "total_iters"} <= parameters.keys()
+    assert "Detected call of `lr_scheduler.step()` before `optimizer.step()`" in inspect.getsource(
+        torch.optim.lr_scheduler)
+    assert "LinearLR(optimizer, start_factor=0.1, total_iters=warmup_steps)" in README.read_text()
+    assert 0.1 * 256 / 32 == pytest.approx(0.8)  # the README's worked example of the linear scaling rule

@@ -177,3 +177,29 @@ def test_common_is_thin_with_one_concern_per_file_and_no_import_cycle():
     # No module writes another module's globals (e.g. `common.dist.JOINED = ...`).
     for path in COMMON:
         assert not re.search(r"^\s*common\.\w+\.\w+\s*=", path.read_text(), re.M), path
+
+
+def code_lines(path: Path) -> int:
+    """Lines that are neither blank, nor comments, nor docstrings."""
+    source = path.read_text()
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node):
+            docstrings |= set(range(node.body[0].lineno, node.body[0].end_lineno + 1))
+    return sum(1 for number, line in enumerate(source.splitlines(), 1)
+               if line.strip() and not line.strip().startswith("#") and number not in docstrings)
+
+
+@pytest.mark.parametrize("readme,words,measure", [
+    ("03_grad_accum/README.md", r"`diff 01_basic_ddp/train.py 03_grad_accum/train.py` shows exactly what "
+                                r"accumulation adds \(about (\d+) lines", lambda: diff_count(LESSON, REPO / "03_grad_accum/train.py")),
+    ("04_syncbn/README.md", r"`diff 01_basic_ddp/train.py 04_syncbn/train.py`, about (\d+) lines",
+     lambda: diff_count(LESSON, REPO / "04_syncbn/train.py")),
+    ("04_syncbn/README.md", r"`CpuSyncBatchNorm` \(`cpu_sync_batchnorm.py`, about (\d+) lines of code\)",
+     lambda: code_lines(REPO / "04_syncbn/cpu_sync_batchnorm.py")),
+], ids=["03-diff", "04-diff", "04-cpu_sync_batchnorm"])
+def test_the_line_counts_the_readmes_give_are_the_files(readme, words, measure):
+    """"about N lines": within 10% of the measured count (diff lines as `diff | grep -c '^[<>]'`)."""
+    said = re.search(words, " ".join((REPO / readme).read_text().split()))
+    assert said, words
+    assert abs(measure() - int(said[1])) <= 0.1 * int(said[1]), (readme, measure(), said[1])

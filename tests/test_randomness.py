@@ -116,6 +116,11 @@ def test_loader_workers_take_their_seed_from_the_global_rng():
         return int(next(iter(DataLoader(WorkerSeed(), num_workers=1))))
 
     assert worker_seed(0) == worker_seed(0) != worker_seed(1)
+    # At every iter(): a second pass over the same loader draws a new base seed (the global RNG has moved on).
+    torch.manual_seed(0)
+    loader = DataLoader(WorkerSeed(), num_workers=1)
+    first, second = int(next(iter(loader))), int(next(iter(loader)))
+    assert first == worker_seed(0) and second != first
 
 
 def test_05_loader_workers_get_per_rank_seeds(data_dir, tmp_path):

@@ -6,12 +6,21 @@ What the model holds when DDP wraps it is seen from outside the lesson (tests/dd
 
 from __future__ import annotations
 
+import copy
 import json
+import re
+import sys
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 
-from tests.helpers import read_summary, torchrun
+from tests.helpers import REPO, load_script, read_summary, torchrun
+
+cpu_sync_batchnorm = load_script("04_syncbn/cpu_sync_batchnorm.py", "cpu_sync_batchnorm_under_test")
+CpuSyncBatchNorm, convert_to_cpu_sync_batchnorm = (cpu_sync_batchnorm.CpuSyncBatchNorm,
+                                                   cpu_sync_batchnorm.convert_to_cpu_sync_batchnorm)
 
 SCRIPT = "04_syncbn/train.py"
 WORKER = "tests/syncbn_worker.py"
@@ -44,6 +53,11 @@ def test_sync_batchnorm_on_two_ranks_equals_batchnorm_on_the_full_batch(math):
     assert sync["grad"] < TOLERANCE
     assert sync["running_stats"] < TOLERANCE
     assert sync["params"] < TOLERANCE
+
+
+def test_running_statistics_are_the_same_on_every_rank_only_when_synchronized(math):
+    """The README: eval mode communicates nothing because the running statistics are identical on every rank."""
+    assert math["identical_running_stats"] == {"sync": True, "plain": False}
 
 
 def test_plain_batchnorm_on_two_ranks_differs(math):
@@ -89,3 +103,100 @@ def test_script_sync_run_equals_one_process_and_plain_run_does_not(tmp_path):
     reference = torch.load(one / "model_plain.pt", weights_only=True)
     assert relative_difference(torch.load(two / "model_sync.pt", weights_only=True), reference) < TOLERANCE
     assert relative_difference(torch.load(two / "model_plain.pt", weights_only=True), reference) > 1e-3
+    # The README: per run, losses and accuracy; the model files hold the running statistics too.
+    for run in runs.values():
+        assert {"final_train_loss", "eval_loss", "eval_accuracy"} <= run.keys()
+    assert any(k.endswith("running_mean") for k in reference) and any(k.endswith("running_var") for k in reference)
+    # The README's sample output, defaults with --log-every 1000: the same banners (this run has the default batch
+    # 4 on 2 ranks), and closing lines of the same shape.
+    sample = README.read_text().split("## Output", 1)[1].split("```\n", 2)[1].splitlines()
+    banners = [line for line in result.stdout.splitlines() if line.startswith(("plain: ", "sync: "))]
+    assert banners == [line for line in sample if line.startswith(("plain: ", "sync: "))]
+    closing = re.compile(r" *(BatchNorm2d|CpuSyncBatchNorm) normalizes over (4|8) samples: train loss \d\.\d{4}, "
+                         r"eval loss \d\.\d{4}, eval acc \d\.\d{4}")
+    assert [m[1] for m in map(closing.fullmatch, sample) if m] == ["BatchNorm2d", "CpuSyncBatchNorm"]
+    assert [m[1] for m in map(closing.fullmatch, result.stdout.splitlines()) if m] == ["BatchNorm2d",
+                                                                                      "CpuSyncBatchNorm"]
+
+
+# --- what the README says, in this process ------------------------------------------------------------
+
+README = REPO / "04_syncbn" / "README.md"
+
+
+def test_the_readmes_code_is_the_scripts():
+    """The README's three lines are the script's (`...` stands for arguments left out)."""
+    script = (REPO / SCRIPT).read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    code = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    assert len(code) == 3
+    for line in code:
+        pattern = r"\s*" + r".*".join(map(re.escape, line.split("..."))) + r"\s*(#.*)?"
+        assert any(re.fullmatch(pattern, s) for s in script.splitlines()), line
+
+
+def test_defaults_are_the_readmes():
+    folder = str(REPO / "04_syncbn")
+    sys.path.insert(0, folder)  # the script imports its neighbour cpu_sync_batchnorm.py, as when run
+    try:
+        syncbn_config = load_script(SCRIPT, "syncbn_for_defaults").SyncBNConfig()
+    finally:
+        sys.path.remove(folder)
+    assert (syncbn_config.batch_norm, syncbn_config.batch_size, syncbn_config.epochs, syncbn_config.lr) == (
+        "compare", 4, 3, 0.01)
+    assert "`--batch-norm compare|plain|sync`; defaults: 4 samples per rank, 3 epochs, lr 0.01" in README.read_text()
+
+
+def test_cpu_sync_batchnorm_is_a_batchnorm2d_and_plain_batchnorm_without_a_process_group():
+    """Same parameters, buffers and state_dict keys as BatchNorm2d; with no process group (or in eval mode) it
+    is BatchNorm2d, bitwise. It converts only BatchNorm2d; nn.SyncBatchNorm's conversion also takes 1d and 3d."""
+    torch.manual_seed(0)
+    plain = nn.BatchNorm2d(3)
+    with torch.no_grad():
+        plain.weight.uniform_(0.5, 2)
+        plain.running_mean.uniform_(-1, 1)
+    model = nn.Sequential(nn.BatchNorm1d(3), copy.deepcopy(plain), nn.BatchNorm3d(3))
+    converted = convert_to_cpu_sync_batchnorm(copy.deepcopy(model))
+    assert [type(m) for m in converted] == [nn.BatchNorm1d, CpuSyncBatchNorm, nn.BatchNorm3d]
+    assert isinstance(converted[1], nn.BatchNorm2d) and converted.state_dict().keys() == model.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(converted.state_dict().values(), model.state_dict().values()))
+    x = torch.randn(4, 3, 5, 5)
+    assert not dist.is_initialized()
+    for mode in ("train", "eval"):
+        getattr(plain, mode)(), getattr(converted[1], mode)()
+        assert torch.equal(converted[1](x), plain(x)), mode
+    assert torch.equal(converted[1].running_mean, plain.running_mean)
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
+    assert [type(m) for m in synced] == [nn.SyncBatchNorm] * 3
+    # convert_sync_batchnorm keeps the parameters and running statistics.
+    assert all(torch.equal(a, b) for a, b in zip(synced.state_dict().values(), model.state_dict().values()))
+
+
+def test_nn_syncbatchnorm_kernels_are_gpu_only():
+    """Why nn.SyncBatchNorm refuses CPU tensors: its statistics kernel has no CPU implementation (torch 2.14.1)."""
+    with pytest.raises(NotImplementedError, match="'aten::batch_norm_stats' with arguments from the 'CPU' backend"):
+        torch.batch_norm_stats(torch.randn(4, 3, 2, 2), 1e-5)
+
+
+@pytest.mark.parametrize("norm", [nn.LayerNorm([3, 4, 4]), nn.GroupNorm(1, 3), nn.RMSNorm([3, 4, 4])],
+                         ids=["LayerNorm", "GroupNorm", "RMSNorm"])
+def test_per_sample_norms_have_no_batch_statistics(norm):
+    """Each sample is normalized on its own: its output does not depend on the rest of the batch, in training
+    mode too. BatchNorm in training mode is the control."""
+    x = torch.randn(8, 3, 4, 4)
+    assert torch.allclose(norm.train()(x)[:2], norm(x[:2]), atol=1e-6)
+    batch_norm = nn.BatchNorm2d(3).train()
+    assert not torch.allclose(batch_norm(x)[:2], batch_norm(x[:2]), atol=1e-3)
+
+
+def test_resnet50_has_53_batchnorm_layers_and_vit_and_convnext_none():
+    """The README: a ResNet-50 has 53 BatchNorm layers; ViT and ConvNeXt (torchvision's) use LayerNorm only."""
+    from torchvision.models import convnext_tiny, resnet50, vit_b_16
+
+    with torch.device("meta"):  # the layers, without initializing their weights
+        resnet, models = resnet50(), [vit_b_16(), convnext_tiny()]
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in resnet.modules()) == 53
+    assert "A ResNet-50 has 53 BatchNorm layers." in README.read_text()
+    for model in models:
+        names = {type(m).__name__ for m in model.modules()}
+        assert "LayerNorm" in names and not any("BatchNorm" in name for name in names), names
