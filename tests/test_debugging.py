@@ -41,7 +41,8 @@ def test_demo_mismatched_collective_gloo_aborts_on_the_size_mismatch(tmp_path):
 
 
 def test_demo_mismatched_collective_named_by_debug_detail(tmp_path):
-    env = clean_env(TORCH_DISTRIBUTED_DEBUG="DETAIL")
+    # TORCH_SHOW_CPP_STACKTRACES adds the C++ stack to the error c10d raises (addr2line off: symbolizing is slow).
+    env = clean_env(TORCH_DISTRIBUTED_DEBUG="DETAIL", TORCH_SHOW_CPP_STACKTRACES="1", TORCH_DISABLE_ADDR2LINE="1")
     result = torchrun(DEMO, "--bug", "mismatched_collective", "--output-dir", str(tmp_path), env=env,
                       check=False, timeout=120)
     out = result.output
@@ -58,6 +59,8 @@ def test_demo_mismatched_collective_named_by_debug_detail(tmp_path):
     assert re.search(r"^\[rank\d\]: RuntimeError: Detected mismatch between collectives", out, re.M)
     # @record put the exception into torchrun's summary.
     assert "Detected mismatch between collectives on ranks" in root_cause(out)
+    assert re.search(r"^\[rank\d\]: Exception raised from \w+ at \S+/c10d/ProcessGroupWrapper\.cpp:\d+ \(most recent "
+                     r"call first\):$", out, re.M), out[-3000:]
 
 
 def test_demo_unused_parameter_error_and_both_fixes(tmp_path):
@@ -72,6 +75,9 @@ def test_demo_unused_parameter_error_and_both_fixes(tmp_path):
     assert re.search(r"^\[rank\d\]: Parameter indices which did not receive grad for rank \d: 4 5$", out, re.M)
     root = root_cause(out)
     assert "Expected to have finished reduction" in root and re.search(r"did not receive grad for rank \d: 4 5", root)
+    # Negative control for the variables other runs set: without TORCH_SHOW_CPP_STACKTRACES this c10d error
+    # has no C++ stack, and without TORCH_CPP_LOG_LEVEL=INFO c10d logs no store connections.
+    assert "Exception raised from" not in out and "[c10d] The client socket has connected to" not in out
     for fix in ("find_unused", "use_all"):
         fixed = torchrun(DEMO, "--bug", "unused_parameter", "--fix", fix, "--output-dir", str(tmp_path / fix),
                          timeout=120)
@@ -79,10 +85,10 @@ def test_demo_unused_parameter_error_and_both_fixes(tmp_path):
         assert read_summary(tmp_path / fix)["replicas_identical"]
 
 
-def _run_timed(cmd: list, marker: str, timeout: float) -> tuple[int, str, float]:
+def _run_timed(cmd: list, marker: str, timeout: float, env: dict[str, str]) -> tuple[int, str, float]:
     """Run `cmd` (own process group, stdout and stderr merged); return its exit code, its output and
     the seconds from the first line containing `marker` to its exit."""
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=clean_env(), text=True, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     lines, seen = [], []
 
@@ -110,8 +116,13 @@ def _run_timed(cmd: list, marker: str, timeout: float) -> tuple[int, str, float]
 def test_demo_rank0_only_barrier_ends_at_the_timeout_with_both_waits_shown(tmp_path):
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", REPO / DEMO,
            "--bug", "rank0_barrier", "--timeout-s", "5", "--output-dir", tmp_path]
-    code, out, after_bug = _run_timed(cmd, "rank 0 writes a checkpoint", timeout=120)
+    env = clean_env(TORCH_CPP_LOG_LEVEL="INFO", TORCH_SHOW_CPP_STACKTRACES="1")
+    code, out, after_bug = _run_timed(cmd, "rank 0 writes a checkpoint", timeout=120, env=env)
     assert code != 0
+    # TORCH_CPP_LOG_LEVEL=INFO: c10d logs its store connections. TORCH_SHOW_CPP_STACKTRACES adds no C++ stack
+    # to gloo's own timeout (it does to the errors c10d raises: the DETAIL test above).
+    assert "[c10d] The client socket has connected to" in out, out[-3000:]
+    assert "Exception raised from" not in out, out[-3000:]
     # gloo raised on both ranks after 5 s (not its default 30 min); torchrun stopped the job.
     assert 5 <= after_bug < 30, f"{after_bug:.1f} s from the bug to the end of the job"
     # Whichever rank times out first raises gloo's timeout; the other raises the same or, when the first
