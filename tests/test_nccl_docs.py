@@ -79,8 +79,8 @@ def test_error_handling_modes_and_trace_buffer_default_are_the_installed_headers
     """The guide's meaning of each TORCH_NCCL_ASYNC_ERROR_HANDLING value, its C++ default (3) and the
     flight recorder's default size (2000), read from the C++ headers installed with torch 2.14.1."""
     nccl = (C10D_HEADERS / "ProcessGroupNCCL.hpp").read_text()
-    modes = dict((int(v), name) for name, v in re.findall(r"^\s*(\w+) = (\d),?$", nccl.split("enum ErrorHandlingMode")[1]
-                                                          .split("}")[0], re.M))
+    enum = nccl.split("enum ErrorHandlingMode")[1].split("}")[0]
+    modes = {int(value): name for name, value in re.findall(r"^\s*(\w+) = (\d),?$", enum, re.M)}
     assert modes == {0: "NoHandling", 1: "TearDown", 2: "CleanUpOnly", 3: "SkipCleanUp"}
     assert "the default value (3 - SkipCleanUp)" in nccl
     # What each value does: clean up = abort the communicators; tear down = take the process down.
@@ -150,6 +150,11 @@ def test_flight_recorder_analyzer_takes_the_options_the_guide_shows(capsys):
         assert option in usage
     guide = GUIDE.read_text()
     assert "torchfrtrace runs/fr -p trace_ " in guide and "torchfrtrace runs/fr -p trace_ -j" in guide
+    # Its tables need tabulate, which it imports if it can ("pip install tabulate" in the guide).
+    import inspect
+
+    from torch.distributed.flight_recorder.components import utils
+    assert "from tabulate import tabulate" in inspect.getsource(utils) and "`pip install tabulate`" in guide
 
 
 # -- the analyzer's verdicts on dumps shaped like each row of the guide's table -------------------
