@@ -213,3 +213,32 @@ def test_static_check_finds_the_deliberate_bugs_of_the_demo(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text('def helper():\n    """Collective: sums."""\n\n\nif rank == 0:\n    helper()\n')
     assert rank_only_collectives(script) == [f"{script}:5: ['helper']"]
+
+
+def evaluation_problems(source: str) -> list[str]:
+    """What keeps `evaluate` from being safe on uneven shards: it must get the plain module (DDP's forward
+    may run collectives) and all-reduce once, after its loop, not per batch."""
+    tree = ast.parse(source)
+    problems = []
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "evaluate"]
+    if not calls or any(not ast.unparse(c.args[0]).endswith(".module") for c in calls):
+        problems.append("evaluate is not called with model.module")
+    function = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "evaluate")
+    in_loops = [c for loop in ast.walk(function) if isinstance(loop, ast.For) for c in ast.walk(loop)
+                if isinstance(c, ast.Call) and ast.unparse(c.func).endswith("all_reduce")]
+    every = [c for c in ast.walk(function) if isinstance(c, ast.Call) and ast.unparse(c.func).endswith("all_reduce")]
+    if len(every) != 1 or in_loops:
+        problems.append(f"evaluate all-reduces {len(every)} time(s) in its body, {len(in_loops)} inside a loop")
+    return problems
+
+
+def test_basic_ddp_evaluates_the_plain_module_and_all_reduces_once():
+    """debugging/README.md, "Hang at the end of an epoch": evaluate model.module and all-reduce sums and
+    counts once at the end, as 01_basic_ddp does."""
+    source = (REPO / "01_basic_ddp" / "train.py").read_text()
+    assert evaluation_problems(source) == []
+    # The check itself: evaluating through the wrapper, or all-reducing per batch, is reported.
+    assert evaluation_problems(source.replace("evaluate(model.module,", "evaluate(model,")) != []
+    per_batch = source.replace("    dist.all_reduce(totals)  # sum over ranks",
+                               "    for _ in range(1):\n        dist.all_reduce(totals)")
+    assert per_batch != source and evaluation_problems(per_batch) != []
