@@ -8,6 +8,8 @@ installed torch. Each rank prints one line `RESULT <rank> <json>`.
 - at the start of forward DDP broadcasts rank 0's buffers again (not with forward_sync_buffers=False, nor
   right after a forward without grad or under no_sync());
 - nn.SyncBatchNorm refuses CPU tensors (its forward checks the device);
+- two all-reduces of the same shape called in a different order on the two ranks: gloo pairs them by
+  order, raises nothing and returns mixed sums (debugging/README.md, "Hang mid-epoch");
 - DDP(static_graph=True) with no_sync() accumulation fails (PyTorch issue 143580), run last: it
   leaves DDP's reducer in a failed state.
 """
@@ -99,6 +101,17 @@ def forward_buffer_facts(rank: int) -> dict:
     return result
 
 
+def collectives_in_a_different_order(rank: int) -> dict:
+    """A loss sum and a sample count all-reduced in the same order on both ranks, then in swapped order."""
+    result = {}
+    for name, swapped in (("same_order", False), ("swapped_on_rank_1", rank == 1)):
+        loss_sum, count = torch.tensor([1.0 + rank]), torch.tensor([10.0 * (rank + 1)])
+        for tensor in ((count, loss_sum) if swapped else (loss_sum, count)):
+            dist.all_reduce(tensor)
+        result[name] = [loss_sum.item(), count.item()]
+    return result
+
+
 def syncbn_on_cpu() -> str:
     layer = nn.SyncBatchNorm(4).train()
     try:
@@ -125,7 +138,8 @@ def main():
     warnings.simplefilter("ignore", FutureWarning)
     dist.init_process_group("gloo")  # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     rank = dist.get_rank()
-    result = {"wrap": wrap_facts(rank), "forward": forward_buffer_facts(rank), "syncbn_cpu": syncbn_on_cpu()}
+    result = {"wrap": wrap_facts(rank), "forward": forward_buffer_facts(rank), "syncbn_cpu": syncbn_on_cpu(),
+              "order": collectives_in_a_different_order(rank)}
     dist.barrier()
     result["static_graph_no_sync"] = static_graph_with_no_sync()
     # One write per line (both ranks print; a print() under PYTHONUNBUFFERED writes the text and the newline

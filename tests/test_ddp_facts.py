@@ -56,6 +56,16 @@ def test_buffers_are_broadcast_from_rank_0_at_the_start_of_forward(facts):
         assert default[after][0] != default[after][1], after
 
 
+def test_collectives_in_a_different_order_silently_mix_tensors_of_the_same_shape(facts):
+    """debugging/README.md, "Hang mid-epoch": with gloo, if the shapes happen to match, ranks that call
+    collectives in a different order get no error, only the wrong sums."""
+    assert [f["order"]["same_order"] for f in facts] == [[3.0, 30.0]] * 2  # the control: loss 1 + 2, count 10 + 20
+    # Rank 0's loss sum met rank 1's count, and the other way round.
+    assert [f["order"]["swapped_on_rank_1"] for f in facts] == [[21.0, 12.0], [12.0, 21.0]]
+    guide = " ".join((Path(__file__).parents[1] / "debugging" / "README.md").read_text().split())
+    assert "if the shapes happen to match, **silently mixes the wrong tensors**" in guide
+
+
 def test_nn_syncbatchnorm_refuses_cpu_tensors(facts):
     assert facts[0]["syncbn_cpu"] == facts[1]["syncbn_cpu"] == (
         "ValueError: SyncBatchNorm expected input tensor to be on GPU or XPU or privateuseone")

@@ -41,7 +41,8 @@ def test_demo_mismatched_collective_gloo_aborts_on_the_size_mismatch(tmp_path):
 
 
 def test_demo_mismatched_collective_named_by_debug_detail(tmp_path):
-    env = clean_env(TORCH_DISTRIBUTED_DEBUG="DETAIL")
+    # TORCH_SHOW_CPP_STACKTRACES adds the C++ stack to the error c10d raises (addr2line off: symbolizing is slow).
+    env = clean_env(TORCH_DISTRIBUTED_DEBUG="DETAIL", TORCH_SHOW_CPP_STACKTRACES="1", TORCH_DISABLE_ADDR2LINE="1")
     result = torchrun(DEMO, "--bug", "mismatched_collective", "--output-dir", str(tmp_path), env=env,
                       check=False, timeout=120)
     out = result.output
@@ -58,6 +59,8 @@ def test_demo_mismatched_collective_named_by_debug_detail(tmp_path):
     assert re.search(r"^\[rank\d\]: RuntimeError: Detected mismatch between collectives", out, re.M)
     # @record put the exception into torchrun's summary.
     assert "Detected mismatch between collectives on ranks" in root_cause(out)
+    assert re.search(r"^\[rank\d\]: Exception raised from \w+ at \S+/c10d/ProcessGroupWrapper\.cpp:\d+ \(most recent "
+                     r"call first\):$", out, re.M), out[-3000:]
 
 
 def test_demo_unused_parameter_error_and_both_fixes(tmp_path):
@@ -72,6 +75,9 @@ def test_demo_unused_parameter_error_and_both_fixes(tmp_path):
     assert re.search(r"^\[rank\d\]: Parameter indices which did not receive grad for rank \d: 4 5$", out, re.M)
     root = root_cause(out)
     assert "Expected to have finished reduction" in root and re.search(r"did not receive grad for rank \d: 4 5", root)
+    # Negative control for the variables other runs set: without TORCH_SHOW_CPP_STACKTRACES this c10d error
+    # has no C++ stack, and without TORCH_CPP_LOG_LEVEL=INFO c10d logs no store connections.
+    assert "Exception raised from" not in out and "[c10d] The client socket has connected to" not in out
     for fix in ("find_unused", "use_all"):
         fixed = torchrun(DEMO, "--bug", "unused_parameter", "--fix", fix, "--output-dir", str(tmp_path / fix),
                          timeout=120)
@@ -79,10 +85,10 @@ def test_demo_unused_parameter_error_and_both_fixes(tmp_path):
         assert read_summary(tmp_path / fix)["replicas_identical"]
 
 
-def _run_timed(cmd: list, marker: str, timeout: float) -> tuple[int, str, float]:
+def _run_timed(cmd: list, marker: str, timeout: float, env: dict[str, str]) -> tuple[int, str, float]:
     """Run `cmd` (own process group, stdout and stderr merged); return its exit code, its output and
     the seconds from the first line containing `marker` to its exit."""
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=clean_env(), text=True, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     lines, seen = [], []
 
@@ -110,8 +116,13 @@ def _run_timed(cmd: list, marker: str, timeout: float) -> tuple[int, str, float]
 def test_demo_rank0_only_barrier_ends_at_the_timeout_with_both_waits_shown(tmp_path):
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", REPO / DEMO,
            "--bug", "rank0_barrier", "--timeout-s", "5", "--output-dir", tmp_path]
-    code, out, after_bug = _run_timed(cmd, "rank 0 writes a checkpoint", timeout=120)
+    env = clean_env(TORCH_CPP_LOG_LEVEL="INFO", TORCH_SHOW_CPP_STACKTRACES="1")
+    code, out, after_bug = _run_timed(cmd, "rank 0 writes a checkpoint", timeout=120, env=env)
     assert code != 0
+    # TORCH_CPP_LOG_LEVEL=INFO: c10d logs its store connections. TORCH_SHOW_CPP_STACKTRACES adds no C++ stack
+    # to gloo's own timeout (it does to the errors c10d raises: the DETAIL test above).
+    assert "[c10d] The client socket has connected to" in out, out[-3000:]
+    assert "Exception raised from" not in out, out[-3000:]
     # gloo raised on both ranks after 5 s (not its default 30 min); torchrun stopped the job.
     assert 5 <= after_bug < 30, f"{after_bug:.1f} s from the bug to the end of the job"
     # Whichever rank times out first raises gloo's timeout; the other raises the same or, when the first
@@ -202,3 +213,32 @@ def test_static_check_finds_the_deliberate_bugs_of_the_demo(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text('def helper():\n    """Collective: sums."""\n\n\nif rank == 0:\n    helper()\n')
     assert rank_only_collectives(script) == [f"{script}:5: ['helper']"]
+
+
+def evaluation_problems(source: str) -> list[str]:
+    """What keeps `evaluate` from being safe on uneven shards: it must get the plain module (DDP's forward
+    may run collectives) and all-reduce once, after its loop, not per batch."""
+    tree = ast.parse(source)
+    problems = []
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "evaluate"]
+    if not calls or any(not ast.unparse(c.args[0]).endswith(".module") for c in calls):
+        problems.append("evaluate is not called with model.module")
+    function = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "evaluate")
+    in_loops = [c for loop in ast.walk(function) if isinstance(loop, ast.For) for c in ast.walk(loop)
+                if isinstance(c, ast.Call) and ast.unparse(c.func).endswith("all_reduce")]
+    every = [c for c in ast.walk(function) if isinstance(c, ast.Call) and ast.unparse(c.func).endswith("all_reduce")]
+    if len(every) != 1 or in_loops:
+        problems.append(f"evaluate all-reduces {len(every)} time(s) in its body, {len(in_loops)} inside a loop")
+    return problems
+
+
+def test_basic_ddp_evaluates_the_plain_module_and_all_reduces_once():
+    """debugging/README.md, "Hang at the end of an epoch": evaluate model.module and all-reduce sums and
+    counts once at the end, as 01_basic_ddp does."""
+    source = (REPO / "01_basic_ddp" / "train.py").read_text()
+    assert evaluation_problems(source) == []
+    # The check itself: evaluating through the wrapper, or all-reducing per batch, is reported.
+    assert evaluation_problems(source.replace("evaluate(model.module,", "evaluate(model,")) != []
+    per_batch = source.replace("    dist.all_reduce(totals)  # sum over ranks",
+                               "    for _ in range(1):\n        dist.all_reduce(totals)")
+    assert per_batch != source and evaluation_problems(per_batch) != []

@@ -66,6 +66,44 @@ def test_quoted_traceback_frames_point_at_the_quoted_lines():
     assert len(frame_problems(off_by_one)) == 1 and len(frame_problems(wrong_function)) == 1
 
 
+PY_SPY_FRAME = re.compile(r"^    (?P<function>[\w.<>]+) \((?P<path>[\w/.]+\.py):(?P<line>\d+)\)$", re.M)
+
+
+def py_spy_frames(block: str) -> list[tuple[str, Path | None, int]]:
+    """(function, file, line) of each frame in a py-spy dump quoted by a README; a bare file name is looked
+    for beside the script the dump's `Process N: python -u <script>` line names, then in tests/inject."""
+    script = re.search(r"^Process \d+: \S+ -u (\S+\.py)", block, re.M)
+    folders = [REPO, SITE_PACKAGES] + ([(REPO / script[1]).parent] if script else []) + [REPO / "tests" / "inject"]
+    frames = []
+    for frame in PY_SPY_FRAME.finditer(block):
+        file = next((folder / frame["path"] for folder in folders if (folder / frame["path"]).is_file()), None)
+        frames.append((frame["function"], file, int(frame["line"])))
+    return frames
+
+
+def py_spy_problems(block: str) -> list[str]:
+    """A frame whose line is not inside the function py-spy names (`Class.method`, `f.<locals>.g`: the last part)."""
+    problems = []
+    for function, file, line in py_spy_frames(block):
+        if file is None or enclosing_function(file.read_text(), line) != function.split(".")[-1]:
+            problems.append(f"{function} ({file}:{line})")
+    return problems
+
+
+def test_quoted_py_spy_dump_points_at_the_waiting_lines():
+    guide = (REPO / "debugging" / "README.md").read_text()
+    block = next(b for b in guide.split("```") if "py-spy" not in b and re.search(r"^Process \d+:", b, re.M))
+    assert py_spy_problems(block) == []
+    waits = [file.read_text().splitlines()[number - 1].strip() for _, file, number in py_spy_frames(block)
+             if file.name in ("train.py", "sitecustomize.py")]
+    # Rank 0 waits in backward's all-reduce; rank 1 in the test injection's hang, called from optimizer.step();
+    # both under main()'s call of train().
+    assert [w.split("  #")[0] for w in waits] == ["loss.backward()", "train(cfg, launch)", "time.sleep(3600)",
+                                                  "optimizer.step()", "train(cfg, launch)"], waits
+    # The check itself: a frame one line off is reported.
+    assert py_spy_problems("Process 1: python -u 01_basic_ddp/train.py\n    main (train.py:1)\n") != []
+
+
 def test_the_global_batch_tolerance_in_the_readmes_is_the_tested_one():
     rtol = inspect.signature(assert_same_params).parameters["rtol"].default
     quoted = f"{rtol:.0e}".replace("e-0", "e-")  # 1e-05 -> 1e-5, as the READMEs write it

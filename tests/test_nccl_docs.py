@@ -24,6 +24,7 @@ from tests.helpers import PYTHON, REPO, clean_env, run
 
 GUIDE = REPO / "debugging" / "README.md"
 TORCH_LIB = Path(__import__("torch").__file__).parent / "lib"
+C10D_HEADERS = Path(__import__("torch").__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d"
 
 # Quoted by the guide; in torch's NCCL backend (libtorch_cuda.so) as literals (runtime values left out).
 WATCHDOG_MESSAGES = [
@@ -42,7 +43,7 @@ WATCHDOG_MESSAGES = [
     "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC",
 ]
 # The flight recorder's file names are in the core library (libtorch_cpu.so).
-RECORDER_VARIABLES = ["TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+RECORDER_VARIABLES = ["TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "XDG_CACHE_HOME"]
 # The wording of earlier releases, which the guide names as gone.
 OLD_WORDING = "Exception (either an error or timeout) detected by watchdog at work: "
 
@@ -74,6 +75,52 @@ def test_default_timeouts_are_10_minutes_for_nccl_and_30_for_gloo():
     assert "the job sits for 10 minutes (nccl) or 30 (gloo)" in guide
 
 
+def test_error_handling_modes_and_trace_buffer_default_are_the_installed_headers():
+    """The guide's meaning of each TORCH_NCCL_ASYNC_ERROR_HANDLING value, its C++ default (3) and the
+    flight recorder's default size (2000), read from the C++ headers installed with torch 2.14.1."""
+    nccl = (C10D_HEADERS / "ProcessGroupNCCL.hpp").read_text()
+    enum = nccl.split("enum ErrorHandlingMode")[1].split("}")[0]
+    modes = {int(value): name for name, value in re.findall(r"^\s*(\w+) = (\d),?$", enum, re.M)}
+    assert modes == {0: "NoHandling", 1: "TearDown", 2: "CleanUpOnly", 3: "SkipCleanUp"}
+    assert "the default value (3 - SkipCleanUp)" in nccl
+    # What each value does: clean up = abort the communicators; tear down = take the process down.
+    assert "#define SHOULD_CLEAN_UP(a) (a != NoHandling && a != SkipCleanUp)" in nccl
+    assert "#define SHOULD_TEAR_DOWN(a) (a != NoHandling && a != CleanUpOnly)" in nccl
+    recorder = (C10D_HEADERS / "FlightRecorder.hpp").read_text()
+    assert 'getCvarInt(\n        {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}, 2000)' in recorder
+    guide = " ".join(GUIDE.read_text().split())
+    for claim in ("`3`, the default in PyTorch's C++ code, takes the process down without aborting the NCCL "
+                  "communicators; `1` aborts them first", "`2` only aborts them; `0` only logs",
+                  "`TORCH_NCCL_TRACE_BUFFER_SIZE` collectives (2000 by default"):
+        assert claim in guide, claim
+
+
+def test_debug_levels_and_nccl_errors_the_guide_names_are_torchs():
+    """The Tools table, read from torch 2.14.1: DETAIL wraps gloo and nccl process groups alike in the
+    checking wrapper; INFO makes DDP log its set-up and name the parameters that got no gradient (torch's
+    own error says so); ncclRemoteError is a name torch's NCCL backend prints."""
+    import inspect
+
+    import torch.distributed.distributed_c10d as c10d
+
+    source = inspect.getsource(c10d)
+    wrapped = source.split("backend_str in [Backend.GLOO, Backend.NCCL")[1].split("elif")[0]
+    assert "get_debug_level() == DebugLevel.DETAIL" in wrapped and "_create_process_group_wrapper(" in wrapped
+    # The wrapper checks each collective over a gloo group of its own: the cost the guide calls slow.
+    wrapper = (C10D_HEADERS / "ProcessGroupWrapper.hpp").read_text()
+    assert "Gloo process group responsible for internal coordination such as monitored\n  // barrier, sequence " \
+           "number checking, collective fingerprint collecting." in wrapper
+    ddp = ["DDP Initialized with", "Parameters which did not receive grad for rank",
+           "set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL to print out information "
+           "about which particular parameters did not receive gradient"]
+    assert all(found_in_library("libtorch_cpu.so", ddp).values())
+    assert found_in_library("libtorch_cuda.so", ["ncclRemoteError"]) == {"ncclRemoteError": True}
+    guide = " ".join(GUIDE.read_text().split())
+    assert "`INFO`: DDP logs its set-up and, on the unused-parameter error, names the parameters" in guide
+    assert "also checks before **every** collective" in guide and "`ncclRemoteError`" in guide
+    assert "Slow (a gloo exchange of fingerprints before each collective)" in guide
+
+
 def test_torchrun_sets_async_error_handling_1_in_its_workers_unless_set():
     """The guide: 3 is the C++ default, and torchrun sets 1 in its workers unless you set it."""
     def worker_value(extra):
@@ -103,6 +150,11 @@ def test_flight_recorder_analyzer_takes_the_options_the_guide_shows(capsys):
         assert option in usage
     guide = GUIDE.read_text()
     assert "torchfrtrace runs/fr -p trace_ " in guide and "torchfrtrace runs/fr -p trace_ -j" in guide
+    # Its tables need tabulate, which it imports if it can ("pip install tabulate" in the guide).
+    import inspect
+
+    from torch.distributed.flight_recorder.components import utils
+    assert "from tabulate import tabulate" in inspect.getsource(utils) and "`pip install tabulate`" in guide
 
 
 # -- the analyzer's verdicts on dumps shaped like each row of the guide's table -------------------
