@@ -47,6 +47,7 @@ def test_rank_raising_mid_training_ends_job_fast_and_torchrun_names_it(script, t
     root = root_cause(out)
     assert re.search(r"rank\s+: 1 \(local_rank: 1\)", root), root
     assert "RuntimeError: injected failure at step 3 on rank 1" in root, root
+    assert re.search(r"exitcode  : 1 \(pid: \d+\)", root), root  # an uncaught exception: exit code 1
 
 
 def test_without_record_the_summary_has_no_traceback(tmp_path):
@@ -61,6 +62,7 @@ def test_without_record_the_summary_has_no_traceback(tmp_path):
                       timeout=180)
     root = root_cause(result.output)
     assert "error_file: <N/A>" in root and "injected failure" not in root, root
+    assert re.search(r"exitcode  : 1 \(pid: \d+\)", root), root
     # torchrun's stand-in for the missing traceback (debugging/README.md quotes it).
     assert "traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html" in root, root
 
