@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import gc
 import inspect
+import json
 import re
 import subprocess
 import threading
@@ -219,32 +220,45 @@ def test_demo_bugs_default_process_group_timeout_is_10_s():
     assert demo.DemoConfig().timeout_s == 10.0  # the README's "process-group timeout 10 s"
 
 
-def _gloo_threads() -> int:
-    """This process's threads that gloo started (named gloo_tcp_loop, pt_gloo_runloop)."""
-    tasks = Path("/proc/self/task")
-    return sum(1 for task in tasks.iterdir() if "gloo" in (task / "comm").read_text())
+THREADS_LEFT_AFTER_DESTROY = """
+import gc, json, os, sys
+from pathlib import Path
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+def gloo_threads():  # ids of the threads gloo started (named gloo_tcp_loop, pt_gloo_runloop)
+    return {t.name for t in Path("/proc/self/task").iterdir() if "gloo" in (t / "comm").read_text()}
+
+left = {}
+for wrap in (False, True):
+    before = gloo_threads()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = DDP(torch.nn.Linear(2, 2)) if wrap else None
+    if wrap:
+        model(torch.randn(3, 2)).sum().backward()
+    else:
+        dist.all_reduce(torch.ones(2))
+    started = gloo_threads() - before
+    dist.destroy_process_group()
+    del model
+    gc.collect()
+    left["ddp" if wrap else "group only"] = [len(started), len(started & gloo_threads())]
+print("LEFT", json.dumps(left))
+sys.stdout.flush()
+os._exit(0)  # this very shutdown is what can abort
+"""
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names in /proc/self/task")
 def test_a_ddp_model_keeps_gloos_threads_past_destroy_process_group():
-    """Why the scripts end with os._exit(0): after destroy_process_group(), `del model` and gc.collect() gloo's
-    threads are gone without DDP, and still there with it."""
-    gc.collect()
-    before, after = _gloo_threads(), {}
-    for wrap in (False, True):
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        model = DDP(torch.nn.Linear(2, 2)) if wrap else None
-        if wrap:
-            model(torch.randn(3, 2)).sum().backward()
-        else:
-            dist.all_reduce(torch.ones(2))
-        assert _gloo_threads() > before
-        dist.destroy_process_group()
-        del model
-        gc.collect()
-        after[wrap] = _gloo_threads()
-    assert after[False] == before  # negative control: the process group alone leaves no thread behind
-    assert after[True] > before
+    """Why the scripts end with os._exit(0): in a fresh process, as a script runs, after destroy_process_group(),
+    `del model` and gc.collect() the threads gloo started are gone without DDP, and still there with it."""
+    result = run([PYTHON, "-c", THREADS_LEFT_AFTER_DESTROY], timeout=180, check=True)
+    left = json.loads(result.stdout.split("LEFT ")[-1])
+    started, still_there = left["group only"]
+    assert started > 0 and still_there == 0, left  # negative control: the group alone leaves no thread behind
+    started, still_there = left["ddp"]
+    assert started > 0 and still_there == started, left
     # So every script that wraps a model in DDP skips the interpreter's shutdown after a finished run.
     scripts = [p for pattern in ("0*/*.py", "benchmark/*.py", "debugging/*.py") for p in sorted(REPO.glob(pattern))
                if "DDP(" in p.read_text() and "dist.init_process_group(" in p.read_text()]
@@ -285,6 +299,16 @@ def test_sampler_seeds_must_match_across_ranks_and_set_epoch_reshuffles():
     assert list(sampler) == first  # no set_epoch: the same order every epoch
     sampler.set_epoch(1)
     assert list(sampler) != first
+
+
+def test_dropout_draws_from_the_per_rank_seed():
+    """debugging/README.md: after torch.manual_seed(seed + rank) dropout draws different masks on different ranks."""
+    def mask(seed):
+        torch.manual_seed(seed)
+        return torch.nn.functional.dropout(torch.ones(64), p=0.5)
+
+    assert not torch.equal(mask(0 + 0), mask(0 + 1))  # rank 0 and rank 1
+    assert torch.equal(mask(0), mask(0))  # control: one seed, one mask
 
 
 def test_rank_signal_needs_no_torch_and_no_process_group():
