@@ -10,6 +10,8 @@ installed torch. Each rank prints one line `RESULT <rank> <json>`.
 - nn.SyncBatchNorm refuses CPU tensors (its forward checks the device);
 - two all-reduces of the same shape called in a different order on the two ranks: gloo pairs them by
   order, raises nothing and returns mixed sums (debugging/README.md, "Hang mid-epoch");
+- a collective skipped on one rank, with the next one of equal shape and dtype: gloo sums the wrong tensors and
+  raises nothing (debugging/README.md, --bug mismatched_collective);
 - DDP(static_graph=True) with no_sync() accumulation fails (PyTorch issue 143580), run last: it
   leaves DDP's reducer in a failed state.
 """
@@ -134,12 +136,27 @@ def static_graph_with_no_sync() -> str:
     return "no error"
 
 
+def skipped_all_reduce_of_equal_shapes(rank: int) -> dict:
+    """As demo_bugs.py --bug mismatched_collective, with one float each: rank 1 skips the loss's all-reduce, so its
+    count meets rank 0's loss. Rank 1 then calls one more all-reduce, which meets rank 0's count (no one waits)."""
+    loss, count = torch.tensor([1.0 + rank]), torch.tensor([10.0 * (rank + 1)])
+    if rank != 1:
+        dist.all_reduce(loss)
+    dist.all_reduce(count)
+    if rank != 1:
+        return {"loss": loss.item(), "count": count.item()}
+    extra = torch.tensor([0.0])
+    dist.all_reduce(extra)
+    return {"count": count.item(), "extra": extra.item()}
+
+
 def main():
     warnings.simplefilter("ignore", FutureWarning)
     dist.init_process_group("gloo")  # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     rank = dist.get_rank()
     result = {"wrap": wrap_facts(rank), "forward": forward_buffer_facts(rank), "syncbn_cpu": syncbn_on_cpu(),
-              "order": collectives_in_a_different_order(rank)}
+              "order": collectives_in_a_different_order(rank),
+              "equal_shapes_mismatch": skipped_all_reduce_of_equal_shapes(rank)}
     dist.barrier()
     result["static_graph_no_sync"] = static_graph_with_no_sync()
     # One write per line (both ranks print; a print() under PYTHONUNBUFFERED writes the text and the newline

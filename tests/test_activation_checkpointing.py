@@ -245,8 +245,11 @@ def test_a_block_checkpointed_twice_needs_static_graph_when_reentrant(one_rank_g
     model = DDP(SharedTwice(use_reentrant), static_graph=static_graph)
     inputs = torch.randn(2, 4)
     if fails:
-        with pytest.raises(RuntimeError, match=READY_ONCE):
+        with pytest.raises(RuntimeError, match=READY_ONCE) as error:
             model(inputs).sum().backward()
+        # torch's message names this cause, and others (debugging/README.md quotes it)
+        assert "2) Reused parameters in multiple reentrant backward passes" in str(error.value)
+        assert "1) Use of a module parameter outside the `forward` function" in str(error.value)
         return
     for _ in range(2):  # static_graph: DDP learns the graph in the first iteration
         model.zero_grad()

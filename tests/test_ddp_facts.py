@@ -71,6 +71,13 @@ def test_nn_syncbatchnorm_refuses_cpu_tensors(facts):
         "ValueError: SyncBatchNorm expected input tensor to be on GPU or XPU or privateuseone")
 
 
+def test_a_skipped_all_reduce_of_equal_shapes_silently_sums_the_wrong_tensors(facts):
+    """debugging/README.md: the mismatched-collective demo aborts because the shapes differ; with equal shapes
+    gloo sums rank 0's loss (1) with rank 1's count (20) and raises nothing."""
+    assert facts[0]["equal_shapes_mismatch"] == {"loss": 1.0 + 20.0, "count": 10.0 + 0.0}
+    assert facts[1]["equal_shapes_mismatch"] == {"count": 20.0 + 1.0, "extra": 0.0 + 10.0}
+
+
 def test_static_graph_with_no_sync_accumulation_fails(facts):
     """03's README: PyTorch issue 143580, still open in torch 2.14.1. The first backward inside no_sync()
     of a DDP(static_graph=True) model trips an internal assert. If this test fails, torch has changed:

@@ -6,6 +6,9 @@ calls a collective (a static check that also finds the demo's deliberate bugs).
 from __future__ import annotations
 
 import ast
+import gc
+import inspect
+import json
 import re
 import subprocess
 import threading
@@ -13,15 +16,22 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
 
-from tests.helpers import PYTHON, REPO, clean_env, kill_group, read_summary, root_cause, torchrun
+from tests.helpers import PYTHON, REPO, clean_env, kill_group, load_script, read_summary, root_cause, run, torchrun
 
 DEMO = "debugging/demo_bugs.py"
+GUIDE = REPO / "debugging" / "README.md"
 
 
 def test_demo_runs_clean_without_a_bug(tmp_path):
     result = torchrun(DEMO, "--output-dir", str(tmp_path), timeout=120)
     assert "step 4 mean loss" in result.stdout and "done: no bug" in result.stdout
+    steps = re.findall(r"^step (\d) mean loss \d+\.\d{4} accuracy [01]\.\d{3}$", result.stdout, re.M)
+    assert steps == ["1", "2", "3", "4"], result.stdout
     summary = read_summary(tmp_path)
     assert summary["world_size"] == 2 and summary["replicas_identical"]
 
@@ -38,6 +48,9 @@ def test_demo_mismatched_collective_gloo_aborts_on_the_size_mismatch(tmp_path):
     # The receiving process aborts (SIGABRT). torchrun's summary usually says so, but an abort can leave
     # that rank's error file half written, and torchrun then fails reading it: check the abort itself.
     assert "terminate called after throwing an instance of 'gloo::EnforceNotMet'" in out, out[-3000:]
+    # torchrun names that rank's exit code -6 (its log line and its summary), unless it failed reading the
+    # half-written error file, which it then says.
+    assert re.search(r"exitcode(: |  : )-6\b", out) or "Failed to parse reply file" in out, out[-3000:]
 
 
 def test_demo_mismatched_collective_named_by_debug_detail(tmp_path):
@@ -50,12 +63,14 @@ def test_demo_mismatched_collective_named_by_debug_detail(tmp_path):
     # The skipped all-reduce (shape [1], on rank 0 only) meets rank 1's next one (shape [2]) at the
     # same sequence number; the check runs on both ranks, either may report first.
     pattern = (r"Detected mismatch between collectives on ranks\. Rank (\d) is running collective: "
-               r"CollectiveFingerPrint\(SequenceNumber=(\d+), OpType=ALLREDUCE, TensorShape=\[(\d)\].*?"
+               r"CollectiveFingerPrint\(SequenceNumber=(\d+), OpType=ALLREDUCE, TensorShape=\[(\d)\], "
+               r"TensorDtypes=(\w+).*?"
                r"but Rank (\d) is running collective: CollectiveFingerPrint\(SequenceNumber=\2, "
-               r"OpType=ALLREDUCE, TensorShape=\[(\d)\]")
+               r"OpType=ALLREDUCE, TensorShape=\[(\d)\], TensorDtypes=(\w+)")
     m = re.search(pattern, out)
     assert m, out[-3000:]
-    assert {int(m.group(1)): m.group(3), int(m.group(4)): m.group(5)} == {0: "1", 1: "2"}
+    # rank 0's loss (one float), rank 1's counts (two doubles)
+    assert {int(m[1]): (m[3], m[4]), int(m[5]): (m[6], m[7])} == {0: ("1", "Float"), 1: ("2", "Double")}
     assert re.search(r"^\[rank\d\]: RuntimeError: Detected mismatch between collectives", out, re.M)
     # @record put the exception into torchrun's summary.
     assert "Detected mismatch between collectives on ranks" in root_cause(out)
@@ -70,7 +85,10 @@ def test_demo_unused_parameter_error_and_both_fixes(tmp_path):
     assert result.returncode != 0
     assert "step 1 mean loss" in out and "step 2 mean loss" not in out  # DDP notices at the next forward
     assert re.search(r"^\[rank\d\]: RuntimeError: Expected to have finished reduction in the prior iteration "
-                     r"before starting a new one", out, re.M), out[-3000:]
+                     r"before starting a new one\. This error indicates that your module has parameters that were "
+                     r"not used in producing loss\.", out, re.M), out[-3000:]
+    # raised by the forward of step 2 (the traceback's last frame in the script)
+    assert re.search(r"^\[rank\d\]:\s+logits = model\(x, use_aux=use_aux\)$", out, re.M), out[-3000:]
     # DDP names the aux head's weight and bias (parameters 4 and 5), on each rank that reports.
     assert re.search(r"^\[rank\d\]: Parameter indices which did not receive grad for rank \d: 4 5$", out, re.M)
     root = root_cause(out)
@@ -128,7 +146,8 @@ def test_demo_rank0_only_barrier_ends_at_the_timeout_with_both_waits_shown(tmp_p
     # Whichever rank times out first raises gloo's timeout; the other raises the same or, when the first
     # one's exit closed the connection before its own timeout fired, "Connection closed by peer".
     timed_out = [rank for rank in (0, 1)
-                 if re.search(rf"^\[rank{rank}\]: RuntimeError: .*Timed out waiting 5000ms", out, re.M)]
+                 if re.search(rf"^\[rank{rank}\]: RuntimeError: \[.*/gloo/transport/tcp/unbound_buffer\.cc:78\] "
+                              r"Timed out waiting 5000ms for recv operation to complete$", out, re.M)]
     assert timed_out, out[-3000:]
     for rank in {0, 1} - set(timed_out):
         assert re.search(rf"^\[rank{rank}\]: RuntimeError: .*Connection closed by peer", out, re.M), out[-3000:]
@@ -139,6 +158,176 @@ def test_demo_rank0_only_barrier_ends_at_the_timeout_with_both_waits_shown(tmp_p
     assert "loss.backward()" in rank1 and "dist.barrier()" not in rank1, rank1
     root = root_cause(out)
     assert "Timed out waiting 5000ms" in root or "Connection closed by peer" in root, root
+
+
+# --- the unused-parameter error and its fixes, in this process (a group of one rank) ------------------------
+
+demo = load_script(DEMO, "demo_bugs")
+
+
+def _error_within_three_steps(model, use_aux: bool = False) -> tuple[int, str, str] | None:
+    """(step, "forward" or "backward", message) of the first RuntimeError, or None."""
+    for step in range(1, 4):
+        where = "forward"
+        try:
+            out = model(torch.randn(4, 8), use_aux=use_aux)
+            where = "backward"
+            out.sum().backward()
+        except RuntimeError as e:
+            return step, where, str(e)
+    return None
+
+
+def test_unused_parameter_fails_at_the_next_forward_and_each_fix_runs(one_rank_group):
+    """debugging/README.md: the reducer waits for a gradient that never comes and says so at the next forward,
+    on each rank by itself (here there is no other rank); the aux head is parameters 4 and 5."""
+    torch.manual_seed(0)
+    step, where, message = _error_within_three_steps(DDP(demo.TwoHeads()))
+    assert (step, where) == (2, "forward"), message
+    assert message.startswith("Expected to have finished reduction in the prior iteration before starting a new one")
+    assert "Parameter indices which did not receive grad for rank 0: 4 5" in message
+    assert "Parameters which did not receive grad" not in message  # names only with TORCH_DISTRIBUTED_DEBUG
+    assert [name for name, _ in demo.TwoHeads().named_parameters()][4:] == ["aux_head.weight", "aux_head.bias"]
+    # The README's fixes: find_unused_parameters, every parameter in the loss, requires_grad_(False) on what is
+    # not trained, and static_graph=True for a graph that is the same every step.
+    frozen = demo.TwoHeads()
+    frozen.aux_head.requires_grad_(False)
+    assert _error_within_three_steps(DDP(demo.TwoHeads(), find_unused_parameters=True)) is None
+    assert _error_within_three_steps(DDP(demo.TwoHeads()), use_aux=True) is None
+    assert _error_within_three_steps(DDP(frozen)) is None
+    assert _error_within_three_steps(DDP(demo.TwoHeads(), static_graph=True)) is None
+
+
+@pytest.mark.parametrize("level", ["INFO", "DETAIL"])
+def test_torch_distributed_debug_adds_the_parameter_names_to_the_indices(one_rank_group, monkeypatch, level):
+    previous = dist.get_debug_level()
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", level)
+    dist.set_debug_level_from_env()
+    try:
+        _, _, message = _error_within_three_steps(DDP(demo.TwoHeads()))
+    finally:
+        dist.set_debug_level(previous)
+    assert "Parameters which did not receive grad for rank 0: aux_head.bias, aux_head.weight" in message
+    assert "Parameter indices which did not receive grad for rank 0: 4 5" in message
+
+
+def test_the_torch_documentation_the_guide_cites():
+    """Read from the installed torch (2.14.1): find_unused_parameters walks the graph from forward's outputs,
+    after every forward (in _post_forward); torch.load puts tensors back on the device they were saved from."""
+    ddp_docs = " ".join(DDP.__doc__.split())
+    assert ("find_unused_parameters (bool): Traverse the autograd graph from all tensors contained in the return "
+            "value of the wrapped module's ``forward`` function. Parameters that don't receive gradients as part "
+            "of this graph are preemptively marked as being ready to be reduced.") in ddp_docs
+    assert re.search(r"if self\.find_unused_parameters and not self\.static_graph:\n(\s+#.*\n)*"
+                     r"\s+self\.reducer\.prepare_for_backward\(list\(_find_tensors\(output\)\)\)",
+                     inspect.getsource(DDP._post_forward))
+    load_docs = " ".join(torch.load.__doc__.split())
+    assert "They are first deserialized on the CPU and are then moved to the device they were saved from." in load_docs
+    assert "storages can be dynamically remapped to an alternative set of devices using the :attr:`map_location`" \
+        in load_docs
+
+
+def test_demo_bugs_default_process_group_timeout_is_10_s():
+    assert demo.DemoConfig().timeout_s == 10.0  # the README's "process-group timeout 10 s"
+
+
+THREADS_LEFT_AFTER_DESTROY = """
+import gc, json, os, sys
+from pathlib import Path
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+def gloo_threads():  # ids of the threads gloo started (named gloo_tcp_loop, pt_gloo_runloop)
+    return {t.name for t in Path("/proc/self/task").iterdir() if "gloo" in (t / "comm").read_text()}
+
+left = {}
+for wrap in (False, True):
+    before = gloo_threads()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = DDP(torch.nn.Linear(2, 2)) if wrap else None
+    if wrap:
+        model(torch.randn(3, 2)).sum().backward()
+    else:
+        dist.all_reduce(torch.ones(2))
+    started = gloo_threads() - before
+    dist.destroy_process_group()
+    del model
+    gc.collect()
+    left["ddp" if wrap else "group only"] = [len(started), len(started & gloo_threads())]
+print("LEFT", json.dumps(left))
+sys.stdout.flush()
+os._exit(0)  # this very shutdown is what can abort
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names in /proc/self/task")
+def test_a_ddp_model_keeps_gloos_threads_past_destroy_process_group():
+    """Why the scripts end with os._exit(0): in a fresh process, as a script runs, after destroy_process_group(),
+    `del model` and gc.collect() the threads gloo started are gone without DDP, and still there with it."""
+    result = run([PYTHON, "-c", THREADS_LEFT_AFTER_DESTROY], timeout=180, check=True)
+    left = json.loads(result.stdout.split("LEFT ")[-1])
+    started, still_there = left["group only"]
+    assert started > 0 and still_there == 0, left  # negative control: the group alone leaves no thread behind
+    started, still_there = left["ddp"]
+    assert started > 0 and still_there == started, left
+    # So every script that wraps a model in DDP skips the interpreter's shutdown after a finished run.
+    scripts = [p for pattern in ("0*/*.py", "benchmark/*.py", "debugging/*.py") for p in sorted(REPO.glob(pattern))
+               if "DDP(" in p.read_text() and "dist.init_process_group(" in p.read_text()]
+    assert len(scripts) >= 10
+    for path in scripts:
+        assert path.read_text().rstrip().endswith("sys.stdout.flush()  # then skip interpreter shutdown: with gloo "
+                                                  "it can abort a finished run (debugging/README.md)\n    os._exit(0)"), path
+
+
+def test_every_gpu_example_sets_its_device_right_before_the_process_group():
+    """debugging/README.md, "GPU 0 memory on every process"; gloo-only scripts use no GPU."""
+    checked = 0
+    for path in sorted(p for pattern in ("0*/*.py", "benchmark/*.py", "debugging/*.py") for p in REPO.glob(pattern)):
+        lines = path.read_text().splitlines()
+        for number, line in enumerate(lines):
+            if "dist.init_process_group(" in line and 'init_process_group("gloo"' not in line:
+                assert any("torch.cuda.set_device(device)" in earlier for earlier in lines[number - 3:number]), \
+                    f"{path.relative_to(REPO)}:{number + 1}"
+                checked += 1
+    assert checked >= 15
+
+
+def test_sampler_seeds_must_match_across_ranks_and_set_epoch_reshuffles():
+    """debugging/README.md, "Duplicated or missing samples"."""
+    n, world = 12, 2
+
+    def shards(seeds):
+        return [list(DistributedSampler(range(n), num_replicas=world, rank=rank, seed=seed))
+                for rank, seed in enumerate(seeds)]
+
+    same = shards([0, 0])
+    assert sorted(same[0] + same[1]) == list(range(n))  # one seed: disjoint shards, every sample once
+    different = shards([0, 1])
+    assert set(different[0]) & set(different[1])  # per-rank seeds: the shards overlap ...
+    assert len(set(different[0] + different[1])) < n  # ... and some samples are missed
+    sampler = DistributedSampler(range(n), num_replicas=world, rank=0, seed=0)
+    first = list(sampler)
+    assert list(sampler) == first  # no set_epoch: the same order every epoch
+    sampler.set_epoch(1)
+    assert list(sampler) != first
+
+
+def test_dropout_draws_from_the_per_rank_seed():
+    """debugging/README.md: after torch.manual_seed(seed + rank) dropout draws different masks on different ranks."""
+    def mask(seed):
+        torch.manual_seed(seed)
+        return torch.nn.functional.dropout(torch.ones(64), p=0.5)
+
+    assert not torch.equal(mask(0 + 0), mask(0 + 1))  # rank 0 and rank 1
+    assert torch.equal(mask(0), mask(0))  # control: one seed, one mask
+
+
+def test_rank_signal_needs_no_torch_and_no_process_group():
+    source = (REPO / "debugging" / "rank_signal.py").read_text()
+    imported = {alias.name.split(".")[0] for node in ast.walk(ast.parse(source))
+                if isinstance(node, (ast.Import, ast.ImportFrom))
+                for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])}
+    assert imported and "torch" not in imported, imported
 
 
 # --- static check: rank-0-only blocks call no collective ----------------------------------------

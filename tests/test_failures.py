@@ -71,6 +71,7 @@ def test_without_record_the_summary_has_no_traceback(tmp_path):
                       timeout=180)
     root = root_cause(result.output)
     assert "error_file: <N/A>" in root and "injected failure" not in root, root
+    assert re.search(r"exitcode  : 1 \(pid: \d+\)", root), root
     # torchrun's stand-in for the missing traceback (debugging/README.md quotes it).
     assert "traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html" in root, root
 

@@ -8,6 +8,8 @@ and two forward passes before one backward ("modified by an inplace operation").
 
 from __future__ import annotations
 
+import inspect
+import json
 import random
 import re
 import shlex
@@ -33,6 +35,10 @@ def test_rank_aborted_is_exitcode_minus_6_sigabrt():
     out = result.output
     assert result.returncode != 0
     assert "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in out
+    # torchrun's own traceback (the same every time), then its summary: one entry per failed rank.
+    assert "in launch_agent\n" in out and "raise ChildFailedError(" in out
+    assert re.search(r"debugging/rank_signal\.py FAILED\n-+\nFailures:\n\[\d\]:\n(.*\n){6}-+\n"
+                     r"Root Cause \(first observed failure\):\n\[\d\]:\n", out), out[-3000:]
     root = root_cause(out)
     m = re.search(r"rank      : 1 \(local_rank: 1\)\n  exitcode  : -6 \(pid: (\d+)\)  \(SIGABRT\)\n"
                   r"  error_file: <N/A>\n  traceback : Signal 6 \(SIGABRT\) received by PID (\d+)", root)
@@ -40,6 +46,26 @@ def test_rank_aborted_is_exitcode_minus_6_sigabrt():
     # The rank that was only waiting was stopped by torchrun: listed under Failures, not as the cause.
     failures = out.split("Root Cause")[0].split("Failures:")[-1]
     assert re.search(r"rank      : 0 \(local_rank: 0\)\n  exitcode  : -15 \(pid: \d+\)  \(SIGTERM\)", failures)
+
+
+def test_torchrun_summary_times_are_whole_seconds_and_root_cause_is_the_earliest(tmp_path):
+    """debugging/README.md: a rank killed by a signal writes no error file, so its time is when torchrun collected
+    it (whole seconds); Root Cause is the failure with the earliest time, even an error file's earlier second."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    start = int(time.time())
+    killed = ProcessFailure(local_rank=1, pid=12145, exitcode=-7, error_file=str(tmp_path / "none.json"))
+    assert start <= killed.timestamp <= time.time() and isinstance(killed.timestamp, int)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d:\d\d:\d\d", killed.timestamp_isoformat())
+    assert (killed.error_file, killed.message) == ("<N/A>", "Signal 7 (SIGBUS) received by PID 12145")
+    # A survivor whose error file (written by @record) says it raised a second earlier is named Root Cause.
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps({"message": {"message": "RuntimeError: Connection reset by peer",
+                                                  "extraInfo": {"py_callstack": "...", "timestamp": str(start - 1)}}}))
+    survivor = ProcessFailure(local_rank=0, pid=12144, exitcode=1, error_file=str(error_file))
+    assert ChildFailedError("x.py", {1: killed, 0: survivor}).get_first_failure()[0] == 0
+    survivor.timestamp = killed.timestamp + 1  # control: the later failure is not the root cause
+    assert ChildFailedError("x.py", {1: killed, 0: survivor}).get_first_failure()[0] == 1
 
 
 DATALOADER = """
@@ -119,7 +145,7 @@ def test_second_job_on_the_same_port_fails_with_address_already_in_use(tmp_path)
         assert re.search(r"torch\.distributed\.DistNetworkError: The server socket has failed to listen on any local "
                          rf"network address\. The server socket has failed to bind to \S+:{port} \(errno: 98 - Address "
                          r"already in use\)", second.stderr), second.stderr[-3000:]
-        # torchrun without --standalone on that port (its default is 29500 for every job): libuv's wording.
+        # torchrun without --standalone, told that port (--master-port): libuv's wording.
         agent = run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={port}",
                      REPO / TRAIN, *SHORT, "--output-dir", tmp_path / "agent"], timeout=120)
         assert agent.returncode != 0
@@ -165,6 +191,36 @@ def test_the_examples_accept_and_ignore_local_rank():
     for spelling in ("--local-rank=1", "--local_rank=1"):
         assert parse_config(TrainConfig, [spelling, "--epochs", "2"]) == TrainConfig(epochs=2)
     # (A real run under torch.distributed.launch: test_two_forwards_through_ddp_work_since_torch_2_12.)
+
+
+def test_launch_appends_local_rank_unless_use_env_and_the_spelling_changed_in_2_0():
+    """Read from the installed torch (2.14.1): torch.distributed.launch appends --local-rank=N unless --use-env
+    (torchrun's use_env is always true); torch 2.0 changed the spelling from --local_rank."""
+    import torch.distributed.launch as launch_module
+    import torch.distributed.run as run_module
+
+    config_from_args = inspect.getsource(run_module.config_from_args)
+    assert re.search(r'if not use_env:\n\s+cmd_args\.append\(f"--local-rank=\{macros\.local_rank\}"\)',
+                     config_from_args)
+    assert 'if not hasattr(args, "use_env"):\n        return True' in inspect.getsource(run_module.get_use_env)
+    docs = " ".join(launch_module.__doc__.split())
+    assert ("From PyTorch 2.0.0 onwards, the dashed ``--local-rank`` is preferred over the previously used "
+            "underscored ``--local_rank``") in docs
+
+
+def test_only_torchrun_across_nodes_defaults_to_port_29500():
+    """Read from the installed torch (2.14.1), run(): --standalone, and a one-node torchrun given no --master-port
+    or rendezvous endpoint, listen on a free port (localhost:0); otherwise the static rendezvous uses
+    --master-port, 29500 unless given."""
+    import torch.distributed.run as run_module
+
+    source = inspect.getsource(run_module.run)
+    standalone = source.index("if args.standalone:")
+    one_node = source.index("if max_nodes == 1:")
+    assert source.count('args.rdzv_endpoint = "localhost:0"') == 2
+    assert standalone < source.index('args.rdzv_endpoint = "localhost:0"') < one_node
+    assert "args.master_port is None" in source[standalone:one_node]
+    assert "if args.master_port is None:\n        args.master_port = 29500" in source
 
 
 # --- mp.spawn with a worker defined in __main__ (a notebook, python -c, the REPL) ------------------------
@@ -214,6 +270,7 @@ def test_mp_spawn_of_a_worker_defined_in_main_fails_and_an_imported_one_runs(tmp
     assert lam.returncode != 0
     assert re.search(r"_pickle\.PicklingError: Can't pickle <function <lambda> at 0x[0-9a-f]+>: attribute lookup "
                      r"<lambda> on __main__ failed", lam.stderr), lam.stderr[-3000:]
+    assert "ProcessExitedException" not in lam.stderr  # the parent failed before starting any process
     # The fix, still from python -c: the same call with the worker imported from a file.
     (tmp_path / "ddp_worker.py").write_text(WORKER_FILE)
     fixed = run([PYTHON, "-c", FIXED_CELL.format(port=free_port())], timeout=120, cwd=tmp_path,
@@ -221,13 +278,27 @@ def test_mp_spawn_of_a_worker_defined_in_main_fails_and_an_imported_one_runs(tmp
     assert fixed.returncode == 0, fixed.output[-3000:]
     for rank in (0, 1):  # (two processes print at once: only their newlines may interleave)
         assert f"rank {rank}: all_reduce gives 3" in fixed.stdout, fixed.output[-3000:]
+    # The code run here is the code debugging/README.md shows.
+    guide = (REPO / "debugging" / "README.md").read_text()
+    assert f"```python\n# ddp_worker.py\n{WORKER_FILE.strip()}\n```" in guide
+    assert f"```python\n# the notebook cell\n{FIXED_CELL.format(port=29500).strip()}\n```" in guide
+
+
+def test_train_spawn_has_a_module_level_worker_and_spawns_in_main():
+    import ast
+
+    tree = ast.parse((REPO / "01_basic_ddp" / "train_spawn.py").read_text())
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    assert "worker" in functions
+    calls = [ast.unparse(node.func) for node in ast.walk(functions["main"]) if isinstance(node, ast.Call)]
+    assert any(call.endswith("spawn") for call in calls), calls
 
 
 # --- two forward passes before one backward (a GAN discriminator) ---------------------------------------
 
 TWO_FORWARDS = "debugging/two_forwards.py"
 INPLACE_ERROR = (r"RuntimeError: one of the variables needed for gradient computation has been modified by an "
-                 r"inplace operation: \[torch\.FloatTensor \[32\]\] is at version \d+; expected version \d+ instead")
+                 r"inplace operation: \[torch\.FloatTensor \[32\]\] is at version 3; expected version 2 instead")
 
 
 def test_two_forwards_with_buffers_synced_in_place_fail(tmp_path):
@@ -259,3 +330,17 @@ def test_two_forwards_through_ddp_work_since_torch_2_12(tmp_path):
     summary = read_summary(tmp_path)
     assert summary["replicas_identical"]
     assert tuple(int(v) for v in summary["torch_version"].split(".")[:2]) >= (2, 12)
+
+
+def test_ddp_syncs_buffers_without_bumping_their_version_and_forward_sync_buffers_keeps_the_init_sync():
+    """Read from the installed torch (2.14.1): DDP's buffer sync in forward keeps the buffers' version counters
+    (the 2.12 fix, pytorch/pytorch#175851); broadcast_buffers=False also skips the sync at construction,
+    forward_sync_buffers=False does not (torch's own FutureWarning says so)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    assert "_unsafe_preserve_version_counter(" in inspect.getsource(DDP._sync_buffers)
+    init = inspect.getsource(DDP.__init__)
+    assert '"instead. IMPORTANT: unlike `broadcast_buffers=False`, "' in init
+    assert '"`forward_sync_buffers=False` still syncs buffers at "' in init
+    assert re.search(r"if forward_sync_buffers is not None:\n\s+self\.forward_sync_buffers = forward_sync_buffers\n"
+                     r"\s+init_sync_buffers = True", init)
