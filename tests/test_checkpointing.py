@@ -92,6 +92,9 @@ def reference(tmp_path_factory) -> Path:
     assert summary["steps"] == TOTAL_STEPS and summary["resumed_from_step"] == 0 and summary["replicas_identical"]
     assert len(batches(out, 0)) == len(batches(out, 1)) == TOTAL_STEPS
     assert_every_sample_once_per_epoch(out, 2)
+    # --keep-last 3 by default: the newest three of the saves every 10 steps and at each epoch's end.
+    assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == [
+        ckpt.checkpoint_name(s) for s in (90, 80, 70)]
     return out
 
 
@@ -399,6 +402,9 @@ def cifar(tmp_path_factory) -> tuple[Path, tuple[str, ...]]:
     out = tmp_path_factory.mktemp("cifar_reference")
     cifar_run(args, out)
     assert read_summary(out)["steps"] == 3 * CIFAR_STEPS_PER_EPOCH
+    # --save-every-steps 0 (the default): a checkpoint at the end of each epoch only.
+    assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == [
+        ckpt.checkpoint_name(s * CIFAR_STEPS_PER_EPOCH) for s in (3, 2, 1)]
     return out, args
 
 
@@ -570,7 +576,8 @@ def test_export_from_a_folder_without_checkpoints_is_one_error_line(tmp_path):
 
 
 def test_dcp_save_on_two_ranks_loads_on_one(tmp_path):
-    torchrun("05_checkpointing/dcp_example.py", "--mode", "save", "--output-dir", str(tmp_path), nproc=2)
+    saved = torchrun("05_checkpointing/dcp_example.py", "--mode", "save", "--output-dir", str(tmp_path), nproc=2)
+    assert f"saved {tmp_path / 'checkpoint'} from 2 rank(s) after 10 steps" in saved.stdout  # --max-steps 10
     assert (tmp_path / "checkpoint" / ".metadata").is_file()
     # Both ranks wrote a file, and together the state once (deduplicated), though both hold all of it.
     files = sorted((tmp_path / "checkpoint").glob("*.distcp"))
@@ -615,10 +622,10 @@ def test_readme_sample_and_summary_are_the_reference_runs(reference):
 
 
 def _plain_values(value, where="state") -> list[str]:
-    """Where `value` holds anything but tensors, numbers, booleans, None, strings, lists, tuples and dicts."""
+    """Where `value` holds anything but tensors, numbers, booleans, None, strings, lists and dicts."""
     if isinstance(value, dict):
         return [p for k, v in value.items() for p in _plain_values(k, where) + _plain_values(v, f"{where}[{k!r}]")]
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, list):
         return [p for i, v in enumerate(value) for p in _plain_values(v, f"{where}[{i}]")]
     return [] if value is None or isinstance(value, (torch.Tensor, int, float, str)) else [f"{where}: {type(value)}"]
 
@@ -728,3 +735,37 @@ def test_requeue_code_and_torch_facts_the_readme_names():
     assert '"--signals-to-handle"' in run_py and 'default="SIGTERM,SIGINT,SIGHUP,SIGQUIT"' in run_py
     import torch.distributed.checkpoint as dcp
     assert callable(dcp.async_save)
+
+
+def test_checkpoint_py_is_file_io_only_and_a_failed_write_leaves_only_a_tmp_file(tmp_path):
+    source = (REPO / "05_checkpointing" / "checkpoint.py").read_text()
+    assert "torch.distributed" not in source and "dist." not in source  # no collectives
+    target = tmp_path / ckpt.checkpoint_name(40)
+
+    def crash(f):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.atomic_write(target, crash)
+    assert [p.name for p in tmp_path.iterdir()] == [f".ckpt-00000040.pt.tmp-{os.getpid()}"]
+    assert ckpt.list_checkpoints(tmp_path) == [] and ckpt.read_latest(tmp_path) is None  # never read
+    ckpt.save(_checkpoint_like(50), tmp_path, 50, keep=3)  # the next save removes it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000050.pt", "latest"]
+    assert (tmp_path / "latest").read_text() == "ckpt-00000050.pt\n"  # a one-line text file
+
+
+@pytest.mark.parametrize("case", ["missing file", "garbage file", "weights that do not fit"])
+def test_export_bad_input_is_one_error_line_and_exit_code_2(case, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "checkpoint", ckpt)  # export_model.py imports its neighbour by that name
+    export = load_script("05_checkpointing/export_model.py", "export_model")
+    source = tmp_path / "in.pt"
+    if case == "garbage file":
+        source.write_bytes(os.urandom(1000))
+    elif case == "weights that do not fit":
+        torch.save({"fc.weight": torch.zeros(2, 2)}, source)
+    with pytest.raises(SystemExit) as exc:
+        export.main([str(source), str(tmp_path / "out.pt")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(f"error: {source}"), err
+    assert not (tmp_path / "out.pt").exists()

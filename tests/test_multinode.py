@@ -4,6 +4,7 @@ two network namespaces), and the failures a first multi-node launch meets."""
 from __future__ import annotations
 
 import ast
+import difflib
 import json
 import os
 import re
@@ -398,7 +399,43 @@ def test_readme_quotes_the_launchers_error_for_more_ranks_than_gpus():
 
     with pytest.raises(LauncherError) as exc:
         launch_info(node_of(8, 0, None), gpus=4)
-    assert f"`error: {exc.value}`" in (REPO / "06_multinode" / "README.md").read_text()
+    readme = (REPO / "06_multinode" / "README.md").read_text()
+    assert f"`error: {exc.value}`" in readme
+    # Raised while reading the launcher's variables, before any process group: no script gets to set_device.
+    assert ("are refused by every script, `comm_check.py` included, with one `error:` line before any process "
+            "group") in " ".join(readme.split())
+
+
+def test_timed_iterations_are_fewer_above_one_mib_and_at_least_3(comm):
+    """--iters' help; and the iters column of both README samples (run with the default --iters 20)."""
+    assert comm.CommConfig.__dataclass_fields__["iters"].default == 20
+    assert [comm.timed_iterations(2 ** k, 20) for k in (3, 20, 21, 22, 23, 28)] == [20, 20, 10, 5, 3, 3]
+    rows = [m for marker in ("comm_check on this machine", "Two \"nodes\" of two ranks each")
+            for m in map(ROW.fullmatch, readme_sample(marker)) if m]
+    assert len(rows) > 30
+    assert all(int(m.group(2)) == comm.timed_iterations(int(m.group(1)), 20) for m in rows)
+
+
+def test_06_is_01_line_for_line_plus_the_placement_table():
+    """Below the module docstring, `diff 01 06` is the placement table's functions, their two calls, an import
+    and the four summary fields."""
+    def code(path):
+        text = path.read_text()
+        return text.splitlines()[ast.parse(text).body[0].end_lineno:]
+
+    lesson = TRAIN.read_text()
+    new_functions = {line for name in ("gather_placement", "print_placement")
+                     for line in ast.get_source_segment(lesson, next(
+                         n for n in ast.parse(lesson).body if getattr(n, "name", "") == name)).splitlines()}
+    diff = list(difflib.unified_diff(code(REPO / "01_basic_ddp" / "train.py"), code(TRAIN), n=0, lineterm=""))[2:]
+    removed = [line[1:].strip() for line in diff if line.startswith("-") and line[1:].strip()]
+    added = [line[1:].strip() for line in diff if line.startswith("+") and line[1:].strip()
+             and line[1:] not in new_functions]
+    assert removed == ["wall_time_s=elapsed)"]
+    assert added == ["import socket", "placement = gather_placement(launch, device)  # a collective: every rank takes part",
+                     "print_placement(placement)",
+                     "wall_time_s=elapsed, placement=placement, scheduler=launch.scheduler,",
+                     "master_addr=launch.master_addr, master_port=launch.master_port)"]
 
 
 def test_comm_check_default_reaches_256_mib():
