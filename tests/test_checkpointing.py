@@ -456,6 +456,9 @@ def test_corrupt_latest_is_reported_in_one_line_and_previous_used(tmp_path, dama
     path, state = ckpt.find_resumable(tmp_path, log=messages.append)
     assert path.name == "ckpt-00000020.pt" and state["step"] == 20
     assert len(messages) == 1 and "\n" not in messages[0] and "ckpt-00000030.pt is unusable" in messages[0]
+    # The README's line: warning: checkpoint .../ckpt-00000090.pt is unusable (...); trying the previous one
+    assert re.fullmatch(rf"warning: checkpoint {re.escape(str(latest))} is unusable \(.+\); trying the previous one",
+                        messages[0]), messages[0]
     assert latest.exists()  # nothing is deleted
 
 
