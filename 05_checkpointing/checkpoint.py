@@ -91,7 +91,7 @@ def read_latest(folder: str | Path) -> Path | None:
 
 
 def load(path: str | Path, map_location: Any = "cpu") -> dict:
-    """Load a checkpoint with weights_only=True: tensors, numbers, strings, lists and dicts only.
+    """Load a checkpoint with weights_only=True: tensors, numbers, booleans, None, strings, lists and dicts only.
 
     Unpickling an arbitrary object could run arbitrary code; weights_only refuses it instead.
     Raises ValueError with a one-line reason for anything that is not a complete checkpoint.

@@ -237,11 +237,16 @@ def sizes(cfg):
         size *= 2
 
 
+def timed_iterations(size, iters):
+    """--iters up to 1 MiB; above it fewer (a large all-reduce takes long enough to time), at least 3."""
+    return iters if size <= MIB else max(3, iters * MIB // size)
+
+
 def bench(size, cfg, device, group):
     """Collective on `group`: every member's seconds per all-reduce of `size` bytes, and whether all sums were right."""
     n = dist.get_world_size(group)
     count = max(1, size // 4)  # float32 elements
-    iters = cfg.iters if size <= MIB else max(3, cfg.iters * MIB // size)
+    iters = timed_iterations(size, cfg.iters)
     tensor = torch.full((count,), float(dist.get_rank(group) + 1), device=device)
     dist.all_reduce(tensor, group=group)  # correctness first: sum of (rank + 1) over the group
     correct = bool((tensor == n * (n + 1) / 2).all())

@@ -9,6 +9,7 @@ SIGKILLs a worker at a chosen step.
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 import random
@@ -91,6 +92,9 @@ def reference(tmp_path_factory) -> Path:
     assert summary["steps"] == TOTAL_STEPS and summary["resumed_from_step"] == 0 and summary["replicas_identical"]
     assert len(batches(out, 0)) == len(batches(out, 1)) == TOTAL_STEPS
     assert_every_sample_once_per_epoch(out, 2)
+    # --keep-last 3 by default: the newest three of the saves every 10 steps and at each epoch's end.
+    assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == [
+        ckpt.checkpoint_name(s) for s in (90, 80, 70)]
     return out
 
 
@@ -161,10 +165,13 @@ def test_preemption_signal_saves_and_exits_with_requeue_code(reference, tmp_path
     assert 5 <= stopped < TOTAL_STEPS and latest.name == ckpt.checkpoint_name(stopped)
     assert f"{target.split('-')[1]}: checkpoint at step {stopped} saved; exiting with code 75" in outputs[0][0]
     assert len(state["ranks"]) == 2
+    # Rank 0 left the note the job files requeue on.
+    assert (tmp_path / "checkpoints" / "REQUEUE").read_text() == f"{target.split('-')[1]} at step {stopped}\n"
     # Both ranks stopped after the same step: each loaded exactly `stopped` training batches.
     assert len(batches(tmp_path, 0)) == len(batches(tmp_path, 1)) == stopped
     if target == "group-SIGTERM":  # the requeued job resumes from it and ends like the uninterrupted run
         torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), env=record_env(tmp_path), timeout=180)
+        assert not (tmp_path / "checkpoints" / "REQUEUE").exists()  # each new run deletes it at start
         assert read_summary(tmp_path)["resumed_from_step"] == stopped
         assert_same_params(reference, tmp_path)
         for rank in (0, 1):
@@ -395,6 +402,9 @@ def cifar(tmp_path_factory) -> tuple[Path, tuple[str, ...]]:
     out = tmp_path_factory.mktemp("cifar_reference")
     cifar_run(args, out)
     assert read_summary(out)["steps"] == 3 * CIFAR_STEPS_PER_EPOCH
+    # --save-every-steps 0 (the default): a checkpoint at the end of each epoch only.
+    assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == [
+        ckpt.checkpoint_name(s * CIFAR_STEPS_PER_EPOCH) for s in (3, 2, 1)]
     return out, args
 
 
@@ -446,6 +456,9 @@ def test_corrupt_latest_is_reported_in_one_line_and_previous_used(tmp_path, dama
     path, state = ckpt.find_resumable(tmp_path, log=messages.append)
     assert path.name == "ckpt-00000020.pt" and state["step"] == 20
     assert len(messages) == 1 and "\n" not in messages[0] and "ckpt-00000030.pt is unusable" in messages[0]
+    # The README's line: warning: checkpoint .../ckpt-00000090.pt is unusable (...); trying the previous one
+    assert re.fullmatch(rf"warning: checkpoint {re.escape(str(latest))} is unusable \(.+\); trying the previous one",
+                        messages[0]), messages[0]
     assert latest.exists()  # nothing is deleted
 
 
@@ -566,9 +579,196 @@ def test_export_from_a_folder_without_checkpoints_is_one_error_line(tmp_path):
 
 
 def test_dcp_save_on_two_ranks_loads_on_one(tmp_path):
-    torchrun("05_checkpointing/dcp_example.py", "--mode", "save", "--output-dir", str(tmp_path), nproc=2)
+    saved = torchrun("05_checkpointing/dcp_example.py", "--mode", "save", "--output-dir", str(tmp_path), nproc=2)
+    assert f"saved {tmp_path / 'checkpoint'} from 2 rank(s) after 10 steps" in saved.stdout  # --max-steps 10
     assert (tmp_path / "checkpoint" / ".metadata").is_file()
-    torchrun("05_checkpointing/dcp_example.py", "--mode", "load", "--output-dir", str(tmp_path), nproc=1)
+    # Both ranks wrote a file, and together the state once (deduplicated), though both hold all of it.
+    files = sorted((tmp_path / "checkpoint").glob("*.distcp"))
+    reference_state = torch.load(tmp_path / "reference.pt", weights_only=True)
+    one_copy = sum(t.numel() * t.element_size() for t in reference_state["model"].values()) + sum(
+        s["momentum_buffer"].numel() * s["momentum_buffer"].element_size()
+        for s in reference_state["optim"]["state"].values())
+    assert len(files) == 2 and all(f.stat().st_size > 0 for f in files)
+    assert one_copy <= sum(f.stat().st_size for f in files) < 1.1 * one_copy  # not 2 copies
+    loaded = torchrun("05_checkpointing/dcp_example.py", "--mode", "load", "--output-dir", str(tmp_path), nproc=1)
+    assert (f"loaded {tmp_path / 'checkpoint'} into 1 rank(s): parameters equal True, momentum buffers equal True"
+            in loaded.stdout)
     summary = read_summary(tmp_path)
     assert summary["world_size"] == 1 and summary["params_equal"] and summary["momentum_equal"]
     assert summary["momentum_buffers"] == 8
+
+
+# --- the README's statements, on the runs above, the lesson's source and the installed torch ------------
+
+README = REPO / "05_checkpointing" / "README.md"
+
+
+def _summary_fields(script: str) -> set[str]:
+    """The keyword arguments of the script's write_summary(...) call: the fields of its summary.json."""
+    tree = ast.parse((REPO / script).read_text())
+    [call] = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "write_summary"]
+    return {kw.arg for kw in call.keywords}
+
+
+def test_readme_sample_and_summary_are_the_reference_runs(reference):
+    """The README's sample (2 epochs, batch 16 on 2 ranks; the save and log intervals do not change the
+    arithmetic) ends with the reference run's figures; summary.json is 01's plus resumed_from_step."""
+    text = README.read_text()
+    ends = re.findall(r"train loss (\d\.\d{4}), eval loss (\d\.\d{4}), eval accuracy (\d\.\d{4})", text)
+    summary = read_summary(reference)
+    figures = tuple(f"{summary[k]:.4f}" for k in ("final_train_loss", "eval_loss", "eval_accuracy"))
+    assert ends and set(ends) == {figures}, (ends, figures)
+    assert f"train {TRAIN_SIZE} ({TRAIN_SIZE // 2} per rank), test {summary['eval_samples']}" in text
+    assert f"({summary['eval_samples']} images)" in text
+    assert _summary_fields(SCRIPT) - _summary_fields("01_basic_ddp/train.py") == {"resumed_from_step"}
+    assert _summary_fields("01_basic_ddp/train.py") <= _summary_fields(SCRIPT) <= summary.keys()
+
+
+def _plain_values(value, where="state") -> list[str]:
+    """Where `value` holds anything but tensors, numbers, booleans, None, strings, lists and dicts."""
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _plain_values(k, where) + _plain_values(v, f"{where}[{k!r}]")]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _plain_values(v, f"{where}[{i}]")]
+    return [] if value is None or isinstance(value, (torch.Tensor, int, float, str)) else [f"{where}: {type(value)}"]
+
+
+def test_a_checkpoint_holds_what_the_readme_table_lists(reference):
+    state = ckpt.load(ckpt.read_latest(reference / "checkpoints"))
+    assert set(state) == {"model", "optimizer", "scheduler", "step", "epoch", "consumed", "ranks", "world_size",
+                          "batch_size", "model_args"}
+    assert state["model"] and not any(k.startswith("module.") for k in state["model"])  # from model.module
+    assert all("momentum_buffer" in s for s in state["optimizer"]["state"].values())  # SGD's momentum
+    # The cosine schedule, stepped every optimizer step over the whole run.
+    assert state["scheduler"]["T_max"] == TOTAL_STEPS and state["scheduler"]["last_epoch"] == state["step"]
+    assert (state["step"], state["epoch"], state["consumed"], state["world_size"], state["batch_size"]) == (
+        TOTAL_STEPS, 2, 0, 2, 16)
+    for rank in state["ranks"]:  # torch CPU, Python, NumPy (and CUDA on GPUs), and the epoch's loss sums
+        assert {"torch", "python", "numpy", "loss_sum"} <= rank.keys()
+        assert all(rank[k].dtype == torch.uint8 for k in ("torch", "python", "numpy"))
+    assert not torch.equal(state["ranks"][0]["torch"], state["ranks"][1]["torch"])  # seeded seed + rank
+    assert _plain_values(state) == []  # what weights_only=True accepts
+    assert _plain_values({"x": Path("p")}) == ["state['x']: <class 'pathlib.PosixPath'>"]  # the walk can fail
+
+
+def test_without_optimizer_or_scheduler_state_a_resume_takes_another_path():
+    """The README's table: momentum and the LR schedule restart from zero without their states."""
+    def run_steps(model, optimizer, scheduler, steps):
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(torch.ones(4, 3)).square().sum().backward()
+            optimizer.step()
+            scheduler.step()
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        return model, optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+
+    uninterrupted = build()
+    run_steps(*uninterrupted, 10)
+    first = build()
+    run_steps(*first, 4)
+    results = {}
+    for restored in ("both", "no optimizer", "no scheduler"):
+        model, optimizer, scheduler = build()
+        model.load_state_dict(first[0].state_dict())
+        if restored != "no optimizer":
+            optimizer.load_state_dict(first[1].state_dict())
+        if restored != "no scheduler":
+            scheduler.load_state_dict(first[2].state_dict())
+        position = scheduler.last_epoch  # the step the schedule is at
+        run_steps(model, optimizer, scheduler, 6)
+        results[restored] = (torch.equal(model.weight, uninterrupted[0].weight), position)
+    assert results["both"] == (True, 4)
+    assert results["no optimizer"] == (False, 4)  # momentum from zero: another trajectory
+    assert results["no scheduler"] == (False, 0)  # the schedule starts again from its first step
+
+
+def test_distributed_sampler_is_a_randperm_of_seed_plus_epoch_read_with_stride_w():
+    """What the README says DistributedSampler does, which ResumableSampler relies on."""
+    for size, world in ((1438, 2), (1438, 3), (7, 4)):
+        for epoch in (0, 5):
+            order = torch.randperm(size, generator=torch.Generator().manual_seed(3 + epoch)).tolist()
+            padded = order + order[:-size % world] if size % world else order  # the first samples again
+            for rank in range(world):
+                sampler = DistributedSampler(range(size), num_replicas=world, rank=rank, shuffle=True, seed=3)
+                sampler.set_epoch(epoch)
+                assert list(sampler) == padded[rank::world]
+
+
+def test_a_dataloader_draws_a_seed_from_the_global_rng_unless_given_its_generator():
+    def global_state_moves(**kwargs) -> bool:
+        before = torch.get_rng_state()
+        iter(torch.utils.data.DataLoader(range(4), shuffle=False, **kwargs))
+        return not torch.equal(before, torch.get_rng_state())
+
+    assert global_state_moves()  # the default: every iter() draws from the global RNG
+    assert not global_state_moves(generator=torch.Generator())  # what train.py does
+
+
+def test_lesson_source_does_what_the_readme_says():
+    source = (REPO / SCRIPT).read_text()
+    # Each rank's own seed comes after the model is built and wrapped, as in 01.
+    assert source.index("model = DDP(model") < source.index("torch.manual_seed(cfg.seed + launch.rank)")
+    assert "generator.manual_seed(cfg.seed + launch.rank + epoch * launch.world_size)" in source
+    # Besides 01's collectives: one all-reduce per step (the stop flag), gather_object + barrier per save,
+    # and rank 0's choice of checkpoint broadcast at start-up.
+    def collectives(path):
+        return Counter(re.findall(r"\bdist\.(all_reduce|gather_object|barrier|broadcast_object_list|all_gather"
+                                  r"\w*|broadcast)\(", (REPO / path).read_text()))
+    assert collectives(SCRIPT) - collectives("01_basic_ddp/train.py") == Counter(
+        all_reduce=1, gather_object=1, barrier=1, broadcast_object_list=1)
+    lesson = ast.parse(source)
+    per_step = next(n for n in ast.walk(lesson) if isinstance(n, ast.FunctionDef) and n.name == "requested")
+    assert "dist.all_reduce(flag, op=dist.ReduceOp.MAX)" in ast.unparse(per_step)
+
+
+def test_requeue_code_and_torch_facts_the_readme_names():
+    assert ckpt.REQUEUE_EXIT_CODE == os.EX_TEMPFAIL == 75 and 128 + signal.SIGTERM == 143
+    torch_dir = Path(torch.__file__).parent
+    # torch 2.14: without map_location, tensors go back to the device they were saved from.
+    assert "moved to the device they were saved from" in " ".join(torch.load.__doc__.split())
+    # torch 2.14: the variable that keeps restarted workers off the old rendezvous store.
+    rendezvous = (torch_dir / "distributed/elastic/rendezvous/dynamic_rendezvous.py").read_text()
+    assert 'os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")' in rendezvous
+    # torchrun forwards only the signals it is told to handle; SIGUSR1 is not among the default ones.
+    run_py = (torch_dir / "distributed/run.py").read_text()
+    assert '"--signals-to-handle"' in run_py and 'default="SIGTERM,SIGINT,SIGHUP,SIGQUIT"' in run_py
+    import torch.distributed.checkpoint as dcp
+    assert callable(dcp.async_save)
+
+
+def test_checkpoint_py_is_file_io_only_and_a_failed_write_leaves_only_a_tmp_file(tmp_path):
+    source = (REPO / "05_checkpointing" / "checkpoint.py").read_text()
+    assert "torch.distributed" not in source and "dist." not in source  # no collectives
+    target = tmp_path / ckpt.checkpoint_name(40)
+
+    def crash(f):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.atomic_write(target, crash)
+    assert [p.name for p in tmp_path.iterdir()] == [f".ckpt-00000040.pt.tmp-{os.getpid()}"]
+    assert ckpt.list_checkpoints(tmp_path) == [] and ckpt.read_latest(tmp_path) is None  # never read
+    ckpt.save(_checkpoint_like(50), tmp_path, 50, keep=3)  # the next save removes it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000050.pt", "latest"]
+    assert (tmp_path / "latest").read_text() == "ckpt-00000050.pt\n"  # a one-line text file
+
+
+@pytest.mark.parametrize("case", ["missing file", "garbage file", "weights that do not fit"])
+def test_export_bad_input_is_one_error_line_and_exit_code_2(case, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "checkpoint", ckpt)  # export_model.py imports its neighbour by that name
+    export = load_script("05_checkpointing/export_model.py", "export_model")
+    source = tmp_path / "in.pt"
+    if case == "garbage file":
+        source.write_bytes(os.urandom(1000))
+    elif case == "weights that do not fit":
+        torch.save({"fc.weight": torch.zeros(2, 2)}, source)
+    with pytest.raises(SystemExit) as exc:
+        export.main([str(source), str(tmp_path / "out.pt")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(f"error: {source}"), err
+    assert not (tmp_path / "out.pt").exists()

@@ -3,12 +3,15 @@ two network namespaces), and the failures a first multi-node launch meets."""
 
 from __future__ import annotations
 
+import ast
+import difflib
 import json
 import os
 import re
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -70,6 +73,24 @@ def test_torchrun_two_nodes_c10d_agrees_with_one_node(tmp_path):
     assert two["replica_checksums"] == one["replica_checksums"]
     banner = (tmp_path / "node0.log").read_text() + (tmp_path / "node1.log").read_text()
     assert re.search(r"^\s+1\s+0\s+\S+\s+cpu\s+\S+$", banner, re.M), "placement table row for rank 1 missing"
+    # The README's sample of this command: the table, the hosts line and the launcher line have the shape
+    # of this run's (its step lines and paths come from the README's longer run).
+    sample = [line for line in readme_sample("Output of the first command")
+              if not line.startswith(("epoch", "summary written"))]
+    assert len(sample) == 5
+    missing = shapes(sample, "vm") - shapes(banner.splitlines(), socket.gethostname())
+    assert not missing, f"README sample lines not in the real output: {sorted(missing)}\n{banner[-3000:]}"
+    # summary.json: 01's fields and four more.
+    assert summary_fields(TRAIN) - summary_fields(REPO / "01_basic_ddp" / "train.py") == {
+        "placement", "scheduler", "master_addr", "master_port"}
+    assert summary_fields(TRAIN) <= two.keys()
+
+
+def summary_fields(script) -> set[str]:
+    """The keyword arguments of the script's write_summary(...) call: the fields of its summary.json."""
+    tree = ast.parse(Path(script).read_text())
+    [call] = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "write_summary"]
+    return {kw.arg for kw in call.keywords}
 
 
 def test_placement_table_warns_when_two_ranks_share_a_gpu(capsys):
@@ -86,6 +107,11 @@ def test_placement_table_warns_when_two_ranks_share_a_gpu(capsys):
     assert re.search(r"^\s+1\s+0\s+gpu1\s+cuda:0\s+unset$", out, re.M)
     assert "4 ranks on 2 host(s): gpu1, gpu2" in out
     assert out.count("WARNING") == 1 and "WARNING: ranks [0, 1] share one GPU (cuda:0 of rank 0) on gpu1" in out
+    # The README quotes the warning as printed (in full once, then as a pattern).
+    readme = " ".join((REPO / "06_multinode" / "README.md").read_text().split())
+    [warning] = [line for line in out.splitlines() if line.startswith("WARNING")]
+    assert f"`{warning}`" in readme
+    assert "`WARNING: ranks [...] share one GPU (cuda:0 of rank ...) on <host>`" in readme
     # Per-rank binding (srun --gpus-per-task=1): cuda:0 everywhere, four GPUs, no warning; the masks are shown.
     train.print_placement([rank("gpu1", r, r, "cuda:0", f"GPU-{r}", visible=str(r)) for r in range(4)])
     out = capsys.readouterr().out
@@ -366,6 +392,52 @@ def test_slow_nodes_are_below_half_the_median(comm):
     assert comm.slow_nodes({"a": 10.0, "b": 9.0, "c": 4.4}, 3.0) == []
 
 
+def test_readme_quotes_the_launchers_error_for_more_ranks_than_gpus():
+    """The README's row for 8 ranks on a node of 4 GPUs is common.launcher's message."""
+    from tests.test_launcher import launch_info, node_of
+    from common.errors import LauncherError
+
+    with pytest.raises(LauncherError) as exc:
+        launch_info(node_of(8, 0, None), gpus=4)
+    readme = (REPO / "06_multinode" / "README.md").read_text()
+    assert f"`error: {exc.value}`" in readme
+    # Raised while reading the launcher's variables, before any process group: no script gets to set_device.
+    assert ("are refused by every script, `comm_check.py` included, with one `error:` line before any process "
+            "group") in " ".join(readme.split())
+
+
+def test_timed_iterations_are_fewer_above_one_mib_and_at_least_3(comm):
+    """--iters' help; and the iters column of both README samples (run with the default --iters 20)."""
+    assert comm.CommConfig.__dataclass_fields__["iters"].default == 20
+    assert [comm.timed_iterations(2 ** k, 20) for k in (3, 20, 21, 22, 23, 28)] == [20, 20, 10, 5, 3, 3]
+    rows = [m for marker in ("comm_check on this machine", "Two \"nodes\" of two ranks each")
+            for m in map(ROW.fullmatch, readme_sample(marker)) if m]
+    assert len(rows) > 30
+    assert all(int(m.group(2)) == comm.timed_iterations(int(m.group(1)), 20) for m in rows)
+
+
+def test_06_is_01_line_for_line_plus_the_placement_table():
+    """Below the module docstring, `diff 01 06` is the placement table's functions, their two calls, an import
+    and the four summary fields."""
+    def code(path):
+        text = path.read_text()
+        return text.splitlines()[ast.parse(text).body[0].end_lineno:]
+
+    lesson = TRAIN.read_text()
+    new_functions = {line for name in ("gather_placement", "print_placement")
+                     for line in ast.get_source_segment(lesson, next(
+                         n for n in ast.parse(lesson).body if getattr(n, "name", "") == name)).splitlines()}
+    diff = list(difflib.unified_diff(code(REPO / "01_basic_ddp" / "train.py"), code(TRAIN), n=0, lineterm=""))[2:]
+    removed = [line[1:].strip() for line in diff if line.startswith("-") and line[1:].strip()]
+    added = [line[1:].strip() for line in diff if line.startswith("+") and line[1:].strip()
+             and line[1:] not in new_functions]
+    assert removed == ["wall_time_s=elapsed)"]
+    assert added == ["import socket", "placement = gather_placement(launch, device)  # a collective: every rank takes part",
+                     "print_placement(placement)",
+                     "wall_time_s=elapsed, placement=placement, scheduler=launch.scheduler,",
+                     "master_addr=launch.master_addr, master_port=launch.master_port)"]
+
+
 def test_comm_check_default_reaches_256_mib():
     result = run([PYTHON, COMM, "--help"], 60, check=True)
     assert "largest message in bytes (doubling from --min-bytes) (default: 268435456)" in " ".join(result.stdout.split())
@@ -397,6 +469,11 @@ def test_wrong_master_addr_fails_clearly_within_timeout(tmp_path):
     for needle in ("rank 0", socket.gethostname(), "192.0.2.1:29999", "MASTER_ADDR", "GLOO_SOCKET_IFNAME",
                    "NCCL_SOCKET_IFNAME", "NCCL_DEBUG=INFO"):
         assert needle in error[0]
+    # As the README's table of errors quotes it (there: rank 1 on nodeB, 10.0.0.1:29500, the default 60 s).
+    assert error[0].startswith(f"error: rank 0 on {socket.gethostname()} cannot reach rank 0's store at "
+                               "192.0.2.1:29999 within 3 s"), error[0]
+    assert ("`error: rank 1 on nodeB cannot reach rank 0's store at 10.0.0.1:29500 within 60 s`"
+            in (REPO / "06_multinode" / "README.md").read_text())
     print(f"wrong MASTER_ADDR: both ranks exited in {time.perf_counter() - start:.1f} s")
 
 
@@ -406,6 +483,8 @@ def test_missing_rank_is_named(tmp_path):
     result = run([PYTHON, COMM, "--timeout-s", "3"], 60, env=env)
     assert result.returncode == 2
     assert "rank(s) 1, 2 of 3 never checked in" in result.stderr
+    comm = load_script("06_multinode/comm_check.py", "comm_check")  # the README's row: ranks 2 and 3 of 4
+    assert f"`rank(s) {comm._ranges([2, 3])} of 4 never checked in`" in (REPO / "06_multinode" / "README.md").read_text()
     assert "GLOO_SOCKET_IFNAME" in result.stderr
 
 
