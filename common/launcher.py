@@ -13,7 +13,7 @@ import torch
 
 from common.errors import LauncherError, exit_on_bad_input
 
-DEFAULT_PORT = 29500  # torchrun's default
+DEFAULT_PORT = 29500  # torchrun's --master-port default across nodes (one node without it: a free port)
 PORT_BASE, PORT_SPAN, ARRAY_STRIDE = 15000, 15000, 7537  # below the ephemeral range (32768+); stride coprime to span
 LOOPBACK = "127.0.0.1"
 _MPI_LIKE = [  # (launcher, variables that mark it, rank, local rank, world size, local world size)
