@@ -164,7 +164,7 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     "python 01_basic_ddp/train_single.py": Run(SHORT, files=("runs/latest/summary.json",)),
     "python 01_basic_ddp/train_spawn.py --nprocs 2": Run(SHORT, expect=(r"world size 2",)),
     "mpiexec -n 2 python 01_basic_ddp/train.py":
-        Run(SHORT, expect=(r"launcher mpi", r"world size 2"), env=OPEN_MPI_AS_ROOT, tools=("mpiexec",)),
+        Run(SHORT, expect=(r"launcher (openmpi|mpich|intel-mpi)", r"world size 2"), env=OPEN_MPI_AS_ROOT, tools=("mpiexec",)),
     "srun --ntasks=2 python 01_basic_ddp/train.py": NotRun("scheduler"),
     "torchrun --standalone --nproc_per_node=4 01_basic_ddp/train.py --config 01_basic_ddp/cifar10.yaml":
         NotRun("download"),
@@ -218,8 +218,8 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     "torchrun --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:29400 --rdzv_id=demo "
     "06_multinode/train.py --max-steps 20 --epochs 1": Run(two_nodes=True, expect=(r"world size 2",)),
     "mpiexec -n 2 python 06_multinode/train.py":
-        Run(SHORT, expect=(r"launcher mpi", r"world size 2"), env=OPEN_MPI_AS_ROOT, tools=("mpiexec",)),
-    "torchrun --standalone --nproc_per_node=2 06_multinode/comm_check.py": Run(COMM_SHORT, expect=(r"65536",)),
+        Run(SHORT, expect=(r"launcher (openmpi|mpich|intel-mpi)", r"world size 2"), env=OPEN_MPI_AS_ROOT, tools=("mpiexec",)),
+    "torchrun --standalone --nproc_per_node=2 06_multinode/comm_check.py": Run(COMM_SHORT, expect=(r"\b65536 +3 ",)),
     "srun --ntasks-per-node=4 python 06_multinode/comm_check.py --pairs": NotRun("scheduler"),
 
     # benchmark
@@ -235,9 +235,9 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
 
     # debugging: the injected failures fail on purpose
     "PYTHONPATH=.:tests/inject DDP_TEST_FAIL_AT_STEP=3 DDP_TEST_FAIL_RANK=1 torchrun --standalone "
-    "--nproc_per_node=2 01_basic_ddp/train.py": Run(exit_code=1, expect=(r"injected",)),
+    "--nproc_per_node=2 01_basic_ddp/train.py": Run(exit_code=1, expect=(r"injected failure at",)),
     "PYTHONPATH=.:tests/inject DDP_TEST_FAIL_AT_STEP=2 DDP_TEST_FAIL_RANK=1 DDP_TEST_FAIL_MODE=hang torchrun "
-    "--standalone --nproc_per_node=2 01_basic_ddp/train.py --timeout-s 5": Run(exit_code=1, expect=(r"injected",)),
+    "--standalone --nproc_per_node=2 01_basic_ddp/train.py --timeout-s 5": Run(exit_code=1, expect=(r"injecting a hang",)),
     "export TORCH_FR_DUMP_TEMP_FILE=$PWD/runs/fr/trace_": NotRun("gpu"),
     "torchfrtrace runs/fr -p trace_": NotRun("gpu"),
     "torchfrtrace runs/fr -p trace_ -j": NotRun("gpu"),
