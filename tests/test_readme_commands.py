@@ -237,7 +237,7 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     "PYTHONPATH=.:tests/inject DDP_TEST_FAIL_AT_STEP=3 DDP_TEST_FAIL_RANK=1 torchrun --standalone "
     "--nproc_per_node=2 01_basic_ddp/train.py": Run(exit_code=1, expect=(r"injected failure at",)),
     "PYTHONPATH=.:tests/inject DDP_TEST_FAIL_AT_STEP=2 DDP_TEST_FAIL_RANK=1 DDP_TEST_FAIL_MODE=hang torchrun "
-    "--standalone --nproc_per_node=2 01_basic_ddp/train.py --timeout-s 5": Run(exit_code=1, expect=(r"injecting a hang",)),
+    "--standalone --nproc_per_node=2 01_basic_ddp/train.py --timeout-s 5": Run(exit_code=1, expect=(r"injecting a hang", r"Timed out waiting 5000ms")),
     "export TORCH_FR_DUMP_TEMP_FILE=$PWD/runs/fr/trace_": NotRun("gpu"),
     "torchfrtrace runs/fr -p trace_": NotRun("gpu"),
     "torchfrtrace runs/fr -p trace_ -j": NotRun("gpu"),
