@@ -111,3 +111,16 @@ def relative_difference(a: dict, b: dict) -> float:
     """Largest ||a - b|| / ||b|| over the tensors of two state dicts (same keys required)."""
     assert a.keys() == b.keys()
     return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm()).item() for k in a)
+
+
+def readme_command(readme: str, command: str) -> list[str]:
+    """The argv of `command`, taken as written from a ```bash block of `readme` (failing if that no longer
+    shows it), with `python` and `torchrun` run by this interpreter; relative paths need cwd=REPO."""
+    import shlex
+
+    text = (REPO / readme).read_text()
+    shown = any(" ".join(line.split("#")[0].split()) == command for line in text.splitlines())
+    assert shown, f"{readme} no longer shows `{command}`"
+    argv = shlex.split(command)
+    launchers = {"python": [PYTHON], "torchrun": [PYTHON, "-m", "torch.distributed.run"]}
+    return launchers.get(argv[0], argv[:1]) + argv[1:]

@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, clean_env, free_port, kill_group, read_summary, root_cause, run, torchrun
+from tests.helpers import (PYTHON, REPO, clean_env, free_port, kill_group, read_summary, readme_command, root_cause,
+                           run, torchrun)
 from tests.launcher_tools import need_root, need_tools
 
 from common.launcher import master_port
@@ -30,8 +31,11 @@ SHORT = ("--max-steps", "1", "--epochs", "1", "--batch-size", "16")
 
 # --- torchrun's summary: exit codes of ranks killed by a signal ----------------------------------------
 
+RANK_ABORT = "torchrun --standalone --nproc_per_node=2 debugging/rank_signal.py --how abort"
+
+
 def test_rank_aborted_is_exitcode_minus_6_sigabrt():
-    result = torchrun("debugging/rank_signal.py", "--how", "abort", check=False, timeout=120)
+    result = run(readme_command("debugging/README.md", RANK_ABORT), timeout=120)
     out = result.output
     assert result.returncode != 0
     assert "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in out

@@ -1,0 +1,443 @@
+"""Every command in a README's ```bash blocks is classified here by its exact text, and every one that
+runs on a CPU offline is run as written: through `bash -c`, from the root of a fresh copy of the tracked
+tree (so runs/ and data/ land there), training runs shortened with the suffixes below (the top-level
+README names them). The others say next to them why they are not run here: a GPU, a
+download, a scheduler, or the test suite itself (whose commands are only collected).
+
+A new command in a README fails test_every_readme_command_is_classified until it is added to COMMANDS;
+an entry no README has any more fails it too.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import PYTHON, REPO, clean_env, kill_group, run
+from tests.launcher_tools import need_root, need_tools, unavailable
+
+# --- the commands of the READMEs ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Command:
+    text: str        # the command, whitespace-normalised, without its trailing comment (the table's key)
+    source: str      # the command as written (continuation lines included, comment left out)
+    comment: str     # its trailing `# ...` annotation, if any
+    before: str      # the paragraph just before its ```bash block
+    readme: str
+
+
+def _split_comment(line: str) -> tuple[str, str]:
+    """`cmd  # note` -> ("cmd", "note"); a # inside quotes or a word (`$#`, `a#b`) is not a comment."""
+    quote = ""
+    for i, ch in enumerate(line):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip(), line[i + 1:].strip()
+    return line.rstrip(), ""
+
+
+def _open_quote(text: str) -> bool:
+    quote = ""
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+    return bool(quote)
+
+
+def readme_commands() -> list[Command]:
+    files = subprocess.run(["git", "ls-files", "*.md"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.split()
+    commands = []
+    for readme in files:
+        lines = (REPO / readme).read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            if lines[i].strip() != "```bash":
+                i += 1
+                continue
+            start = i
+            paragraph = []
+            j = start - 1
+            while j >= 0 and not lines[j].strip():
+                j -= 1
+            while j >= 0 and lines[j].strip():
+                paragraph.insert(0, lines[j])
+                j -= 1
+            i += 1
+            pending = ""
+            while lines[i].strip() != "```":
+                line = lines[i]
+                i += 1
+                if not pending and (not line.strip() or line.lstrip().startswith("#")):
+                    continue
+                pending = f"{pending}\n{line}" if pending else line
+                # a backslash continues the line; so does a quote left open ('... &&\n    ...')
+                source, comment = _split_comment(pending)
+                if source.endswith("\\") or _open_quote(source):
+                    continue
+                text = " ".join(source.replace("\\\n", " ").split())
+                commands.append(Command(text, source, comment, " ".join(paragraph), readme))
+                pending = ""
+            i += 1
+    return commands
+
+
+# --- the table ---------------------------------------------------------------------------------------
+
+SHORT = "--epochs 1 --max-steps 2"         # training commands
+BENCH_SHORT = "--warmup 1 --steps 1"       # benchmark/benchmark.py
+COMM_SHORT = "--max-bytes 65536 --iters 3"  # 06_multinode/comm_check.py (256 MiB messages by default)
+SWEEP_SHORT = f"{BENCH_SHORT} --sweep-knobs bf16_compress"  # one knob of the sweep
+
+# Open MPI refuses to start as root without these; 06_multinode/README.md names them.
+OPEN_MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+@dataclass(frozen=True)
+class Run:
+    """Run the command as written (+ suffix, inserted before `insert_before` if that is in it)."""
+    suffix: str = ""
+    expect: tuple[str, ...] = ()     # regular expressions the output must contain
+    files: tuple[str, ...] = ()      # files (relative to the tree) the command must leave
+    exit_code: int = 0
+    group: str = ""                  # commands of one group run in table order in one tree copy
+    env: dict = field(default_factory=dict)
+    tools: tuple[str, ...] = ()      # skip without them (fail under REQUIRE_REAL_LAUNCHERS=1)
+    root: bool = False
+    again_expect: tuple[str, ...] = ()  # run it a second time; the second output must contain these
+    two_nodes: bool = False          # run two copies at once (06's two "nodes" on one machine)
+    insert_before: str = ""
+
+
+@dataclass(frozen=True)
+class NotRun:
+    reason: str  # gpu, download, scheduler, test-suite
+
+
+@dataclass(frozen=True)
+class RunElsewhere:
+    test: str  # tests/test_x.py::name, which runs the command it reads from the README
+
+
+# The words a README must show next to a command that is not run (comment or paragraph before the block).
+REASON_WORDS = {
+    "gpu": r"\bGPU",
+    "download": r"download|pip install",
+    "scheduler": r"cluster|Slurm|PBS|allocation",
+    "test-suite": r"\btests?\b",
+}
+
+COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
+    # README.md
+    "pip install -r requirements.txt && torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py":
+        NotRun("download"),
+    "pip install -r requirements-test.txt && python -m pytest": NotRun("test-suite"),
+    "module load conda && conda activate": NotRun("scheduler"),
+    "pip install -r requirements-site.txt": NotRun("download"),
+    "python -m common.prepare --dataset cifar10 --data-dir data": NotRun("download"),
+    "torchrun --standalone --nproc_per_node=2 benchmark/train.py --precision bf16 --comm-hook bf16_compress":
+        Run(SHORT, expect=(r"world size 2",), files=("runs/latest/summary.json",)),
+
+    # 01_basic_ddp
+    "diff 01_basic_ddp/train_single.py 01_basic_ddp/train.py":
+        Run(exit_code=1, expect=(r"> .*init_process_group", r"> .*DistributedSampler", r"> .*DDP\(")),
+    "torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py":
+        Run(SHORT, expect=(r"launcher torchrun, gloo on cpu", r"world size 2"),
+            files=("runs/latest/summary.json", "runs/latest/model.pt")),
+    "python 01_basic_ddp/train.py":
+        Run(SHORT, expect=(r"launcher single", r"world size 1"), files=("runs/latest/model.pt",), group="02-gather"),
+    "python 01_basic_ddp/train_single.py": Run(SHORT, files=("runs/latest/summary.json",)),
+    "python 01_basic_ddp/train_spawn.py --nprocs 2": Run(SHORT, expect=(r"world size 2",)),
+    "mpiexec -n 2 python 01_basic_ddp/train.py":
+        Run(SHORT, expect=(r"launcher (openmpi|mpich|intel-mpi)", r"world size 2"), env=OPEN_MPI_AS_ROOT, tools=("mpiexec",)),
+    "srun --ntasks=2 python 01_basic_ddp/train.py": NotRun("scheduler"),
+    "torchrun --standalone --nproc_per_node=4 01_basic_ddp/train.py --config 01_basic_ddp/cifar10.yaml":
+        NotRun("download"),
+
+    # 02_sampler_patterns
+    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/partition_viewer.py --num-samples 10":
+        Run(expect=(r"N = 10 samples, W = 3 ranks", r"rank 1: \[1, 4, 7, 0\]   <- repeats \[0\]")),
+    "python 02_sampler_patterns/partition_viewer.py --num-samples 10 --simulate-world-size 8":
+        Run(expect=(r"N = 10 samples, W = 8 ranks",)),
+    "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/no_sampler_pitfall.py":
+        Run(expect=(r"no_sampler: .*50% of the compute repeated", r"distributed_sampler: .*0% of the compute repeated")),
+    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/distributed_eval.py":
+        Run(SHORT, expect=(r"exact +359 ", r"sampler_padded +360 ")),
+    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/gather_predictions.py":
+        Run(expect=(r"359 rows, every index once, in data-set order",), group="02-gather"),
+    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/gather_predictions.py --padded":
+        Run(expect=(r"360 rows for 359 images, repeated: \[0\]",), group="02-gather"),
+    "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/weighted_sampler.py":
+        Run(SHORT, expect=(r"indices read by two ranks: 0",)),
+    "python 02_sampler_patterns/prepare_shards.py --num-shards 12 --out-dir data/digits_shards":
+        Run(files=("data/digits_shards/manifest.json",), group="02-shards"),
+    "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/sharded_loading.py --shards-dir data/digits_shards":
+        Run(SHORT, group="02-shards", files=("runs/sharded_loading/summary.json",)),
+    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/uneven_inputs.py --fix join":
+        Run(SHORT, files=("runs/uneven_inputs/summary.json",)),
+    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/uneven_inputs.py --fix drop_last":
+        Run(SHORT, files=("runs/uneven_inputs/summary.json",)),
+    # "hangs, fails after 10 s": no shortening, the 10 s timeout is the demonstration
+    "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/uneven_inputs.py --fix none --timeout-s 10":
+        Run(exit_code=1, expect=(r"[Mm]onitored barrier|monitoredBarrier|[Tt]imed out",)),
+    "python -m pytest tests/test_sampler_patterns.py -q": NotRun("test-suite"),
+
+    # 05_checkpointing: stopped and started again it resumes (here: stopped by --max-steps)
+    "torchrun --standalone --nproc_per_node=2 05_checkpointing/train.py --save-every-steps 20":
+        Run(SHORT, group="05", again_expect=(r"resumed from",), files=("runs/latest/checkpoints",)),
+    "python 05_checkpointing/export_model.py runs/latest/checkpoints model.pt": Run(group="05", files=("model.pt",)),
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=2 "
+    "05_checkpointing/train.py": Run(SHORT, files=("runs/latest/checkpoints",)),
+    "sbatch jobs/slurm_srun.sbatch": NotRun("scheduler"),
+    "qsub jobs/pbs_mpiexec.pbs": NotRun("scheduler"),
+    "SITE=perlmutter sbatch jobs/slurm_srun.sbatch": NotRun("scheduler"),  # jobs/sites
+    "qsub -v SITE=derecho jobs/pbs_mpiexec.pbs": NotRun("scheduler"),
+    "torchrun --standalone --nproc_per_node=2 05_checkpointing/dcp_example.py --mode save":
+        Run(group="dcp", files=("runs/dcp/checkpoint/.metadata",)),
+    "torchrun --standalone --nproc_per_node=1 05_checkpointing/dcp_example.py --mode load":
+        Run(group="dcp", expect=(r"parameters equal True, momentum buffers equal True",)),
+    "python -m torch.distributed.checkpoint.format_utils dcp_to_torch runs/dcp/checkpoint model.pt":
+        Run(group="dcp", files=("model.pt",)),
+
+    # 06_multinode
+    "torchrun --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:29400 --rdzv_id=demo "
+    "06_multinode/train.py --max-steps 20 --epochs 1": Run(two_nodes=True, expect=(r"world size 2",)),
+    "mpiexec -n 2 python 06_multinode/train.py":
+        Run(SHORT, expect=(r"launcher (openmpi|mpich|intel-mpi)", r"world size 2"), env=OPEN_MPI_AS_ROOT, tools=("mpiexec",)),
+    "torchrun --standalone --nproc_per_node=2 06_multinode/comm_check.py": Run(COMM_SHORT, expect=(r"\b65536 +3 ",)),
+    "srun --ntasks-per-node=4 python 06_multinode/comm_check.py --pairs": NotRun("scheduler"),
+
+    # benchmark
+    "torchrun --standalone --nproc_per_node=2 benchmark/train.py --no-ddp --profile-steps 20":
+        Run(SHORT, files=("runs/latest/summary.json",)),
+    "torchrun --standalone --nproc_per_node=2 benchmark/train.py --model resnet18 --dataset fake --image-size 32 "
+    "--activation-checkpointing non_reentrant": Run(SHORT, files=("runs/latest/summary.json",)),
+    "python benchmark/benchmark.py --world-sizes 1,2": Run(BENCH_SHORT, files=("runs/benchmark",)),
+    "python benchmark/benchmark.py --world-sizes 1,2,4,8 --model resnet18 --dataset cifar10 --batch-size 128":
+        NotRun("download"),
+    "python benchmark/benchmark.py --world-sizes 1,2 --sweep": Run(SWEEP_SHORT, expect=(r"bf16_compress",)),
+    "python benchmark/benchmark.py --world-sizes 1,2 -- --precision bf16": Run(BENCH_SHORT, insert_before=" -- "),
+
+    # debugging: the injected failures fail on purpose
+    "PYTHONPATH=.:tests/inject DDP_TEST_FAIL_AT_STEP=3 DDP_TEST_FAIL_RANK=1 torchrun --standalone "
+    "--nproc_per_node=2 01_basic_ddp/train.py": Run(exit_code=1, expect=(r"injected failure at",)),
+    "PYTHONPATH=.:tests/inject DDP_TEST_FAIL_AT_STEP=2 DDP_TEST_FAIL_RANK=1 DDP_TEST_FAIL_MODE=hang torchrun "
+    "--standalone --nproc_per_node=2 01_basic_ddp/train.py --timeout-s 5": Run(exit_code=1, expect=(r"injecting a hang", r"Timed out waiting 5000ms")),
+    "export TORCH_FR_DUMP_TEMP_FILE=$PWD/runs/fr/trace_": NotRun("gpu"),
+    "torchfrtrace runs/fr -p trace_": NotRun("gpu"),
+    "torchfrtrace runs/fr -p trace_ -j": NotRun("gpu"),
+    'py-spy dump --subprocesses --pid $(pgrep -f "torch.distributed.run|torchrun" | head -1)': NotRun("download"),
+    "for pid in $(pgrep -f 01_basic_ddp/train.py); do py-spy dump --pid $pid; done": NotRun("download"),
+    "torchrun --standalone --nproc_per_node=2 debugging/rank_signal.py --how abort":
+        RunElsewhere("tests/test_forum_errors.py::test_rank_aborted_is_exitcode_minus_6_sigabrt"),
+    "unshare -m sh -c 'mount -t tmpfs -o size=1m tmpfs /dev/shm && torchrun --standalone --nproc_per_node=2 "
+    "debugging/rank_signal.py --how shm --shm-mb 4'":
+        Run(exit_code=1, root=True, tools=("unshare", "mount"), expect=(r"exitcode  : -7 .*\(SIGBUS\)",)),
+    "python -m torch.distributed.launch --nproc-per-node=2 debugging/local_rank_args.py --plain":
+        Run(exit_code=1, expect=(r"unrecognized arguments: --local-rank=",)),
+    "python -m torch.distributed.launch --nproc-per-node=2 debugging/local_rank_args.py": Run(),
+    "torchrun --nproc-per-node=2 debugging/local_rank_args.py": Run(),
+    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py": Run(),
+    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers inplace":
+        Run(exit_code=1, expect=(r"modified by an inplace operation",)),
+    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers inplace --forward concat": Run(),
+    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers local": Run(),
+}
+
+
+# --- the table against the READMEs -------------------------------------------------------------------
+
+def test_every_readme_command_is_classified_and_every_entry_is_in_a_readme():
+    found = {c.text for c in readme_commands()}
+    assert len(found) > 40, found  # the parser still finds the blocks
+    unclassified = sorted(found - COMMANDS.keys())
+    stale = sorted(COMMANDS.keys() - found)
+    assert not unclassified, "README commands missing from COMMANDS:\n" + "\n".join(unclassified)
+    assert not stale, "COMMANDS entries in no README:\n" + "\n".join(stale)
+
+
+def test_commands_not_run_say_why_next_to_them():
+    silent = []
+    for command in readme_commands():
+        how = COMMANDS.get(command.text)
+        if isinstance(how, NotRun):
+            assert how.reason in REASON_WORDS, how
+            if not re.search(REASON_WORDS[how.reason], f"{command.comment}\n{command.before}", re.I):
+                silent.append(f"{command.readme}: `{command.text}` ({how.reason}: {REASON_WORDS[how.reason]})")
+    assert not silent, "not run, but neither the comment nor the paragraph before the block says why:\n" + (
+        "\n".join(silent))
+
+
+def test_readme_names_the_shortening_flags_the_table_uses():
+    """The top-level README's sentence on this file names exactly the flags the table appends."""
+    paragraphs = (REPO / "README.md").read_text().split("\n\n")
+    sentence = next(p for p in paragraphs if "tests/test_readme_commands.py" in p)
+    named = set(re.findall(r"`(--[^`]*)`", sentence))
+    used = {how.suffix for how in COMMANDS.values() if isinstance(how, Run) and how.suffix}
+    for suffix in used:  # each suffix is made of flags the sentence names
+        rest = suffix
+        for flags in sorted(named, key=len, reverse=True):
+            rest = rest.replace(flags, "")
+        assert not rest.strip(), f"the README does not name {rest.strip()!r} (of {suffix!r})"
+    for flags in named:  # and it names no flag the table does not use
+        assert any(flags in suffix for suffix in used), flags
+
+
+def test_the_parser_reads_continuations_comments_and_open_quotes():
+    commands = {c.text: c for c in readme_commands()}
+    demo = commands["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 "
+                    "--max-restarts=2 05_checkpointing/train.py"]
+    assert demo.comment.startswith("survives a crashed worker") and "\\\n" in demo.source
+    shm = next(c for c in commands.values() if c.text.startswith("unshare -m"))
+    assert shm.source.endswith("--shm-mb 4'") and "\n" in shm.source
+    spy = next(c for c in commands.values() if c.text.startswith("py-spy dump --subprocesses"))
+    assert spy.text.endswith('| head -1)') and spy.comment == "all ranks under this torchrun"
+
+
+# --- running them -----------------------------------------------------------------------------------
+
+def _groups() -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for text, how in COMMANDS.items():
+        if isinstance(how, Run):
+            groups.setdefault(how.group or text, []).append(text)
+    return groups
+
+
+GROUPS = _groups()
+
+
+@pytest.fixture(scope="module")
+def tracked_tree(tmp_path_factory) -> Path:
+    tree = tmp_path_factory.mktemp("tracked") / "repo"
+    for name in subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
+                               check=True).stdout.splitlines():
+        if (REPO / name).is_file():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, tree / name)
+    return tree
+
+
+def _env(extra: dict) -> dict[str, str]:
+    """A user's shell: no PYTHONPATH, this interpreter's `python` and `torchrun` first on PATH."""
+    env = clean_env(**extra)
+    del env["PYTHONPATH"]
+    env["PATH"] = f"{Path(PYTHON).parent}{os.pathsep}{env['PATH']}"
+    return env
+
+
+def _script(source: str, how: Run) -> str:
+    if not how.suffix:
+        return source
+    if how.insert_before:
+        head, sep, tail = source.partition(how.insert_before)
+        assert sep, (source, how.insert_before)
+        return f"{head} {how.suffix}{sep}{tail}"
+    return f"{source} {how.suffix}"
+
+
+ADDRESS_IN_USE = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
+
+
+def _run_once(script: str, how: Run, cwd: Path, timeout: float):
+    if not how.two_nodes:
+        return run(["bash", "-c", script], timeout, env=_env(how.env), cwd=cwd)
+    # two terminals: both copies at once; both must succeed
+    procs = [subprocess.Popen(["bash", "-c", script], cwd=cwd, env=_env(how.env), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+             for _ in range(2)]
+    outputs, deadline = [], time.monotonic() + timeout
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            kill_group(proc)
+        pytest.fail(f"timed out after {timeout}s: {script}", pytrace=False)
+    code = next((p.returncode for p in procs if p.returncode), 0)
+    return subprocess.CompletedProcess(script, code, "\n".join(outputs), "")
+
+
+def _run_command(text: str, cwd: Path, sources: dict[str, str]):
+    how = COMMANDS[text]
+    script = _script(sources[text], how)
+    for attempt in range(3):
+        result = _run_once(script, how, cwd, timeout=240)
+        output = (result.stdout or "") + (result.stderr or "")
+        # a fixed port (06's 29400, torchrun's default 29500) taken by another test: retry only that
+        if not (result.returncode and ADDRESS_IN_USE.search(output)) or how.exit_code:
+            break
+        time.sleep(5 * (attempt + 1))
+    if how.root and re.search(r"^(unshare|mount): ", output, re.M):  # a container without the privilege
+        unavailable(f"not permitted here: {output.strip().splitlines()[0]}")
+    assert result.returncode == how.exit_code, f"exit {result.returncode}: {script}\n{output[-4000:]}"
+    for pattern in how.expect:
+        assert re.search(pattern, output), f"{pattern!r} not in the output of: {script}\n{output[-4000:]}"
+    for name in how.files:
+        assert (cwd / name).exists(), f"{script} wrote no {name}"
+    return output
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_readme_command_runs_as_written(group, tracked_tree, tmp_path):
+    sources = {c.text: c.source for c in readme_commands()}
+    texts = GROUPS[group]
+    for text in texts:
+        how = COMMANDS[text]
+        if how.tools:
+            need_tools(*how.tools)
+        if how.root:
+            need_root(text)
+    tree = tmp_path / "repo"
+    shutil.copytree(tracked_tree, tree)
+    for text in texts:
+        how = COMMANDS[text]
+        _run_command(text, tree, sources)
+        if how.again_expect:
+            output = _run_command(text, tree, sources)
+            for pattern in how.again_expect:
+                assert re.search(pattern, output), f"{pattern!r} not in the second run's output\n{output[-4000:]}"
+
+
+def test_test_suite_commands_collect():
+    """The pytest commands are run by CI; here they must at least collect without an error."""
+    for text, how in COMMANDS.items():
+        if isinstance(how, NotRun) and how.reason == "test-suite":
+            pytest_args = text.split("python -m pytest", 1)[1].split()
+            result = run([PYTHON, "-m", "pytest", *pytest_args, "--collect-only", "-q", "-n", "0"], timeout=240)
+            assert result.returncode == 0, result.output[-4000:]
+            # "N tests collected", or with -q -q one "file: N" line per file
+            assert re.search(r"[1-9]\d* tests? collected|^tests/\S+\.py: [1-9]\d*$", result.output, re.M), (
+                result.output[-2000:])
+
+
+def test_commands_run_elsewhere_are_read_from_the_readme_by_that_test():
+    """A RunElsewhere test exists and runs the command through readme_command (so it runs it as written)."""
+    for text, how in COMMANDS.items():
+        if not isinstance(how, RunElsewhere):
+            continue
+        path, name = how.test.split("::")
+        tree = ast.parse((REPO / path).read_text())
+        constants = {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                     and isinstance(node.value, ast.Constant) for target in node.targets if isinstance(target, ast.Name)}
+        test = next((node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name), None)
+        assert test is not None, f"{how.test} does not exist"
+        commands = [constants.get(arg.id) if isinstance(arg, ast.Name) else getattr(arg, "value", None)
+                    for call in ast.walk(test) if isinstance(call, ast.Call)
+                    and getattr(call.func, "id", None) == "readme_command" for arg in call.args[1:2]]
+        assert text in commands, f"{how.test} does not run readme_command(..., {text!r})"
