@@ -31,7 +31,7 @@ from common.errors import ConfigError
 from common.launcher import LaunchInfo
 from common.models import SmallCNN
 from tests.cifar_files import write_cifar10
-from tests.helpers import (PYTHON, REPO, clean_env, free_port, load_model, load_script, read_summary,
+from tests.helpers import (PYTHON, REPO, clean_env, free_port, load_model, load_script, read_summary, readme_command,
                            relative_difference, run, torchrun)
 
 # benchmark/train.py imports its helpers as `perf` (its own folder is on sys.path when it runs); here
@@ -418,13 +418,18 @@ def test_benchmark_keeps_the_run_with_the_median_step_time():
     assert bench.median_run(runs[:2])["run"] == 1  # --repeats 2, as the published tables: the faster
     assert bench.median_run(runs[:1])["run"] == 0
 
+BENCHMARK_SWEEP = "python benchmark/benchmark.py --world-sizes 1,2 --sweep -- --precision bf16"
+
+
 def test_benchmark_table_and_sweep(tmp_path):
-    """World sizes 1 and 2, DDP and --no-ddp, one knob swept: 5 runs of benchmark/train.py (each a real
-    torchrun), with a flag after `--` that goes to every run."""
+    """benchmark/README.md's sweep command as written, shortened (one knob, 1 + 2 steps): world sizes 1 and 2,
+    DDP and --no-ddp, one knob swept: 5 runs of benchmark/train.py (each a real torchrun), with the flag after
+    `--` in every run."""
     out = tmp_path / "bench"
-    result = run([PYTHON, REPO / "benchmark" / "benchmark.py", "--world-sizes", "1,2", "--batch-size", "16",
-                  "--warmup", "1", "--steps", "2", "--sweep", "--sweep-knobs", "bf16_compress",
-                  "--output-dir", out, "--", "--lr", "0.05"], timeout=420, check=True)
+    argv = readme_command("benchmark/README.md", BENCHMARK_SWEEP)
+    cut = argv.index("--")  # the shortening goes to benchmark.py, before the flags for every run
+    shortening = ["--warmup", "1", "--steps", "2", "--sweep-knobs", "bf16_compress", "--output-dir", str(out)]
+    result = run(argv[:cut] + shortening + argv[cut:], timeout=420, cwd=REPO, check=True)
     bench = load_script("benchmark/benchmark.py", "benchmark_main")
     assert bench.BenchConfig.__dataclass_fields__["script"].default == SCRIPT
     assert bench.BenchConfig.__dataclass_fields__["output_dir"].default == "runs/benchmark"
@@ -432,7 +437,8 @@ def test_benchmark_table_and_sweep(tmp_path):
     assert runs == ["ws1_ddp_r0", "ws1_noddp_r0", "ws2_bf16_compress_r0", "ws2_ddp_r0", "ws2_noddp_r0"]
     for name in runs:  # each run: torchrun, the flag after --, warm-up + measured steps + 1 (the last is not timed)
         summary = read_summary(out / name)
-        assert (summary["launcher"], summary["lr"], summary["steps"]) == ("torchrun", 0.05, 1 + 2 + 1), name
+        assert (summary["launcher"], summary["steps"]) == ("torchrun", 1 + 2 + 1), name
+        assert summary["perf"]["autocast_dtype"] == "bfloat16", name  # the flag after --
         assert (summary["profile"]["warmup_steps"], summary["profile"]["steps"]) == (1, 2), name
     # On CPU each rank gets cores / largest world size threads.
     assert f"{max(1, (os.cpu_count() or 1) // 2)} thread(s) per rank on CPU" in result.stdout
@@ -445,7 +451,8 @@ def test_benchmark_table_and_sweep(tmp_path):
         n, ips = int(r["world_size"]), float(r["images_per_s"])
         assert float(r["scaling_efficiency"]) == pytest.approx(ips / (n * one), rel=1e-9)
         assert float(r["images_per_s_per_rank"]) == pytest.approx(ips / n, rel=1e-9)
-        assert ips == pytest.approx(16 * n / (float(r["step_ms"]) / 1000), rel=1e-9)
+        batch = read_summary(out / f"ws{n}_ddp_r0")["global_batch_size"]
+        assert ips == pytest.approx(batch / (float(r["step_ms"]) / 1000), rel=1e-9)
         parts = [float(r[f"{part}_ms"]) for part in bench.PARTS]
         assert all(p >= 0 for p in parts) and float(r["step_ms"]) > 0 and float(r["no_ddp_images_per_s"]) > 0
         median = read_summary(out / f"ws{n}_ddp_r0")["profile"]["median_s"]  # the columns are the profile's parts

@@ -102,7 +102,7 @@ def readme_commands() -> list[Command]:
 SHORT = "--epochs 1 --max-steps 2"         # training commands
 BENCH_SHORT = "--warmup 1 --steps 1"       # benchmark/benchmark.py
 COMM_SHORT = "--max-bytes 65536 --iters 3"  # 06_multinode/comm_check.py (256 MiB messages by default)
-SWEEP_SHORT = f"{BENCH_SHORT} --sweep-knobs bf16_compress"  # one knob of the sweep
+SWEEP_SHORT = "--warmup 1 --steps 2 --sweep-knobs bf16_compress --output-dir"  # one knob; tests/test_perf.py
 
 # Open MPI refuses to start as root without these; 06_multinode/README.md names them.
 OPEN_MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -132,6 +132,7 @@ class NotRun:
 @dataclass(frozen=True)
 class RunElsewhere:
     test: str  # tests/test_x.py::name, which runs the command it reads from the README
+    suffix: str = ""  # the flags it adds, each a string constant in that test
 
 
 # The words a README must show next to a command that is not run (comment or paragraph before the block).
@@ -230,8 +231,8 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     "python benchmark/benchmark.py --world-sizes 1,2": Run(BENCH_SHORT, files=("runs/benchmark",)),
     "python benchmark/benchmark.py --world-sizes 1,2,4,8 --model resnet18 --dataset cifar10 --batch-size 128":
         NotRun("download"),
-    "python benchmark/benchmark.py --world-sizes 1,2 --sweep": Run(SWEEP_SHORT, expect=(r"bf16_compress",)),
-    "python benchmark/benchmark.py --world-sizes 1,2 -- --precision bf16": Run(BENCH_SHORT, insert_before=" -- "),
+    "python benchmark/benchmark.py --world-sizes 1,2 --sweep -- --precision bf16":
+        RunElsewhere("tests/test_perf.py::test_benchmark_table_and_sweep", SWEEP_SHORT),
 
     # debugging: the injected failures fail on purpose
     "PYTHONPATH=.:tests/inject DDP_TEST_FAIL_AT_STEP=3 DDP_TEST_FAIL_RANK=1 torchrun --standalone "
@@ -288,7 +289,7 @@ def test_readme_names_the_shortening_flags_the_table_uses():
     paragraphs = (REPO / "README.md").read_text().split("\n\n")
     sentence = next(p for p in paragraphs if "tests/test_readme_commands.py" in p)
     named = set(re.findall(r"`(--[^`]*)`", sentence))
-    used = {how.suffix for how in COMMANDS.values() if isinstance(how, Run) and how.suffix}
+    used = {how.suffix for how in COMMANDS.values() if isinstance(how, (Run, RunElsewhere)) and how.suffix}
     for suffix in used:  # each suffix is made of flags the sentence names
         rest = suffix
         for flags in sorted(named, key=len, reverse=True):
@@ -415,15 +416,24 @@ def test_readme_command_runs_as_written(group, tracked_tree, tmp_path):
 
 
 def test_test_suite_commands_collect():
-    """The pytest commands are run by CI; here they must at least collect without an error."""
+    """The pytest commands are run by CI (the whole suite: test_ci_runs_the_readmes_test_command); one that names
+    a file must at least collect it without an error."""
     for text, how in COMMANDS.items():
-        if isinstance(how, NotRun) and how.reason == "test-suite":
+        if isinstance(how, NotRun) and how.reason == "test-suite" and "tests/" in text:
             pytest_args = text.split("python -m pytest", 1)[1].split()
             result = run([PYTHON, "-m", "pytest", *pytest_args, "--collect-only", "-q", "-n", "0"], timeout=240)
             assert result.returncode == 0, result.output[-4000:]
             # "N tests collected", or with -q -q one "file: N" line per file
             assert re.search(r"[1-9]\d* tests? collected|^tests/\S+\.py: [1-9]\d*$", result.output, re.M), (
                 result.output[-2000:])
+
+
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run ends with the README's own test command, as written."""
+    readme = {c.text for c in readme_commands() if c.readme == "README.md"}
+    ci_commands = [" ".join(line.split()) for line in (REPO / ".ci" / "run").read_text().splitlines()
+                   if line.strip() and not line.lstrip().startswith("#")]
+    assert ci_commands[-1] == "pip install -r requirements-test.txt && python -m pytest" and ci_commands[-1] in readme
 
 
 def test_commands_run_elsewhere_are_read_from_the_readme_by_that_test():
@@ -441,3 +451,5 @@ def test_commands_run_elsewhere_are_read_from_the_readme_by_that_test():
                     for call in ast.walk(test) if isinstance(call, ast.Call)
                     and getattr(call.func, "id", None) == "readme_command" for arg in call.args[1:2]]
         assert text in commands, f"{how.test} does not run readme_command(..., {text!r})"
+        strings = {node.value for node in ast.walk(test) if isinstance(node, ast.Constant)}
+        assert set(how.suffix.split()) <= strings, f"{how.test} does not add {how.suffix!r}"
