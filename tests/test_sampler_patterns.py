@@ -420,7 +420,7 @@ def test_rows_travel_as_one_float64_tensor_through_gather():
         in gather_object
 
 
-def test_macro_f1_is_a_sum_over_ranks_auc_is_not():
+def test_macro_f1_needs_only_the_summed_confusion_matrix():
     """F1 needs only the confusion matrix, which sums over ranks like the counts of section 3."""
     macro_f1 = load_script(f"{DIR}/gather_predictions.py", "gather_predictions").macro_f1
     generator = torch.Generator().manual_seed(0)
@@ -699,7 +699,7 @@ def test_without_a_fix_uneven_inputs_time_out_naming_the_rank_that_never_arrived
     rank1 = "\n".join(line for line in out.splitlines() if line.startswith("[rank1]:"))
     assert "dist.monitored_barrier()" in rank1, rank1
     assert not (tmp_path / "summary.json").exists()
-    [[sample]] = readme_samples(7)[1]
+    [sample] = readme_samples(7)[1]
     assert_printed(sample, out)  # the README's abridged output: rank 1's 21 batches, its traceback
     assert "ChildFailedError" in out
     rank0 = "\n".join(line for line in out.splitlines() if line.startswith("[rank0]:"))
