@@ -38,11 +38,9 @@ def readme_samples(section):
     blocks, fence = [], None  # fence: the opening line of the block we are in
     for line in text.splitlines():
         if line.startswith("```"):
-            if fence is None:
-                fence = line
-                blocks.append([]) if line == "```" else None
-            else:
-                fence = None
+            if fence is None and line == "```":
+                blocks.append([])
+            fence = line if fence is None else None
         elif fence == "```":
             blocks[-1].append(line.rstrip())
     return [[para.splitlines() for para in re.split(r"\n\s*\n", "\n".join(block).strip("\n"))] for block in blocks]
@@ -50,7 +48,7 @@ def readme_samples(section):
 
 def assert_printed(sample_lines, output, replace=()):
     """Every line of a README sample is a line of `output`; `...` in a sample line stands for any text
-    (a line that is only `...` is skipped: the sample is abridged there)."""
+    (a line that is only `...`, after a `[rankN]:` prefix or not, is skipped: the sample is abridged there)."""
     printed = [line.rstrip() for line in output.splitlines()]
     missing = []
     for line in sample_lines:
