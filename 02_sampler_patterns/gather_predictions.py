@@ -1,7 +1,7 @@
 """02 - every per-sample prediction on rank 0, each exactly once, in data-set order.
 
-Metrics that are not sums (AUC, F1, a ranking) and a predictions file need every prediction, not the
-sums and counts of distributed_eval.py. Each rank predicts its own strided slice of the test set and
+Metrics that are not sums (AUC, a ranking) and a predictions file need every prediction, not the
+sums and counts of distributed_eval.py (F1 needs only the confusion matrix; here it comes from the file). Each rank predicts its own strided slice of the test set and
 keeps each sample's data-set index next to its prediction; rank 0 gathers all rows, sorts them by
 index, checks that every index is there exactly once, writes predictions.csv and computes macro-F1
 from that file. `--padded` shows the pitfall: split by DistributedSampler (drop_last=False), the

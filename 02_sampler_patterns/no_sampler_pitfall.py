@@ -2,7 +2,7 @@
 
 DDP synchronizes gradients; it never touches your DataLoader. Without a DistributedSampler
 every rank reads the whole data set (with the same seed even in the same order), so W ranks
-do W times the work of one process and learn nothing more from it. This script trains one
+do W times the work of one process, each step on the same batch. This script trains one
 epoch both ways and counts, per rank, which samples were read.
 
 Run (CPU, 2 processes, embedded digits data):

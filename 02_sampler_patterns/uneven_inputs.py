@@ -2,7 +2,8 @@
 
 DDP all-reduces gradients in every backward(). If one rank runs out of batches while another
 still trains, the latter waits in that all-reduce for a partner that never comes: on GPUs
-(NCCL) the job hangs until the process-group timeout. Here each rank reads its own slice of
+(NCCL) the job hangs until the watchdog ends it, about a minute after the process-group timeout
+(see the README). Here each rank reads its own slice of
 the digits, rank r with r * --uneven fewer samples (like per-rank files of different sizes).
     --fix join       DDP's Join context manager: a rank that runs out "joins" and shadows the
                      others' all-reduces with zeros until all are done; then DDP copies the
@@ -46,7 +47,7 @@ from common.report import write_summary
 class UnevenConfig(TrainConfig):
     fix: str = field("join", "how to handle uneven inputs (none: hang until --timeout-s)",
                      choices=("join", "drop_last", "none"))
-    uneven: int = field(64, "rank r reads r * uneven fewer samples than rank 0", min=0)
+    uneven: int = field(64, "rank r reads r * uneven samples fewer than its strided share", min=0)
     epochs: int = field(2, "passes over each rank's slice", min=1)
     # Plain SGD: with Join, ranks that ran out skip optimizer.step(), so their momentum misses those
     # steps, and in the next epoch their weights drift from the others' (DDP re-syncs only the

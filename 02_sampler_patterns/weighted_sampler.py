@@ -4,9 +4,9 @@ WeightedRandomSampler knows nothing about ranks: under DDP every rank would draw
 whole data set. DistributedClassBalancedSampler below does both jobs: like DistributedSampler
 it gives each rank a disjoint share of the data set for the epoch (same shuffle on every rank
 from seed + epoch), then each rank draws from its own share with weight 1 / (count of the
-sample's class), so every rank sees the classes about equally often and no index is read by
+sample's class there), so every rank sees the classes about equally often and no index is read by
 two ranks in one epoch. The data set is the digits made imbalanced (class c keeps a fraction
-imbalance^(-c/9) of its samples: 10x fewer 9s than 0s by default).
+imbalance^(-c/9) of its samples: by default the 9s keep 1/10 of theirs, the 0s all).
 
 Run (CPU, 2 processes, embedded digits data):
     torchrun --standalone --nproc_per_node=2 02_sampler_patterns/weighted_sampler.py
@@ -38,8 +38,8 @@ from common.report import write_summary
 
 @dataclasses.dataclass
 class WeightedConfig(TrainConfig):
-    epochs: int = field(2, "passes (each draws len(data set) samples in total)", min=1)
-    imbalance: float = field(10.0, "ratio of the most to the least frequent class", min=1.0)
+    epochs: int = field(2, "passes (each rank draws ceil(len(data set) / W) samples per pass)", min=1)
+    imbalance: float = field(10.0, "class c keeps imbalance^(-c/(K-1)) of its samples", min=1.0)
     output_dir: str = field("runs/weighted_sampler", "where summary.json goes")
 
     def validate(self):  # called by load_config: before any process group

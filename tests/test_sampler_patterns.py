@@ -6,21 +6,115 @@ numbers the scripts write against DistributedSampler itself, the formulas, and f
 
 from __future__ import annotations
 
+import ast
 import csv
+import inspect
 import json
 import math
+import re
 from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
+from common.config import TrainConfig, parse_config
 from common.data import digits
+from common.errors import ConfigError
 from common.models import SmallCNN
 from tests.helpers import PYTHON, REPO, clean_env, free_port, load_script, read_summary, run, torchrun
 
 DIR = "02_sampler_patterns"
+README = (REPO / DIR / "README.md").read_text()
+SCRIPTS = sorted(p.name for p in (REPO / DIR).glob("*.py"))
+
+
+def readme_samples(section):
+    """The sample-output blocks (fenced, not bash) of README section `## <section>.`, each a list of paragraphs,
+    each paragraph a list of its non-blank lines."""
+    text = README.split(f"\n## {section}. ", 1)[1].split("\n## ", 1)[0]
+    blocks, fence = [], None  # fence: the opening line of the block we are in
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if fence is None and line == "```":
+                blocks.append([])
+            fence = line if fence is None else None
+        elif fence == "```":
+            blocks[-1].append(line.rstrip())
+    return [[para.splitlines() for para in re.split(r"\n\s*\n", "\n".join(block).strip("\n"))] for block in blocks]
+
+
+def assert_printed(sample_lines, output, replace=()):
+    """Every line of a README sample is a line of `output`; `...` in a sample line stands for any text
+    (a line that is only `...`, after a `[rankN]:` prefix or not, is skipped: the sample is abridged there)."""
+    printed = [line.rstrip() for line in output.splitlines()]
+    missing = []
+    for line in sample_lines:
+        for old, new in replace:
+            line = line.replace(old, new)
+        if line.strip().endswith(":   ...") or line.strip() == "...":
+            continue
+        pattern = re.compile(".*".join(re.escape(part) for part in line.split("...")))
+        if not any(pattern.fullmatch(p) for p in printed):
+            missing.append(line)
+    assert missing == [], f"README sample lines not printed: {missing}\n--- output\n{output[-3000:]}"
+
+
+def test_assert_printed_fails_on_a_line_that_was_not_printed():
+    assert_printed(["rank 0: [0, 3]", "[rank1]:   ...", "[rank1]: [.../tcp.cc:1] Timed out"],
+                   "rank 0: [0, 3]\n[rank1]: [/a/b/tcp.cc:1] Timed out\n")
+    for wrong in (["rank 0: [0, 4]"], ["rank 0: [0, 3"], ["[rank1]: [.../tcp.cc:2] Timed out"]):
+        with pytest.raises(AssertionError):
+            assert_printed(wrong, "rank 0: [0, 3]\n[rank1]: [/a/b/tcp.cc:1] Timed out\n")
+
+
+# ---------------------------------------------------------------- every script
+
+def functions_of(script):
+    tree = ast.parse((REPO / DIR / script).read_text())
+    return {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+def calls_in(node):
+    """The functions called in `node`, in source order."""
+    found = sorted((call.lineno, call.col_offset, ast.unparse(call.func)) for call in ast.walk(node)
+                   if isinstance(call, ast.Call))
+    return [name for _, _, name in found]
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if "init_process_group" in (REPO / DIR / s).read_text()])
+def test_scripts_are_laid_out_like_01(script):
+    """The README's layout paragraph: main() reads the config and the launcher; one function starts and ends
+    the process group, after choosing the backend; rank 0 prints; results go to a JSON file."""
+    source = (REPO / DIR / script).read_text()
+    functions = functions_of(script)
+    main = calls_in(functions["main"])
+    assert main[0] == "load_config" and "detect_launcher" in main
+    [starts] = [name for name, node in functions.items() if "dist.init_process_group" in calls_in(node)]
+    assert "dist.destroy_process_group" in calls_in(functions[starts])
+    if script == "partition_viewer.py":  # moves no tensors: gloo on any machine, writes partition.json
+        assert 'dist.init_process_group("gloo"' in source and "write_json_atomic(path" in source
+    else:  # the training scripts: NCCL on GPUs, gloo on CPU, as 01; summary.json
+        assert 'backend = "nccl" if device.type == "cuda" else "gloo"' in source
+        assert "dist.init_process_group(backend," in source and "write_summary(cfg.output_dir" in source
+        assert main[main.index("detect_launcher") + 1] in ("check_data", "exit_on_bad_input")  # the data, checked
+    assert re.search(r"if (launch\.)?rank == 0:", source)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_wrong_flag_is_one_error_line_before_any_process_group(script, capsys):
+    """Each script's config class refuses an unknown flag with ConfigError, which load_config (main's first
+    call, before any process group) turns into one `error:` line and exit code 2."""
+    module = load_script(f"{DIR}/{script}", script[:-3])
+    config_class = re.search(r"load_config\((\w+)", (REPO / DIR / script).read_text()).group(1)
+    with pytest.raises(ConfigError, match="unrecognized arguments: --no-such-flag"):
+        parse_config(getattr(module, config_class), ["--no-such-flag"])
+    with pytest.raises(SystemExit) as exit_info:
+        module.load_config(getattr(module, config_class), ["--no-such-flag"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1
 
 
 # ---------------------------------------------------------------- 1. partition viewer
@@ -51,6 +145,9 @@ def test_partition_viewer_prints_what_distributed_sampler_gives(viewer):
     # The 10-sample, 3-rank split without shuffling, as printed.
     assert "rank 1: [1, 4, 7, 0]   <- repeats [0]" in stdout
     assert "rank 2: [2, 5, 8]" in stdout and "never read this epoch: [9]" in stdout
+    # The README's sample output (same command) is what the script prints, line for line.
+    [sample] = readme_samples(1)
+    assert_printed([line for para in sample for line in para], stdout)
 
 
 @pytest.mark.parametrize("n,w", [(10, 3), (10, 4), (7, 7), (5, 8), (16, 4), (1, 2)])
@@ -84,12 +181,34 @@ def test_shuffle_is_the_same_on_every_rank_and_changes_with_set_epoch(viewer):
         assert case["indices"] == [kept[r::w] for r in range(w)]  # each rank: every W-th index of the order
     assert shuffled[(False, 0)]["order"][0] != shuffled[(False, 1)]["order"][0]  # set_epoch reshuffles
     assert shuffled[(False, 0)]["order"][0] != list(range(n))
+    for case in viewer[1]["results"]:  # the order: identity, or randperm seeded with seed + epoch (seed 0 here)
+        expected = torch.randperm(n, generator=torch.Generator().manual_seed(0 + case["epoch"])).tolist()
+        assert case["order"][0] == (expected if case["shuffle"] else list(range(n)))
+    # drop_last with shuffling leaves different samples unread in different epochs.
+    unread = [set(range(n)) - {i for shard in shuffled[(True, e)]["indices"] for i in shard} for e in (0, 1)]
+    assert len(unread[0]) == len(unread[1]) == n % w and unread[0] != unread[1]
+
+
+def test_without_set_epoch_or_with_different_seeds_the_split_goes_wrong():
+    """Negative controls for the two rules: no set_epoch repeats epoch 0's order; ranks with different
+    seeds are no longer disjoint (nothing but the shared permutation keeps them apart)."""
+    n, w = 100, 2
+    sampler = DistributedSampler(range(n), num_replicas=w, rank=0, shuffle=True, seed=0)
+    assert list(sampler) == list(sampler)  # a second epoch without set_epoch: the same order
+    sampler.set_epoch(1)
+    assert list(sampler) != list(DistributedSampler(range(n), num_replicas=w, rank=0, shuffle=True, seed=0))
+    same_seed = [set(DistributedSampler(range(n), num_replicas=w, rank=r, seed=0)) for r in range(w)]
+    own_seed = [set(DistributedSampler(range(n), num_replicas=w, rank=r, seed=r)) for r in range(w)]
+    assert not same_seed[0] & same_seed[1] and own_seed[0] & own_seed[1]
+    assert inspect.signature(DistributedSampler).parameters["drop_last"].default is False  # padding is the default
 
 
 # ---------------------------------------------------------------- 2. no-sampler pitfall
 
 def test_plain_dataloader_duplicates_and_distributed_sampler_does_not(tmp_path):
-    torchrun(f"{DIR}/no_sampler_pitfall.py", "--output-dir", str(tmp_path), nproc=2)
+    result = torchrun(f"{DIR}/no_sampler_pitfall.py", "--output-dir", str(tmp_path), nproc=2)
+    [[sample]] = readme_samples(2)
+    assert_printed(sample, result.stdout)  # the README's numbers, from the same command
     s = read_summary(tmp_path)
     n = s["dataset_size"]
     plain, fixed = s["no_sampler"], s["distributed_sampler"]
@@ -105,11 +224,17 @@ def test_plain_dataloader_duplicates_and_distributed_sampler_does_not(tmp_path):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_distributed_eval_equals_one_process(tmp_path, world_size):
-    torchrun(f"{DIR}/distributed_eval.py", "--max-steps", "8", "--output-dir", str(tmp_path),
-             nproc=world_size, timeout=180)
+    # 3 ranks: the README's command (40 training steps, the default); 1 and 2 ranks: 8 steps, to save time.
+    steps = () if world_size == 3 else ("--max-steps", "8")
+    result = torchrun(f"{DIR}/distributed_eval.py", *steps, "--output-dir", str(tmp_path),
+                      nproc=world_size, timeout=180)
     s = read_summary(tmp_path)
     n = s["test_size"]
     assert n % 2 and n % 3  # an odd size: neither 2 nor 3 ranks divide it
+    if world_size == 3:  # the README's table, line for line, mean_of_rank_means off the exact value included
+        [[table]] = readme_samples(3)
+        assert_printed(table, result.stdout)
+        assert s["mean_of_rank_means"]["accuracy"] != s["exact"]["accuracy"]
 
     # Reference computed here, in one process, from the weights the run saved.
     model = SmallCNN(1, 10)
@@ -132,6 +257,33 @@ def test_distributed_eval_equals_one_process(tmp_path, world_size):
     assert s["rank0_only"]["count"] == math.ceil(n / world_size)
     if world_size > 1:
         assert s["sampler_padded"]["count"] != n and s["sampler_drop_last"]["count"] != n
+    # The same checkpoint, evaluated here as 2 and as 8 ranks with drop_last would: 1 and 7 samples unread,
+    # two different accuracies, both off the exact one.
+    right = (logits.argmax(1) == labels).tolist()
+    dropped = {w: [right[i] for r in range(w) for i in DistributedSampler(range(n), w, r, False, drop_last=True)]
+               for w in (2, 8)}
+    assert [n - len(dropped[w]) for w in (2, 8)] == [1, 7]
+    accuracies = {w: sum(d) / len(d) for w, d in dropped.items()}
+    assert accuracies[2] != accuracies[8] and correct / n not in accuracies.values()
+
+
+def test_max_steps_0_evaluates_the_initial_model_and_torch_facts_of_section_3():
+    script = load_script(f"{DIR}/distributed_eval.py", "distributed_eval")
+    cfg = script.EvalConfig(max_steps=0)
+    assert script.EvalConfig().max_steps == 40  # the README's "trains 40 DDP steps"
+    model = SmallCNN(1, 10)
+    before = [p.clone() for p in model.parameters()]
+    launch = type("Launch", (), dict(world_size=2, rank=0))()
+    script.train_briefly(cfg, launch, torch.device("cpu"), model, digits().train)  # no step: no collective either
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # Why evaluation uses model.module: a DDP forward can broadcast buffers, a collective (torch 2.14.1's docs).
+    assert "syncing (broadcasting) buffers of the module at beginning of the ``forward`` function" in " ".join(
+        inspect.getdoc(DDP).split())
+    # Neither DDP nor the DataLoader shards a map-style data set: the DataLoader asks for the rank only to
+    # shard DataPipes (torch 2.14.1's source).
+    loader_source = inspect.getsource(torch.utils.data.dataloader)
+    assert loader_source.count("dist.get_rank()") == 1
+    assert "datapipe must be an instance of IterDataPipe or MapDataPipe" in loader_source
 
 
 # ---------------------------------------------------------------- 4. per-sample predictions, gathered in order
@@ -197,7 +349,16 @@ def test_gathered_predictions_equal_one_process_row_for_row(tmp_path, prediction
     assert s["rows"] == n and s["repeated_indices"] == []
     assert len(set(predictions)) > 5  # a real classifier, so the F1 check below means something
     assert s["macro_f1"] == pytest.approx(macro_f1_by_precision_and_recall(labels, predictions), abs=1e-12)
+    assert s["accuracy"] == pytest.approx(sum(y == p for y, p in zip(labels, predictions)) / n, abs=1e-12)
     assert f"macro-F1 {s['macro_f1']:.6f}" in result.stdout and "every index once" in result.stdout
+    if world_size == 3:  # the README's sample, but for the figures, which depend on the weights (01's there)
+        strided = readme_samples(4)[0][0]
+        assert_printed([line for line in strided if not line.startswith("from the file:")], result.stdout,
+                       replace=[("runs/gather_predictions", str(tmp_path))])
+    # The file stores probabilities with 6 significant digits: why the test compares them to 1e-6.
+    with open(tmp_path / "predictions.csv") as f:
+        stored = [value for row in csv.DictReader(f) for key, value in row.items() if key.startswith("p_")]
+    assert all(value == f"{float(value):.6g}" for value in stored) and max(map(len, stored)) <= 12
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -214,6 +375,10 @@ def test_gathering_over_a_padded_distributed_sampler_repeats_samples(tmp_path, p
     assert sorted(i for i, c in repeats.items() if c > 1) == list(range(padded_total - n))  # the first ones again
     assert read_summary(tmp_path)["rows_per_rank"] == [math.ceil(n / world_size)] * world_size
     assert f"{padded_total} rows for {n} images" in result.stdout
+    if world_size == 3:
+        padded_sample = readme_samples(4)[1][0]
+        assert_printed([line for line in padded_sample if not line.startswith("from the file:")], result.stdout,
+                       replace=[("runs/gather_predictions", str(tmp_path))])
     # Each row carries its index, so dropping rows whose index was seen before gives back the exact file.
     seen, unique = set(), []
     for r in rows:
@@ -233,6 +398,37 @@ def test_rank_0_sorts_by_index_and_refuses_a_missing_or_repeated_index():
     assert in_dataset_order(torch.cat([rows, rows[:1]]), 3, each_once=False)[:, 0].tolist() == [0, 1, 2, 2]
 
 
+def test_rows_travel_as_one_float64_tensor_through_gather():
+    """What the README says of the rows and of torch's gather / gather_object (torch 2.14.1's source)."""
+    script = load_script(f"{DIR}/gather_predictions.py", "gather_predictions")
+    images, labels = digits().test.tensors
+    loader = [(torch.arange(5), images[:5], labels[:5])]
+    rows = script.predict(SmallCNN(1, 10), loader, torch.device("cpu"), 10)
+    assert rows.dtype == torch.float64 and rows.shape == (5, 10 + 2)  # index, label, C logits
+    assert rows[:, 0].tolist() == [0, 1, 2, 3, 4] and rows[:, 1].tolist() == labels[:5].tolist()
+    big = torch.tensor([2 ** 53, 2 ** 53 + 1], dtype=torch.float64)  # integers exact up to 2^53, not beyond
+    assert big.long().tolist() == [2 ** 53, 2 ** 53]
+    assert 50_000 * (1000 + 2) * 8 / 1e6 == pytest.approx(400, rel=0.01)  # ImageNet val: MB on rank 0
+    source = (REPO / DIR / "gather_predictions.py").read_text()
+    assert "dist.gather(padded, gathered, dst=0)" in source and "all_gather(counts" in source
+    assert "all tensors to be the same size" in inspect.getdoc(torch.distributed.gather)
+    gather_object = inspect.getsource(torch.distributed.gather_object)
+    assert re.search(r"all_gather\(object_size_list.*resize_\(max_object_size\).*\bgather\(", gather_object, re.S)
+    assert "incurs GPU -> CPU transfer since tensors would be\n        pickled. Please consider using :func:`gather`" \
+        in gather_object
+
+
+def test_macro_f1_needs_only_the_summed_confusion_matrix():
+    """F1 needs only the confusion matrix, which sums over ranks like the counts of section 3."""
+    macro_f1 = load_script(f"{DIR}/gather_predictions.py", "gather_predictions").macro_f1
+    generator = torch.Generator().manual_seed(0)
+    labels, predictions = torch.randint(0, 10, (359,), generator=generator), torch.randint(0, 10, (359,), generator=generator)
+    confusion = sum(torch.bincount(labels[r::3] * 10 + predictions[r::3], minlength=100) for r in range(3))
+    assert torch.equal(confusion, torch.bincount(labels * 10 + predictions, minlength=100))
+    assert macro_f1(labels, predictions, 10) == pytest.approx(
+        macro_f1_by_precision_and_recall(labels.tolist(), predictions.tolist()), abs=1e-12)
+
+
 def test_gather_predictions_refuses_missing_or_unfitting_weights(tmp_path):
     missing = run([PYTHON, REPO / DIR / "gather_predictions.py", "--weights", tmp_path / "none.pt",
                    "--output-dir", tmp_path], timeout=120)
@@ -247,6 +443,22 @@ def test_gather_predictions_refuses_missing_or_unfitting_weights(tmp_path):
     assert unfitting.returncode == 2 and unfitting.stdout == ""
     assert unfitting.stderr.startswith("error: weights:") and "does not fit --model small_cnn on digits" in unfitting.stderr
     assert unfitting.stderr.count("\n") == 1 and "size mismatch" in unfitting.stderr
+
+
+def test_gather_predictions_checks_the_weights_before_any_collective():
+    """main() reads the file before predict_and_gather starts the process group; the fit is checked
+    before the first collective (gather_rows)."""
+    functions = functions_of("gather_predictions.py")
+    main = calls_in(functions["main"])
+    assert main.index("read_weights") < main.index("predict_and_gather")
+    body = calls_in(functions["predict_and_gather"])
+    assert body.index("dist.init_process_group") < body.index("model.load_state_dict") < body.index("gather_rows")
+    assert not [c for c in body[:body.index("model.load_state_dict")] if c.startswith("dist.") and
+                c != "dist.init_process_group"]
+    # The default weights file is the one 01 writes (its output_dir, model.pt).
+    default = load_script(f"{DIR}/gather_predictions.py", "gather_predictions").PredictConfig().weights
+    assert default == f"{TrainConfig().output_dir}/model.pt"
+    assert 'Path(cfg.output_dir) / "model.pt"' in (REPO / "01_basic_ddp" / "train.py").read_text()
 
 
 def test_gather_predictions_refuses_weights_files_that_are_no_state_dict(tmp_path, capsys):
@@ -270,7 +482,10 @@ TOLERANCE_ALL, TOLERANCE_RANK = 0.03, 0.06  # the README states these
 
 def test_weighted_sampler_is_disjoint_and_balanced(tmp_path):
     w = 2
-    torchrun(f"{DIR}/weighted_sampler.py", "--epochs", "2", "--output-dir", str(tmp_path), nproc=w, timeout=180)
+    result = torchrun(f"{DIR}/weighted_sampler.py", "--epochs", "2", "--output-dir", str(tmp_path), nproc=w,
+                      timeout=180)
+    [[sample]] = readme_samples(5)
+    assert_printed(sample, result.stdout)  # the README's counts: 146 zeros .. 14 nines, and both epochs' draws
     s = read_summary(tmp_path)
     labels = torch.tensor(s["labels"])
     k = len(s["class_counts_before"])
@@ -288,6 +503,38 @@ def test_weighted_sampler_is_disjoint_and_balanced(tmp_path):
         total = torch.tensor(epoch["total"]) / sum(epoch["total"])
         assert (total - 1 / k).abs().max() < TOLERANCE_ALL
     assert s["epochs"][0]["indices"] != s["epochs"][1]["indices"]  # set_epoch: new draws each epoch
+    # With replacement, rare samples repeat within a rank: a drawn 9 is far more often a repeat than a drawn 0.
+    for epoch in s["epochs"]:
+        for ix in epoch["indices"]:
+            draws, rarest = Counter(ix), k - 1
+
+            def repeated_share(c):  # of the draws of class c, the share that repeats an index already drawn
+                times = [n for i, n in draws.items() if labels[i] == c]
+                return (sum(times) - len(times)) / sum(times)
+            assert repeated_share(rarest) > 2 * repeated_share(0)
+
+
+def test_class_balanced_shares_are_disjoint_with_every_class_split_evenly():
+    """The sampler's first step: one shuffle on every rank, grouped by class, dealt round-robin."""
+    script = load_script(f"{DIR}/weighted_sampler.py", "weighted_sampler")
+    labels = torch.tensor([0] * 50 + [1] * 7 + [2] * 3)
+    w = 3
+    shares = []
+    for r in range(w):
+        sampler = script.DistributedClassBalancedSampler(labels, w, r, num_samples=10_000, seed=5)
+        sampler.set_epoch(2)
+        shares.append(set(sampler))  # 10,000 draws with replacement: every sample of the share appears
+    assert sorted(i for share in shares for i in share) == list(range(len(labels)))  # disjoint, together all
+    for c in range(3):
+        per_rank = [sum(1 for i in share if labels[i] == c) for share in shares]
+        assert max(per_rank) - min(per_rank) <= 1  # ~1/W of every class, even of the rarest
+    # The labels come from .targets (torchvision data sets) or the digits' label tensor.
+    class Targets:
+        targets = [3, 1, 4]
+    assert script.labels_of(Targets()).tolist() == [3, 1, 4]
+    assert script.labels_of(digits().train).tolist() == digits().train.tensors[1].tolist()
+    # torch's WeightedRandomSampler takes no rank or world size: on every rank it draws from all of the data.
+    assert not {"rank", "num_replicas"} & set(inspect.signature(torch.utils.data.WeightedRandomSampler).parameters)
 
 
 def test_weighted_sampler_needs_labels_it_can_read(tmp_path):
@@ -308,8 +555,15 @@ def test_each_rank_opens_only_its_own_shards(tmp_path):
              "--output-dir", str(out), nproc=w, timeout=180)
     manifest = json.loads((shards / "manifest.json").read_text())
     files = [entry["file"] for entry in manifest["shards"]]
-    content = {f: set(torch.load(shards / f, weights_only=True)["indices"].tolist()) for f in files}
+    stored = {f: torch.load(shards / f, weights_only=True) for f in files}
+    content = {f: set(stored[f]["indices"].tolist()) for f in files}
     assert sorted(i for f in files for i in content[f]) == list(range(manifest["total"]))
+    assert [entry["samples"] for entry in manifest["shards"]] == [len(content[f]) for f in files]
+    # Written in a fixed shuffled order (--seed 0), so every shard mixes the classes.
+    order = torch.randperm(manifest["total"], generator=torch.Generator().manual_seed(0))
+    assert torch.equal(torch.cat([stored[f]["indices"] for f in files]), order)
+    assert all(len(set(stored[f]["labels"].tolist())) >= 8 for f in files)
+    readme_sample_matches_the_shard_plan(files, manifest)
 
     # What each rank really opened, from the log its data set writes on every open().
     opened = {}
@@ -330,13 +584,53 @@ def test_each_rank_opens_only_its_own_shards(tmp_path):
         reads = Counter(i for record in ranks for i in record["indices"])
         assert set(reads) == set(range(manifest["total"])) and set(reads.values()) == {1}  # all, once
         assert len({record["steps"] for record in ranks}) == 1  # equal step counts on all ranks
+        # The shard list shuffled with seed + epoch (seed 0), every W-th file.
+        shuffled = torch.randperm(len(files), generator=torch.Generator().manual_seed(epoch)).tolist()
+        assert [record["shards"] for record in ranks] == [[files[i] for i in shuffled[r::w]] for r in range(w)]
     assert sorted(opened[(0, 0)]) != sorted(opened[(1, 0)])  # shards move between ranks from epoch to epoch
+
+
+def readme_sample_matches_the_shard_plan(files, manifest):
+    """The README's run (2 ranks, batch 32, no loader workers): its shard lists are shards_for's, its step
+    count the smallest rank's batches, from the manifest alone."""
+    script = load_script(f"{DIR}/sharded_loading.py", "sharded_loading")
+    sizes = {entry["file"]: entry["samples"] for entry in manifest["shards"]}
+    [[sample]] = readme_samples(6)
+    assert sample[0] == f"{manifest['total']} samples in {len(files)} shards, 2 ranks"
+    for epoch, line in enumerate(sample[1:]):
+        found = re.fullmatch(r"epoch (\d+): (\d+) steps on every rank, (\d+) of (\d+) samples read \((\d+) left over\); "
+                             r"shards per rank: (.*)", line)
+        number, steps, read, assigned, left = map(int, found.groups()[:5])
+        per_rank = [script.shards_for(r, 2, files, 0, epoch) for r in range(2)]
+        assert number == epoch + 1 and ast.literal_eval(found.group(6)) == per_rank
+        samples = [sum(sizes[f] for f in mine) for mine in per_rank]
+        assert steps == min(math.ceil(n / 32) for n in samples)
+        assert (read, assigned, left) == (sum(min(n, steps * 32) for n in samples), sum(samples),
+                                          sum(samples) - sum(min(n, steps * 32) for n in samples))
+
+
+def test_shards_are_shuffled_within_and_uneven_shard_counts_leave_ranks_unequal(tmp_path):
+    script = load_script(f"{DIR}/sharded_loading.py", "sharded_loading")
+    torch.save(dict(images=torch.zeros(8, 1, 2, 2), labels=torch.arange(8), indices=torch.arange(100, 108)),
+               tmp_path / "shard-00000.pt")
+    stream = script.ShardStream(tmp_path, seed=3, access_log=tmp_path / "log")
+    stream.set_epoch(1, ["shard-00000.pt"])
+    read = [int(index) for _, _, index in stream]
+    assert read == (100 + torch.randperm(8, generator=torch.Generator().manual_seed(3 + 1))).tolist() != sorted(read)
+    # 12 shards on 5 ranks: some ranks get 3 files, others 2, so the step plan (the smallest) leaves data over.
+    files = [f"shard-{i:05d}.pt" for i in range(12)]
+    assert sorted(len(script.shards_for(r, 5, files, 0, 0)) for r in range(5)) == [2, 2, 2, 3, 3]
+    # Why the IterableDataset splits its files among loader workers: torch's own warning (2.14.1).
+    assert "multi-process loading yields duplicate data" in inspect.getsource(torch.utils.data.IterableDataset)
+    # DistributedSampler sizes and indexes the whole data set (a map-style one) on every rank.
+    assert "indices = torch.randperm(len(self.dataset), generator=g)" in inspect.getsource(DistributedSampler)
 
 
 def test_sharded_loading_without_shards_is_a_one_line_error(tmp_path):
     result = run([PYTHON, REPO / DIR / "sharded_loading.py", "--shards-dir", tmp_path / "missing"], timeout=60)
-    assert result.returncode == 2
-    assert result.stderr.strip().count("\n") == 0 and "prepare_shards.py" in result.stderr
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("error: no shards in") and result.stderr.count("\n") == 1
+    assert "prepare_shards.py" in result.stderr
 
 
 # ---------------------------------------------------------------- 7. uneven inputs
@@ -352,10 +646,13 @@ def per_step(summary):
 
 def test_join_finishes_uneven_inputs_with_identical_gradients(tmp_path):
     w = 3
-    torchrun(f"{DIR}/uneven_inputs.py", "--fix", "join", "--epochs", "2", "--output-dir", str(tmp_path),
-             nproc=w, timeout=180)  # check=True: exit code 0, within the timeout
+    result = torchrun(f"{DIR}/uneven_inputs.py", "--fix", "join", "--epochs", "2", "--output-dir", str(tmp_path),
+                      nproc=w, timeout=180)  # check=True: exit code 0, within the timeout
+    assert_printed(readme_samples(7)[0][0], result.stdout, replace=[("runs/uneven_inputs", str(tmp_path))])
     s = read_summary(tmp_path)
     assert len(set(s["batches_per_rank"])) == w  # the inputs really are uneven
+    n = len(digits().train)  # rank r: its strided share less r * 64 (--uneven)
+    assert s["samples_per_rank"] == [len(range(r, n, w)) - 64 * r for r in range(w)]
     assert s["steps_per_rank"] == [2 * b for b in s["batches_per_rank"]]  # every rank ran all of its batches
     by_step = per_step(s)
     assert all(len(set(ranks)) == 1 for ranks in by_step.values())  # same gradients and weights at every step
@@ -376,12 +673,14 @@ def test_join_with_momentum_lets_weights_drift_in_the_next_epoch(tmp_path):
 
 
 def test_drop_last_runs_the_smallest_rank_count(tmp_path):
-    torchrun(f"{DIR}/uneven_inputs.py", "--fix", "drop_last", "--epochs", "1", "--output-dir", str(tmp_path),
-             nproc=2, timeout=180)
+    w = 3  # the README's command
+    result = torchrun(f"{DIR}/uneven_inputs.py", "--fix", "drop_last", "--output-dir", str(tmp_path),
+                      nproc=w, timeout=180)
+    assert_printed(readme_samples(7)[0][1], result.stdout, replace=[("runs/uneven_inputs", str(tmp_path))])
     s = read_summary(tmp_path)
-    assert s["batches_per_rank"][0] > s["batches_per_rank"][1]
-    assert s["steps_per_rank"] == [min(s["batches_per_rank"])] * 2
-    assert all(len(ranks) == 2 and len(set(ranks)) == 1 for ranks in per_step(s).values())
+    assert s["batches_per_rank"][0] > s["batches_per_rank"][-1]
+    assert s["steps_per_rank"] == [2 * min(s["batches_per_rank"])] * w  # 2 epochs (the default)
+    assert all(len(ranks) == w and len(set(ranks)) == 1 for ranks in per_step(s).values())
     assert s["replicas_identical"]
 
 
@@ -398,3 +697,24 @@ def test_without_a_fix_uneven_inputs_time_out_naming_the_rank_that_never_arrived
     rank1 = "\n".join(line for line in out.splitlines() if line.startswith("[rank1]:"))
     assert "dist.monitored_barrier()" in rank1, rank1
     assert not (tmp_path / "summary.json").exists()
+    [sample] = readme_samples(7)[1]
+    assert_printed(sample, out)  # the README's abridged output: rank 1's 21 batches, its traceback
+    assert "ChildFailedError" in out
+    rank0 = [line for line in out.splitlines() if line.startswith("[rank0]:")]
+    rank0_error = [line for line in rank0 if line.startswith("[rank0]: RuntimeError:")]
+    if rank0_error:  # rank 0, unless torchrun stopped it first: in its gradient all-reduce, rank 1 gone or timed out
+        assert any("loss.backward()" in line for line in rank0), rank0
+        assert "Connection closed by peer" in rank0_error[0] or "Timed out waiting 5000ms for recv" in rank0_error[0]
+
+
+def test_uneven_inputs_defaults_and_what_torch_does_for_join_and_barriers():
+    """The defaults the README names, and the PyTorch behaviour it describes (torch 2.14.1's source)."""
+    config = load_script(f"{DIR}/uneven_inputs.py", "uneven_inputs").UnevenConfig()
+    assert (config.timeout_s, config.momentum, config.uneven, config.fix) == (60.0, 0.0, 64, "join")
+    assert inspect.signature(DDP.join).parameters["divide_by_initial_world_size"].default is True
+    ddp_source = inspect.getsource(DDP)
+    # A joined rank's all-reduces carry zeros; at the end the last rank to join is the source of the weights.
+    assert "real tensors are substituted with\n        # zero tensors" in ddp_source
+    assert "Joined processes contribute zero gradient" in ddp_source
+    assert re.search(r"_find_common_rank\(\s*self._distributed_rank, is_last_joiner", ddp_source)
+    assert "only supported with the GLOO backend" in inspect.getdoc(torch.distributed.monitored_barrier)
