@@ -179,7 +179,13 @@ LAUNCH_FIXED = "python -m torch.distributed.launch --nproc-per-node=2 debugging/
 TORCHRUN_NOT_STANDALONE = "torchrun --nproc-per-node=2 debugging/local_rank_args.py"
 
 
-def test_torch_distributed_launch_passes_local_rank_argument():
+def test_torch_distributed_launch_passes_local_rank_argument(monkeypatch):
+    import torch.distributed.launch as launch_module
+    import torch.distributed.run as run_module
+
+    monkeypatch.setenv("PET_MASTER_PORT", "12345")  # both launchers take their --master-port default from it
+    assert run_module.parse_args(["x.py"]).master_port == launch_module.parse_args(["x.py"]).master_port == 12345
+
     def on_a_free_port():
         return clean_env(PET_MASTER_PORT=str(free_port()))
 
