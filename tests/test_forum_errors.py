@@ -20,7 +20,7 @@ import time
 import pytest
 
 from tests.helpers import (PYTHON, REPO, clean_env, free_port, kill_group, read_summary, readme_command, root_cause,
-                           run, torchrun)
+                           run)
 from tests.launcher_tools import need_root, need_tools
 
 from common.launcher import master_port
@@ -31,6 +31,7 @@ SHORT = ("--max-steps", "1", "--epochs", "1", "--batch-size", "16")
 
 # --- torchrun's summary: exit codes of ranks killed by a signal ----------------------------------------
 
+DEBUG_README = "debugging/README.md"
 RANK_ABORT = "torchrun --standalone --nproc_per_node=2 debugging/rank_signal.py --how abort"
 
 
@@ -170,11 +171,26 @@ def test_second_job_on_the_same_port_fails_with_address_already_in_use(tmp_path)
 # --- "unrecognized arguments: --local-rank=0" ------------------------------------------------------------
 
 LAUNCH = [PYTHON, "-m", "torch.distributed.launch", "--nproc-per-node=2", "--master-port"]
+# debugging/README.md's three commands, run as written (tests/test_readme_commands.py: RunElsewhere). Neither
+# launcher is --standalone: both rendezvous on --master-port, which they also read from PET_MASTER_PORT (torch's
+# `env` argparse action), so each run gets a free port without a flag the README does not show.
+LAUNCH_PLAIN = "python -m torch.distributed.launch --nproc-per-node=2 debugging/local_rank_args.py --plain"
+LAUNCH_FIXED = "python -m torch.distributed.launch --nproc-per-node=2 debugging/local_rank_args.py"
+TORCHRUN_NOT_STANDALONE = "torchrun --nproc-per-node=2 debugging/local_rank_args.py"
 
 
-def test_torch_distributed_launch_passes_local_rank_argument():
-    plain = run([*LAUNCH, str(free_port()), REPO / "debugging/local_rank_args.py", "--plain"], timeout=120)
-    assert plain.returncode != 0
+def test_torch_distributed_launch_passes_local_rank_argument(monkeypatch):
+    import torch.distributed.launch as launch_module
+    import torch.distributed.run as run_module
+
+    monkeypatch.setenv("PET_MASTER_PORT", "12345")  # both launchers take their --master-port default from it
+    assert run_module.parse_args(["x.py"]).master_port == launch_module.parse_args(["x.py"]).master_port == 12345
+
+    def on_a_free_port():
+        return clean_env(PET_MASTER_PORT=str(free_port()))
+
+    plain = run(readme_command(DEBUG_README, LAUNCH_PLAIN), timeout=120, env=on_a_free_port())
+    assert plain.returncode == 1  # the launcher's, for a failed rank
     # The first rank to fail ends the job: the other may be stopped before its parser prints.
     assert any(f"local_rank_args.py: error: unrecognized arguments: --local-rank={rank}" in plain.stderr
                for rank in (0, 1)), plain.stderr
@@ -182,8 +198,8 @@ def test_torch_distributed_launch_passes_local_rank_argument():
     assert re.search(r"exitcode  : 2 \(pid: \d+\)", root_cause(plain.output))
     assert "FutureWarning: The module torch.distributed.launch is deprecated" in plain.stderr
     # The parser that accepts both spellings gets the argument; under torchrun, which passes none, LOCAL_RANK.
-    fixed = run([*LAUNCH, str(free_port()), REPO / "debugging/local_rank_args.py"], timeout=120, check=True)
-    modern = torchrun("debugging/local_rank_args.py", timeout=120)
+    fixed = run(readme_command(DEBUG_README, LAUNCH_FIXED), timeout=120, env=on_a_free_port(), check=True)
+    modern = run(readme_command(DEBUG_README, TORCHRUN_NOT_STANDALONE), timeout=120, env=on_a_free_port(), check=True)
     for rank in (0, 1):
         assert f"rank {rank}: local rank {rank} (from the --local-rank argument, LOCAL_RANK={rank})" in fixed.stdout
         assert f"rank {rank}: local rank {rank} (from LOCAL_RANK, LOCAL_RANK={rank})" in modern.stdout
@@ -301,28 +317,34 @@ def test_train_spawn_has_a_module_level_worker_and_spawns_in_main():
 # --- two forward passes before one backward (a GAN discriminator) ---------------------------------------
 
 TWO_FORWARDS = "debugging/two_forwards.py"
+# debugging/README.md's commands, run as written with --output-dir added (tests/test_readme_commands.py: RunElsewhere)
+TWO_FORWARDS_INPLACE = "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers inplace"
+TWO_FORWARDS_CONCAT = ("torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers inplace "
+                       "--forward concat")
+TWO_FORWARDS_LOCAL = "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers local"
 INPLACE_ERROR = (r"RuntimeError: one of the variables needed for gradient computation has been modified by an "
                  r"inplace operation: \[torch\.FloatTensor \[32\]\] is at version 3; expected version 2 instead")
 
 
 def test_two_forwards_with_buffers_synced_in_place_fail(tmp_path):
     """What DDP did up to torch 2.11: the second forward's buffer sync breaks the first forward's graph."""
-    result = torchrun(TWO_FORWARDS, "--buffers", "inplace", "--output-dir", str(tmp_path), check=False, timeout=120)
+    result = run(readme_command(DEBUG_README, TWO_FORWARDS_INPLACE) + ["--output-dir", str(tmp_path)], timeout=120)
     out = result.output
-    assert result.returncode != 0
+    assert result.returncode == 1  # torchrun's, for a failed rank
     assert re.search(rf"^\[rank\d\]: {INPLACE_ERROR}", out, re.M), out[-3000:]
     assert "step 1 discriminator loss" not in out  # the first backward fails
     assert re.search(INPLACE_ERROR, root_cause(out))
     assert re.search(r"^\[rank\d\]:\s+loss\.backward\(\)", out, re.M)  # raised by the backward
 
 
-@pytest.mark.parametrize("fix", [("--forward", "concat"), ("--buffers", "local")], ids=["concat", "local"])
+@pytest.mark.parametrize("fix", ["concat", "local"])
 def test_two_forwards_fixes_run_with_identical_replicas(tmp_path, fix):
-    buffers = () if "--buffers" in fix else ("--buffers", "inplace")
-    result = torchrun(TWO_FORWARDS, *buffers, *fix, "--output-dir", str(tmp_path), timeout=120)
+    command = {"concat": readme_command(DEBUG_README, TWO_FORWARDS_CONCAT),
+               "local": readme_command(DEBUG_README, TWO_FORWARDS_LOCAL)}[fix]
+    result = run(command + ["--output-dir", str(tmp_path)], timeout=120, check=True)
     assert "step 3 discriminator loss" in result.stdout and "done:" in result.stdout
     assert read_summary(tmp_path)["replicas_identical"]
-    if fix == ("--buffers", "local"):  # broadcast_buffers=False works, and torch >= 2.13 says the name is old
+    if fix == "local":  # broadcast_buffers=False works, and torch >= 2.13 says the name is old
         assert "FutureWarning: `broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead." in result.stderr
 
 

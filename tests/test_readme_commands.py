@@ -103,6 +103,9 @@ SHORT = "--epochs 1 --max-steps 2"         # training commands
 BENCH_SHORT = "--warmup 1 --steps 1"       # benchmark/benchmark.py
 COMM_SHORT = "--max-bytes 65536 --iters 3"  # 06_multinode/comm_check.py (256 MiB messages by default)
 SWEEP_SHORT = "--warmup 1 --steps 2 --sweep-knobs bf16_compress --output-dir"  # one knob; tests/test_perf.py
+OUTPUT_DIR = "--output-dir"  # what the tests of 02 and of debugging add to the README command they run
+SAMPLER_TESTS = "tests/test_sampler_patterns.py"
+FORUM_TESTS = "tests/test_forum_errors.py"
 
 # Open MPI refuses to start as root without these; 06_multinode/README.md names them.
 OPEN_MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -172,30 +175,30 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
 
     # 02_sampler_patterns
     "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/partition_viewer.py --num-samples 10":
-        Run(expect=(r"N = 10 samples, W = 3 ranks", r"rank 1: \[1, 4, 7, 0\]   <- repeats \[0\]")),
+        RunElsewhere(f"{SAMPLER_TESTS}::viewer", OUTPUT_DIR),  # the module's fixture
     "python 02_sampler_patterns/partition_viewer.py --num-samples 10 --simulate-world-size 8":
         Run(expect=(r"N = 10 samples, W = 8 ranks",)),
     "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/no_sampler_pitfall.py":
-        Run(expect=(r"no_sampler: .*50% of the compute repeated", r"distributed_sampler: .*0% of the compute repeated")),
+        RunElsewhere(f"{SAMPLER_TESTS}::test_plain_dataloader_duplicates_and_distributed_sampler_does_not", OUTPUT_DIR),
     "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/distributed_eval.py":
-        Run(SHORT, expect=(r"exact +359 ", r"sampler_padded +360 ")),
+        RunElsewhere(f"{SAMPLER_TESTS}::test_distributed_eval_equals_one_process", OUTPUT_DIR),
     "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/gather_predictions.py":
         Run(expect=(r"359 rows, every index once, in data-set order",), group="02-gather"),
     "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/gather_predictions.py --padded":
         Run(expect=(r"360 rows for 359 images, repeated: \[0\]",), group="02-gather"),
     "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/weighted_sampler.py":
-        Run(SHORT, expect=(r"indices read by two ranks: 0",)),
+        RunElsewhere(f"{SAMPLER_TESTS}::test_weighted_sampler_is_disjoint_and_balanced", OUTPUT_DIR),
     "python 02_sampler_patterns/prepare_shards.py --num-shards 12 --out-dir data/digits_shards":
         Run(files=("data/digits_shards/manifest.json",), group="02-shards"),
     "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/sharded_loading.py --shards-dir data/digits_shards":
         Run(SHORT, group="02-shards", files=("runs/sharded_loading/summary.json",)),
     "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/uneven_inputs.py --fix join":
-        Run(SHORT, files=("runs/uneven_inputs/summary.json",)),
+        RunElsewhere(f"{SAMPLER_TESTS}::test_join_finishes_uneven_inputs_with_identical_gradients", OUTPUT_DIR),
     "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/uneven_inputs.py --fix drop_last":
-        Run(SHORT, files=("runs/uneven_inputs/summary.json",)),
-    # "hangs, fails after 10 s": no shortening, the 10 s timeout is the demonstration
-    "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/uneven_inputs.py --fix none --timeout-s 10":
-        Run(exit_code=1, expect=(r"[Mm]onitored barrier|monitoredBarrier|[Tt]imed out",)),
+        RunElsewhere(f"{SAMPLER_TESTS}::test_drop_last_runs_the_smallest_rank_count", OUTPUT_DIR),
+    "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/uneven_inputs.py --fix none --timeout-s 5":
+        RunElsewhere(f"{SAMPLER_TESTS}::test_without_a_fix_uneven_inputs_time_out_naming_the_rank_that_never_arrived",
+                     OUTPUT_DIR),
     "python -m pytest tests/test_sampler_patterns.py -q": NotRun("test-suite"),
 
     # 05_checkpointing: stopped and started again it resumes (here: stopped by --max-steps)
@@ -249,15 +252,22 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     "unshare -m sh -c 'mount -t tmpfs -o size=1m tmpfs /dev/shm && torchrun --standalone --nproc_per_node=2 "
     "debugging/rank_signal.py --how shm --shm-mb 4'":
         Run(exit_code=1, root=True, tools=("unshare", "mount"), expect=(r"exitcode  : -7 .*\(SIGBUS\)",)),
+    # (all three on a free port from PET_MASTER_PORT, which both launchers read)
     "python -m torch.distributed.launch --nproc-per-node=2 debugging/local_rank_args.py --plain":
-        Run(exit_code=1, expect=(r"unrecognized arguments: --local-rank=",)),
-    "python -m torch.distributed.launch --nproc-per-node=2 debugging/local_rank_args.py": Run(),
-    "torchrun --nproc-per-node=2 debugging/local_rank_args.py": Run(),
+        RunElsewhere(f"{FORUM_TESTS}::test_torch_distributed_launch_passes_local_rank_argument"),
+    "python -m torch.distributed.launch --nproc-per-node=2 debugging/local_rank_args.py":
+        RunElsewhere(f"{FORUM_TESTS}::test_torch_distributed_launch_passes_local_rank_argument"),
+    "torchrun --nproc-per-node=2 debugging/local_rank_args.py":
+        RunElsewhere(f"{FORUM_TESTS}::test_torch_distributed_launch_passes_local_rank_argument"),
+    # run here too: its test in test_forum_errors.py starts it with torch.distributed.launch (the examples
+    # take its --local-rank)
     "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py": Run(),
     "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers inplace":
-        Run(exit_code=1, expect=(r"modified by an inplace operation",)),
-    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers inplace --forward concat": Run(),
-    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers local": Run(),
+        RunElsewhere(f"{FORUM_TESTS}::test_two_forwards_with_buffers_synced_in_place_fail", OUTPUT_DIR),
+    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers inplace --forward concat":
+        RunElsewhere(f"{FORUM_TESTS}::test_two_forwards_fixes_run_with_identical_replicas", OUTPUT_DIR),
+    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers local":
+        RunElsewhere(f"{FORUM_TESTS}::test_two_forwards_fixes_run_with_identical_replicas", OUTPUT_DIR),
 }
 
 

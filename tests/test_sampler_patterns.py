@@ -24,10 +24,22 @@ from common.config import TrainConfig, parse_config
 from common.data import digits
 from common.errors import ConfigError
 from common.models import SmallCNN
-from tests.helpers import PYTHON, REPO, clean_env, free_port, load_script, read_summary, run, torchrun
+from tests.helpers import (PYTHON, REPO, clean_env, free_port, load_script, read_summary, readme_command, run,
+                           torchrun)
 
 DIR = "02_sampler_patterns"
 README = (REPO / DIR / "README.md").read_text()
+
+# The README's commands, which the tests below run as written (tests/test_readme_commands.py: RunElsewhere),
+# adding only --output-dir.
+VIEWER = "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/partition_viewer.py --num-samples 10"
+NO_SAMPLER = "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/no_sampler_pitfall.py"
+EVAL = "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/distributed_eval.py"
+WEIGHTED = "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/weighted_sampler.py"
+UNEVEN_JOIN = "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/uneven_inputs.py --fix join"
+UNEVEN_DROP_LAST = "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/uneven_inputs.py --fix drop_last"
+UNEVEN_NONE = "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/uneven_inputs.py --fix none --timeout-s 5"
+README_PATH = f"{DIR}/README.md"
 SCRIPTS = sorted(p.name for p in (REPO / DIR).glob("*.py"))
 
 
@@ -123,8 +135,8 @@ def test_a_wrong_flag_is_one_error_line_before_any_process_group(script, capsys)
 def viewer(tmp_path_factory):
     """One real 3-rank run of the viewer on 10 samples; (stdout, partition.json)."""
     out = tmp_path_factory.mktemp("viewer")
-    result = torchrun(f"{DIR}/partition_viewer.py", "--num-samples", "10", "--epochs", "2",
-                      "--output-dir", str(out), nproc=3)
+    argv = readme_command(README_PATH, VIEWER)  # 2 epochs, the default
+    result = run(argv + ["--output-dir", str(out)], timeout=180, check=True)
     return result.stdout, json.loads((out / "partition.json").read_text())
 
 
@@ -143,6 +155,7 @@ def test_partition_viewer_prints_what_distributed_sampler_gives(viewer):
             assert case["indices"][r] == list(sampler)
             assert f"rank {r}: {list(sampler)}" in stdout
     # The 10-sample, 3-rank split without shuffling, as printed.
+    assert "N = 10 samples, W = 3 ranks:" in stdout
     assert "rank 1: [1, 4, 7, 0]   <- repeats [0]" in stdout
     assert "rank 2: [2, 5, 8]" in stdout and "never read this epoch: [9]" in stdout
     # The README's sample output (same command) is what the script prints, line for line.
@@ -206,9 +219,11 @@ def test_without_set_epoch_or_with_different_seeds_the_split_goes_wrong():
 # ---------------------------------------------------------------- 2. no-sampler pitfall
 
 def test_plain_dataloader_duplicates_and_distributed_sampler_does_not(tmp_path):
-    result = torchrun(f"{DIR}/no_sampler_pitfall.py", "--output-dir", str(tmp_path), nproc=2)
+    result = run(readme_command(README_PATH, NO_SAMPLER) + ["--output-dir", str(tmp_path)], timeout=180, check=True)
     [[sample]] = readme_samples(2)
     assert_printed(sample, result.stdout)  # the README's numbers, from the same command
+    assert re.search(r"no_sampler: .*50% of the compute repeated", result.stdout)
+    assert re.search(r"distributed_sampler: .*\b0% of the compute repeated", result.stdout)
     s = read_summary(tmp_path)
     n = s["dataset_size"]
     plain, fixed = s["no_sampler"], s["distributed_sampler"]
@@ -225,15 +240,18 @@ def test_plain_dataloader_duplicates_and_distributed_sampler_does_not(tmp_path):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_distributed_eval_equals_one_process(tmp_path, world_size):
     # 3 ranks: the README's command (40 training steps, the default); 1 and 2 ranks: 8 steps, to save time.
-    steps = () if world_size == 3 else ("--max-steps", "8")
-    result = torchrun(f"{DIR}/distributed_eval.py", *steps, "--output-dir", str(tmp_path),
-                      nproc=world_size, timeout=180)
+    if world_size == 3:
+        result = run(readme_command(README_PATH, EVAL) + ["--output-dir", str(tmp_path)], timeout=180, check=True)
+    else:
+        result = torchrun(f"{DIR}/distributed_eval.py", "--max-steps", "8", "--output-dir", str(tmp_path),
+                          nproc=world_size, timeout=180)
     s = read_summary(tmp_path)
     n = s["test_size"]
     assert n % 2 and n % 3  # an odd size: neither 2 nor 3 ranks divide it
     if world_size == 3:  # the README's table, line for line, mean_of_rank_means off the exact value included
         [[table]] = readme_samples(3)
         assert_printed(table, result.stdout)
+        assert re.search(r"exact +359 ", result.stdout) and re.search(r"sampler_padded +360 ", result.stdout)
         assert s["mean_of_rank_means"]["accuracy"] != s["exact"]["accuracy"]
 
     # Reference computed here, in one process, from the weights the run saved.
@@ -482,10 +500,10 @@ TOLERANCE_ALL, TOLERANCE_RANK = 0.03, 0.06  # the README states these
 
 def test_weighted_sampler_is_disjoint_and_balanced(tmp_path):
     w = 2
-    result = torchrun(f"{DIR}/weighted_sampler.py", "--epochs", "2", "--output-dir", str(tmp_path), nproc=w,
-                      timeout=180)
+    result = run(readme_command(README_PATH, WEIGHTED) + ["--output-dir", str(tmp_path)], timeout=180, check=True)
     [[sample]] = readme_samples(5)
     assert_printed(sample, result.stdout)  # the README's counts: 146 zeros .. 14 nines, and both epochs' draws
+    assert "indices read by two ranks: 0" in result.stdout
     s = read_summary(tmp_path)
     labels = torch.tensor(s["labels"])
     k = len(s["class_counts_before"])
@@ -646,8 +664,8 @@ def per_step(summary):
 
 def test_join_finishes_uneven_inputs_with_identical_gradients(tmp_path):
     w = 3
-    result = torchrun(f"{DIR}/uneven_inputs.py", "--fix", "join", "--epochs", "2", "--output-dir", str(tmp_path),
-                      nproc=w, timeout=180)  # check=True: exit code 0, within the timeout
+    result = run(readme_command(README_PATH, UNEVEN_JOIN) + ["--output-dir", str(tmp_path)],
+                 timeout=180, check=True)  # exit code 0, within the timeout; 2 epochs, the default
     assert_printed(readme_samples(7)[0][0], result.stdout, replace=[("runs/uneven_inputs", str(tmp_path))])
     s = read_summary(tmp_path)
     assert len(set(s["batches_per_rank"])) == w  # the inputs really are uneven
@@ -674,8 +692,8 @@ def test_join_with_momentum_lets_weights_drift_in_the_next_epoch(tmp_path):
 
 def test_drop_last_runs_the_smallest_rank_count(tmp_path):
     w = 3  # the README's command
-    result = torchrun(f"{DIR}/uneven_inputs.py", "--fix", "drop_last", "--output-dir", str(tmp_path),
-                      nproc=w, timeout=180)
+    result = run(readme_command(README_PATH, UNEVEN_DROP_LAST) + ["--output-dir", str(tmp_path)],
+                 timeout=180, check=True)
     assert_printed(readme_samples(7)[0][1], result.stdout, replace=[("runs/uneven_inputs", str(tmp_path))])
     s = read_summary(tmp_path)
     assert s["batches_per_rank"][0] > s["batches_per_rank"][-1]
@@ -687,10 +705,9 @@ def test_drop_last_runs_the_smallest_rank_count(tmp_path):
 def test_without_a_fix_uneven_inputs_time_out_naming_the_rank_that_never_arrived(tmp_path):
     """Rank 1 runs out of batches and waits at the end-of-epoch barrier while rank 0 waits in its
     next gradient all-reduce: at --timeout-s gloo's monitored_barrier names rank 0."""
-    result = torchrun(f"{DIR}/uneven_inputs.py", "--fix", "none", "--timeout-s", "5", "--epochs", "1",
-                      "--output-dir", str(tmp_path), nproc=2, timeout=120, check=False)
+    result = run(readme_command(README_PATH, UNEVEN_NONE) + ["--output-dir", str(tmp_path)], timeout=120)
     out = result.output
-    assert result.returncode != 0
+    assert result.returncode == 1  # torchrun's, for a failed rank
     assert ("[rank1]: RuntimeError: Rank 1 successfully reached monitoredBarrier, but received errors while "
             "waiting for send/recv from rank 0") in out, out[-3000:]
     assert "Timed out waiting 5000ms" in out
