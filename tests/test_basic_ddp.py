@@ -18,9 +18,11 @@ from torch.utils.data import DistributedSampler
 from common.config import TrainConfig, parse_config
 from common.data import digits
 from common.models import build_model
-from tests.helpers import PYTHON, REPO, clean_env, free_port, kill_group, load_script, read_summary, run, torchrun
+from tests.helpers import (PYTHON, REPO, clean_env, free_port, kill_group, load_script, read_summary, readme_command,
+                           run, torchrun)
 
 SCRIPT = "01_basic_ddp/train.py"
+QUICK_START = "torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py"
 
 
 def load_params(path):
@@ -46,7 +48,8 @@ def assert_same_params(a, b, rtol=1e-5):
 def quick_start(tmp_path_factory):
     """The README's quick-start command, as written, with only the output folder moved."""
     out = tmp_path_factory.mktemp("quick_start")
-    result = torchrun(SCRIPT, "--output-dir", out, nproc=2, timeout=180)
+    result = run(readme_command("01_basic_ddp/README.md", QUICK_START) + ["--output-dir", str(out)], timeout=180,
+                 check=True)
     return result, out
 
 

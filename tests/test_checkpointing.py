@@ -27,7 +27,8 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from tests.cifar_files import write_cifar10
-from tests.helpers import PYTHON, REPO, clean_env, free_port, kill_group, load_script, read_summary, run, torchrun
+from tests.helpers import (PYTHON, REPO, clean_env, free_port, kill_group, load_script, read_summary, readme_command,
+                           run, torchrun)
 
 SCRIPT = "05_checkpointing/train.py"
 # 2 epochs of 45 steps (digits, 2 ranks x 16), a checkpoint every 10 steps and at each epoch's end.
@@ -578,8 +579,18 @@ def test_export_from_a_folder_without_checkpoints_is_one_error_line(tmp_path):
     assert result.returncode == 2 and _error_lines(result) == [f"error: no usable checkpoint in {tmp_path}"]
 
 
+DCP_SAVE = "torchrun --standalone --nproc_per_node=2 05_checkpointing/dcp_example.py --mode save"
+DCP_LOAD = "torchrun --standalone --nproc_per_node=1 05_checkpointing/dcp_example.py --mode load"
+DCP_TO_TORCH = "python -m torch.distributed.checkpoint.format_utils dcp_to_torch runs/dcp/checkpoint model.pt"
+
+
 def test_dcp_save_on_two_ranks_loads_on_one(tmp_path):
-    saved = torchrun("05_checkpointing/dcp_example.py", "--mode", "save", "--output-dir", str(tmp_path), nproc=2)
+    """05's README commands as written (with --output-dir): 2 ranks save, 1 rank loads, then torch's own
+    converter makes a plain torch.save file of it, run from the folder the README's relative paths name."""
+    work = tmp_path
+    tmp_path = work / "runs" / "dcp"  # the README's runs/dcp, under a folder of this test's own
+    saved = run(readme_command("05_checkpointing/README.md", DCP_SAVE) + ["--output-dir", str(tmp_path)],
+                timeout=240, check=True)
     assert f"saved {tmp_path / 'checkpoint'} from 2 rank(s) after 10 steps" in saved.stdout  # --max-steps 10
     assert (tmp_path / "checkpoint" / ".metadata").is_file()
     # Both ranks wrote a file, and together the state once (deduplicated), though both hold all of it.
@@ -590,12 +601,18 @@ def test_dcp_save_on_two_ranks_loads_on_one(tmp_path):
         for s in reference_state["optim"]["state"].values())
     assert len(files) == 2 and all(f.stat().st_size > 0 for f in files)
     assert one_copy <= sum(f.stat().st_size for f in files) < 1.1 * one_copy  # not 2 copies
-    loaded = torchrun("05_checkpointing/dcp_example.py", "--mode", "load", "--output-dir", str(tmp_path), nproc=1)
+    loaded = run(readme_command("05_checkpointing/README.md", DCP_LOAD) + ["--output-dir", str(tmp_path)],
+                 timeout=240, check=True)
     assert (f"loaded {tmp_path / 'checkpoint'} into 1 rank(s): parameters equal True, momentum buffers equal True"
             in loaded.stdout)
     summary = read_summary(tmp_path)
     assert summary["world_size"] == 1 and summary["params_equal"] and summary["momentum_equal"]
     assert summary["momentum_buffers"] == 8
+    # dcp_to_torch: one file holding the same model weights as the reference run's.
+    run(readme_command("05_checkpointing/README.md", DCP_TO_TORCH), timeout=240, cwd=work, check=True)
+    converted = torch.load(work / "model.pt", weights_only=True)
+    assert converted["model"].keys() == reference_state["model"].keys()
+    assert all(torch.equal(converted["model"][k], v) for k, v in reference_state["model"].items())
 
 
 # --- the README's statements, on the runs above, the lesson's source and the installed torch ------------

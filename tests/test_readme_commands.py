@@ -161,8 +161,7 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     "diff 01_basic_ddp/train_single.py 01_basic_ddp/train.py":
         Run(exit_code=1, expect=(r"> .*init_process_group", r"> .*DistributedSampler", r"> .*DDP\(")),
     "torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py":
-        Run(SHORT, expect=(r"launcher torchrun, gloo on cpu", r"world size 2"),
-            files=("runs/latest/summary.json", "runs/latest/model.pt")),
+        RunElsewhere("tests/test_basic_ddp.py::quick_start", "--output-dir"),
     "python 01_basic_ddp/train.py":
         Run(SHORT, expect=(r"launcher single", r"world size 1"), files=("runs/latest/model.pt",), group="02-gather"),
     "python 01_basic_ddp/train_single.py": Run(SHORT, files=("runs/latest/summary.json",)),
@@ -212,11 +211,11 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     "SITE=perlmutter sbatch jobs/slurm_srun.sbatch": NotRun("scheduler"),  # jobs/sites
     "qsub -v SITE=derecho jobs/pbs_mpiexec.pbs": NotRun("scheduler"),
     "torchrun --standalone --nproc_per_node=2 05_checkpointing/dcp_example.py --mode save":
-        Run(group="dcp", files=("runs/dcp/checkpoint/.metadata",)),
+        RunElsewhere("tests/test_checkpointing.py::test_dcp_save_on_two_ranks_loads_on_one", "--output-dir"),
     "torchrun --standalone --nproc_per_node=1 05_checkpointing/dcp_example.py --mode load":
-        Run(group="dcp", expect=(r"parameters equal True, momentum buffers equal True",)),
+        RunElsewhere("tests/test_checkpointing.py::test_dcp_save_on_two_ranks_loads_on_one", "--output-dir"),
     "python -m torch.distributed.checkpoint.format_utils dcp_to_torch runs/dcp/checkpoint model.pt":
-        Run(group="dcp", files=("model.pt",)),
+        RunElsewhere("tests/test_checkpointing.py::test_dcp_save_on_two_ranks_loads_on_one"),
 
     # 06_multinode
     "torchrun --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:29400 --rdzv_id=demo "
