@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -118,9 +119,80 @@ def readme_command(readme: str, command: str) -> list[str]:
     shows it), with `python` and `torchrun` run by this interpreter; relative paths need cwd=REPO."""
     import shlex
 
-    text = (REPO / readme).read_text()
-    shown = any(" ".join(line.split("#")[0].split()) == command for line in text.splitlines())
-    assert shown, f"{readme} no longer shows `{command}`"
+    shown = {c.text for c in readme_commands() if c.readme == readme}
+    assert command in shown, f"{readme} no longer shows `{command}`"
     argv = shlex.split(command)
     launchers = {"python": [PYTHON], "torchrun": [PYTHON, "-m", "torch.distributed.run"]}
     return launchers.get(argv[0], argv[:1]) + argv[1:]
+
+
+# --- the commands of the READMEs' ```bash blocks ----------------------------------------------------
+
+@dataclass(frozen=True)
+class Command:
+    text: str        # the command, whitespace-normalised, without its trailing comment (the table's key)
+    source: str      # the command as written (continuation lines included, comment left out)
+    comment: str     # its trailing `# ...` annotation, if any
+    before: str      # the paragraph just before its ```bash block
+    readme: str
+
+
+def _split_comment(line: str) -> tuple[str, str]:
+    """`cmd  # note` -> ("cmd", "note"); a # inside quotes or a word (`$#`, `a#b`) is not a comment."""
+    quote = ""
+    for i, ch in enumerate(line):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip(), line[i + 1:].strip()
+    return line.rstrip(), ""
+
+
+def _open_quote(text: str) -> bool:
+    quote = ""
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+    return bool(quote)
+
+
+def readme_commands() -> list[Command]:
+    files = subprocess.run(["git", "ls-files", "*.md"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.split()
+    commands = []
+    for readme in files:
+        lines = (REPO / readme).read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            if lines[i].strip() != "```bash":
+                i += 1
+                continue
+            start = i
+            paragraph = []
+            j = start - 1
+            while j >= 0 and not lines[j].strip():
+                j -= 1
+            while j >= 0 and lines[j].strip():
+                paragraph.insert(0, lines[j])
+                j -= 1
+            i += 1
+            pending = ""
+            while lines[i].strip() != "```":
+                line = lines[i]
+                i += 1
+                if not pending and (not line.strip() or line.lstrip().startswith("#")):
+                    continue
+                pending = f"{pending}\n{line}" if pending else line
+                # a backslash continues the line; so does a quote left open ('... &&\n    ...')
+                source, comment = _split_comment(pending)
+                if source.endswith("\\") or _open_quote(source):
+                    continue
+                text = " ".join(source.replace("\\\n", " ").split())
+                commands.append(Command(text, source, comment, " ".join(paragraph), readme))
+                pending = ""
+            i += 1
+    return commands
