@@ -126,6 +126,11 @@ def readme_command(readme: str, command: str) -> list[str]:
     return launchers.get(argv[0], argv[:1]) + argv[1:]
 
 
+def readme_sample(readme: Path, after: str) -> list[str]:
+    """The lines of the first plain ``` block (a sample output) after the text `after` in `readme`."""
+    return readme.read_text().split(after, 1)[1].split("```\n", 2)[1].splitlines()
+
+
 # --- the commands of the READMEs' ```bash blocks ----------------------------------------------------
 
 @dataclass(frozen=True)

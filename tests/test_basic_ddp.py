@@ -19,7 +19,7 @@ from common.config import TrainConfig, parse_config
 from common.data import digits
 from common.models import build_model
 from tests.helpers import (PYTHON, REPO, clean_env, free_port, kill_group, load_script, read_summary, readme_command,
-                           run, torchrun)
+                           readme_sample, run, torchrun)
 
 SCRIPT = "01_basic_ddp/train.py"
 QUICK_START = "torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py"
@@ -251,17 +251,11 @@ def test_runs_unchanged_under_mpiexec(tmp_path, flavour):
 README = REPO / "01_basic_ddp" / "README.md"
 
 
-def readme_sample_output() -> list[str]:
-    """The README's sample output block (the one after "Output (rank 0 only ...")."""
-    text = README.read_text().split("Output (rank 0 only", 1)[1]
-    return text.split("```\n", 2)[1].splitlines()
-
-
 def test_readme_sample_output_is_what_the_quick_start_prints(quick_start):
     """The sample has the run's shape line by line, the same counts, and its final accuracy within 0.02 of
     this run's (the run reproduces the sample's numbers on this machine; another CPU may round differently)."""
     result, out = quick_start
-    sample = readme_sample_output()
+    sample = readme_sample(README, "Output (rank 0 only")  # the block after "Output (rank 0 only ..."
     printed = result.stdout.replace(f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}",
                                     "CUDA_VISIBLE_DEVICES=unset").splitlines()
     assert sample[0] == printed[0]  # the banner, word for word

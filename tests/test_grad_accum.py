@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from common.data import digits
 
-from tests.helpers import PYTHON, REPO, load_model, read_summary, relative_difference, run, torchrun
+from tests.helpers import PYTHON, REPO, load_model, read_summary, readme_sample, relative_difference, run, torchrun
 
 SCRIPT = "03_grad_accum/train.py"
 BASIC = "01_basic_ddp/train.py"
@@ -180,7 +180,7 @@ def test_the_sample_outputs_counts():
     assert (per_epoch, steps) == (90, 23)
     assert (f"{per_epoch} micro-batches per epoch make {steps} optimizer steps: {per_epoch // 4} windows of 4 and a "
             f"last window of {per_epoch % 4}.") in text
-    sample = README.read_text().split("## Output", 1)[1].split("```\n", 2)[1]
+    sample = "\n".join(readme_sample(README, "## Output"))
     assert ("batch 8 x 2 x accum 4 = 64, 90 micro-batches per rank per epoch, no_sync True") in sample
     logged = [(int(e), int(s)) for e, s in re.findall(r"epoch (\d) step (\d+) loss", sample)]
     assert logged and all((s - 1) // steps + 1 == e for e, s in logged)  # the epoch each step falls in

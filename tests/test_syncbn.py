@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.helpers import REPO, load_script, read_summary, torchrun
+from tests.helpers import REPO, load_script, read_summary, readme_sample, torchrun
 
 cpu_sync_batchnorm = load_script("04_syncbn/cpu_sync_batchnorm.py", "cpu_sync_batchnorm_under_test")
 CpuSyncBatchNorm, convert_to_cpu_sync_batchnorm = (cpu_sync_batchnorm.CpuSyncBatchNorm,
@@ -109,7 +109,7 @@ def test_script_sync_run_equals_one_process_and_plain_run_does_not(tmp_path):
     assert any(k.endswith("running_mean") for k in reference) and any(k.endswith("running_var") for k in reference)
     # The README's sample output, defaults with --log-every 1000: the same banners (this run has the default batch
     # 4 on 2 ranks), and closing lines of the same shape.
-    sample = README.read_text().split("## Output", 1)[1].split("```\n", 2)[1].splitlines()
+    sample = readme_sample(README, "## Output")
     banners = [line for line in result.stdout.splitlines() if line.startswith(("plain: ", "sync: "))]
     assert banners == [line for line in sample if line.startswith(("plain: ", "sync: "))]
     closing = re.compile(r" *(BatchNorm2d|CpuSyncBatchNorm) normalizes over (4|8) samples: train loss \d\.\d{4}, "
