@@ -30,8 +30,13 @@ def evaluate(model, loader, device):
     for images, labels in loader:
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
-        totals += torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
-                               (logits.argmax(1) == labels).sum(), torch.tensor(len(labels), device=device)])
+        totals += torch.stack(
+            [
+                F.cross_entropy(logits, labels, reduction="sum"),
+                (logits.argmax(1) == labels).sum(),
+                torch.tensor(len(labels), device=device),
+            ]
+        )
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count, int(count)
 
@@ -45,13 +50,21 @@ def train(cfg):
     # The same permutations as the DDP script with one process (randperm seeded with seed + epoch).
     shuffle = torch.Generator()
     train_sampler = RandomSampler(data.train, generator=shuffle)
-    train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=train_sampler,
-                              num_workers=cfg.num_workers, pin_memory=device.type == "cuda")
+    train_loader = DataLoader(
+        data.train,
+        batch_size=cfg.batch_size,
+        sampler=train_sampler,
+        num_workers=cfg.num_workers,
+        pin_memory=device.type == "cuda",
+    )
     test_loader = DataLoader(data.test, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
 
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    torch.manual_seed(cfg.seed)  # augmentation and loader workers from here on, as train.py's rank 0 (seed + 0)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+    )
+    # augmentation and loader workers from here on, as train.py's rank 0 (seed + 0)
+    torch.manual_seed(cfg.seed)
 
     print(f"one process on {device}, batch {cfg.batch_size}, train {len(data.train)}", flush=True)
     step, images_seen = 0, 0
@@ -75,19 +88,35 @@ def train(cfg):
                 break
         train_loss = (loss_sum[0] / loss_sum[1]).item()
         eval_loss, eval_acc, eval_count = evaluate(model, test_loader, device)
-        print(f"epoch {epoch + 1} done: train loss {train_loss:.4f}, eval loss {eval_loss:.4f}, "
-              f"eval accuracy {eval_acc:.4f} ({eval_count} images)", flush=True)
+        print(
+            f"epoch {epoch + 1} done: train loss {train_loss:.4f}, eval loss {eval_loss:.4f}, "
+            f"eval accuracy {eval_acc:.4f} ({eval_count} images)",
+            flush=True,
+        )
         if step == cfg.max_steps:
             break
 
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), Path(cfg.output_dir) / "model.pt")
     elapsed = time.perf_counter() - start_time
-    write_summary(cfg.output_dir, world_size=1, launcher="none", backend="none",
-                  global_batch_size=cfg.batch_size, images_per_second=images_seen / elapsed,
-                  device=str(device), local_batch_size=cfg.batch_size, lr=cfg.lr, epochs=epoch + 1, steps=step,
-                  final_train_loss=train_loss, eval_loss=eval_loss, eval_accuracy=eval_acc, eval_samples=eval_count,
-                  wall_time_s=elapsed)
+    write_summary(
+        cfg.output_dir,
+        world_size=1,
+        launcher="none",
+        backend="none",
+        global_batch_size=cfg.batch_size,
+        images_per_second=images_seen / elapsed,
+        device=str(device),
+        local_batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        epochs=epoch + 1,
+        steps=step,
+        final_train_loss=train_loss,
+        eval_loss=eval_loss,
+        eval_accuracy=eval_acc,
+        eval_samples=eval_count,
+        wall_time_s=elapsed,
+    )
 
 
 def main():

@@ -32,7 +32,8 @@ def worker(rank: int, world_size: int, cfg: SpawnConfig) -> None:
     """Runs in each spawned process; mp.spawn passes the rank as the first argument. It must be
     importable by the children (a module-level function, not one defined in a notebook cell)."""
     train(cfg, detect_launcher(rank=rank, world_size=world_size))
-    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    sys.stdout.flush()
     os._exit(0)
 
 
@@ -48,7 +49,8 @@ def main():
         mp.spawn(worker, args=(cfg.nprocs, cfg), nprocs=cfg.nprocs, join=True)
     except mp.ProcessRaisedException as exc:  # a worker's traceback; the others were stopped
         sys.exit(f"a worker failed:\n{exc}")
-    except mp.ProcessExitedException as exc:  # a worker exited with a code (2: bad input) or a signal
+    # a worker exited with a code (2: bad input) or a signal
+    except mp.ProcessExitedException as exc:
         sys.exit(exc.exit_code if exc.exit_code and exc.exit_code > 0 else 1)
 
 

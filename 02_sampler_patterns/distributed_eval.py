@@ -36,7 +36,9 @@ from common.report import write_summary
 
 @dataclasses.dataclass
 class EvalConfig(TrainConfig):
-    max_steps: int = field(40, "training steps before evaluating (0: evaluate the initial model)", min=0)
+    max_steps: int = field(
+        40, "training steps before evaluating (0: evaluate the initial model)", min=0
+    )
     output_dir: str = field("runs/distributed_eval", "where summary.json and model.pt go")
 
 
@@ -62,24 +64,33 @@ def sum_over_ranks(values, device):
 
 
 def train_and_evaluate(cfg, launch):
-    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")  # as in 01
+    # as in 01
+    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )
     w, rank = launch.world_size, launch.rank
     data = load_datasets(cfg, rank)
     test = data.test
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    torch.manual_seed(cfg.seed + launch.rank)  # as in 01: each rank its own augmentation from here on
+    # as in 01: each rank its own augmentation from here on
+    torch.manual_seed(cfg.seed + launch.rank)
     train_briefly(cfg, launch, device, model, data.train)
-    net = model.module  # evaluate without the DDP wrapper: ranks may hold different numbers of batches
+    # evaluate without the DDP wrapper: ranks may hold different numbers of batches
+    net = model.module
 
     results = {}
-    # RIGHT: a strided slice per rank covers every sample exactly once (sizes differ by at most one);
+    # RIGHT: a strided slice per rank covers every
+    # sample exactly once (sizes differ by at most one);
     # all-reduce the sums and the count, divide once.
     mine = Subset(test, range(rank, len(test), w))
     local = local_sums(net, mine, device)  # this rank's (loss sum, correct, count)
@@ -95,21 +106,33 @@ def train_and_evaluate(cfg, launch):
     l, c, n = local
     mean_loss, mean_acc = sum_over_ranks([l / n, c / n], device)
     results["mean_of_rank_means"] = (mean_loss / w * len(test), mean_acc / w * len(test), len(test))
-    # WRONG 4: rank 0 reports its own shard only (rank 0's numbers, shared with everyone for printing).
+    # WRONG 4: rank 0 reports its own shard only (rank
+    # 0's numbers, shared with everyone for printing).
     results["rank0_only"] = sum_over_ranks([l, c, n] if rank == 0 else [0, 0, 0], device)
 
     # Reference: one process over the whole test set (rank 0 alone; no collectives in here).
-    summary = {name: dict(loss_sum=l, correct=c, count=n, accuracy=c / n, loss=l / n)
-               for name, (l, c, n) in results.items()}
+    summary = {
+        name: dict(loss_sum=l, correct=c, count=n, accuracy=c / n, loss=l / n)
+        for name, (l, c, n) in results.items()
+    }
     if rank == 0:
         l, c, n = local_sums(net, test, device)
         summary["reference"] = dict(loss_sum=l, correct=c, count=n, accuracy=c / n, loss=l / n)
-        print(f"test set: {len(test)} samples, world size {w}; reference (one process): "
-              f"accuracy {c / n:.6f}, loss {l / n:.6f}", flush=True)
-        print(f"{'method':>20} {'samples':>8} {'accuracy':>9} {'loss':>9} {'accuracy error':>15}", flush=True)
+        print(
+            f"test set: {len(test)} samples, world size {w}; reference (one process): "
+            f"accuracy {c / n:.6f}, loss {l / n:.6f}",
+            flush=True,
+        )
+        print(
+            f"{'method':>20} {'samples':>8} {'accuracy':>9} {'loss':>9} {'accuracy error':>15}",
+            flush=True,
+        )
         for name, m in summary.items():
-            print(f"{name:>20} {int(m['count']):>8} {m['accuracy']:>9.6f} {m['loss']:>9.6f} "
-                  f"{m['accuracy'] - c / n:>+15.6f}", flush=True)
+            print(
+                f"{name:>20} {int(m['count']):>8} {m['accuracy']:>9.6f} {m['loss']:>9.6f} "
+                f"{m['accuracy'] - c / n:>+15.6f}",
+                flush=True,
+            )
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         torch.save(net.state_dict(), Path(cfg.output_dir) / "model.pt")
     write_summary(cfg.output_dir, model, world_size=w, test_size=len(test), **summary)
@@ -118,8 +141,9 @@ def train_and_evaluate(cfg, launch):
 
 def train_briefly(cfg, launch, device, model, train_set):
     """A few ordinary DDP steps, so the metric is not chance level."""
-    sampler = DistributedSampler(train_set, num_replicas=launch.world_size, rank=launch.rank, shuffle=True,
-                                 seed=cfg.seed)
+    sampler = DistributedSampler(
+        train_set, num_replicas=launch.world_size, rank=launch.rank, shuffle=True, seed=cfg.seed
+    )
     loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     model.train()
@@ -147,5 +171,6 @@ def main():
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    sys.stdout.flush()
     os._exit(0)

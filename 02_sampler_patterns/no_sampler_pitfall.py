@@ -52,45 +52,63 @@ class WithIndex(Dataset):
 
 
 def compare(cfg, launch):
-    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")  # as in 01
+    # as in 01
+    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )
     data = load_datasets(cfg, launch.rank)
     dataset = WithIndex(data.train)
 
     # WRONG: what many single-GPU scripts (and some tutorials) do. Nothing here knows about ranks.
     plain_loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True)
     # RIGHT: the sampler hands each rank a disjoint 1/W of the data; shuffling moves into it.
-    sampler = DistributedSampler(dataset, num_replicas=launch.world_size, rank=launch.rank, shuffle=True,
-                                 seed=cfg.seed)
+    sampler = DistributedSampler(
+        dataset, num_replicas=launch.world_size, rank=launch.rank, shuffle=True, seed=cfg.seed
+    )
     sampler.set_epoch(0)
     sharded_loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler)
 
     results = {}
     for name, loader in (("no_sampler", plain_loader), ("distributed_sampler", sharded_loader)):
-        per_rank, model = train_one_epoch(cfg, launch, device, data, loader)  # [indices read by rank 0, 1, ...]
+        # [indices read by rank 0, 1, ...]
+        per_rank, model = train_one_epoch(cfg, launch, device, data, loader)
         reads = Counter(i for seen in per_rank for i in seen)
         results[name] = r = dict(
             samples_per_rank=[len(seen) for seen in per_rank],
             steps_per_rank=[-(-len(seen) // cfg.batch_size) for seen in per_rank],
-            total_reads=sum(reads.values()), distinct_samples=len(reads),
+            total_reads=sum(reads.values()),
+            distinct_samples=len(reads),
             samples_read_by_several_ranks=sum(1 for c in reads.values() if c > 1),
-            same_order_on_all_ranks=all(seen == per_rank[0] for seen in per_rank))
+            same_order_on_all_ranks=all(seen == per_rank[0] for seen in per_rank),
+        )
         if launch.rank == 0:
-            print(f"{name:>20}: samples per rank {r['samples_per_rank']}, steps per rank {r['steps_per_rank']}, "
-                  f"{r['total_reads']} reads of {r['distinct_samples']} distinct samples (data set {len(dataset)}), "
-                  f"{r['samples_read_by_several_ranks']} read by more than one rank, "
-                  f"{100 * (1 - r['distinct_samples'] / r['total_reads']):.0f}% of the compute repeated", flush=True)
-    write_summary(cfg.output_dir, model, world_size=launch.world_size, dataset_size=len(dataset), **results)
+            print(
+                f"{name:>20}: samples per rank {r['samples_per_rank']}, steps per rank "
+                f"{r['steps_per_rank']}, "
+                f"{r['total_reads']} reads of {r['distinct_samples']} distinct samples (data "
+                f"set {len(dataset)}), "
+                f"{r['samples_read_by_several_ranks']} read by more than one rank, "
+                f"{100 * (1 - r['distinct_samples'] / r['total_reads']):.0f}% of the compute "
+                "repeated",
+                flush=True,
+            )
+    write_summary(
+        cfg.output_dir, model, world_size=launch.world_size, dataset_size=len(dataset), **results
+    )
     dist.destroy_process_group()
 
 
 def train_one_epoch(cfg, launch, device, data, loader):
-    """Collective: one epoch of ordinary DDP training; returns the indices every rank read (on all ranks)
-    and the model."""
+    """Collective: one epoch of ordinary DDP training; returns the
+    indices every rank read (on all ranks) and the model."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -117,5 +135,6 @@ def main():
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    sys.stdout.flush()
     os._exit(0)

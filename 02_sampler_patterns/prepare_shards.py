@@ -27,7 +27,9 @@ class PrepareConfig:
 
     dataset: str = field("digits", "data set", choices=DATASETS)
     data_dir: str = field("data", "folder holding downloaded data sets (not used by digits)")
-    num_shards: int = field(12, "shard files to write (use many more than ranks, a multiple of the world size)", min=1)
+    num_shards: int = field(
+        12, "shard files to write (use many more than ranks, a multiple of the world size)", min=1
+    )
     out_dir: str = field("data/digits_shards", "where the shards and manifest.json go")
     seed: int = field(0, "seed of the fixed order in which samples are written", min=0)
 
@@ -41,18 +43,34 @@ def main():
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shards = []
-    for number, indices in enumerate(torch.tensor_split(order, cfg.num_shards)):  # sizes differ by at most 1
+    # sizes differ by at most 1
+    for number, indices in enumerate(torch.tensor_split(order, cfg.num_shards)):
         samples = [train[i] for i in indices.tolist()]
         name = f"shard-{number:05d}.pt"
-        torch.save(dict(images=torch.stack([x for x, _ in samples]),
-                        labels=torch.tensor([int(y) for _, y in samples]),
-                        indices=indices.clone()), out / name)
+        torch.save(
+            dict(
+                images=torch.stack([x for x, _ in samples]),
+                labels=torch.tensor([int(y) for _, y in samples]),
+                indices=indices.clone(),
+            ),
+            out / name,
+        )
         shards.append(dict(file=name, samples=len(indices)))
-    write_json_atomic(out / "manifest.json", dict(dataset=cfg.dataset, total=len(train), num_classes=data.num_classes,
-                                                  in_channels=data.in_channels, image_size=data.image_size,
-                                                  shards=shards))
-    print(f"{len(train)} samples of {cfg.dataset} written as {cfg.num_shards} shards to {out} "
-          f"({', '.join(str(s['samples']) for s in shards)} samples)")
+    write_json_atomic(
+        out / "manifest.json",
+        dict(
+            dataset=cfg.dataset,
+            total=len(train),
+            num_classes=data.num_classes,
+            in_channels=data.in_channels,
+            image_size=data.image_size,
+            shards=shards,
+        ),
+    )
+    print(
+        f"{len(train)} samples of {cfg.dataset} written as {cfg.num_shards} shards to {out} "
+        f"({', '.join(str(s['samples']) for s in shards)} samples)"
+    )
 
 
 if __name__ == "__main__":

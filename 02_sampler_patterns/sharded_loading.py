@@ -1,16 +1,16 @@
-"""02 - sharded loading: each rank opens and reads only its own shard files.
+r"""02 - sharded loading: each rank opens and reads only its own shard files.
 
-For data too large for every rank to hold or even to index (DistributedSampler needs a
-map-style data set with len() and random access to every sample). A prepare step
-(prepare_shards.py) writes the data as shard files plus a manifest. Each epoch, every rank
-shuffles the shard list with the same seed + epoch and takes every W-th shard; an
-IterableDataset streams its shards one at a time. From the manifest alone, every rank
-computes every rank's number of batches and all run the smallest, so no rank waits in a
-collective for a batch that another rank never has.
+For data too large for every rank to hold or even to index (DistributedSampler needs a map-style
+data set with len() and random access to every sample). A prepare step (prepare_shards.py)
+writes the data as shard files plus a manifest. Each epoch, every rank shuffles the shard list
+with the same seed + epoch and takes every W-th shard; an IterableDataset streams its shards one
+at a time. From the manifest alone, every rank computes every rank's number of batches and all
+run the smallest, so no rank waits in a collective for a batch that another rank never has.
 
 Run (CPU, 2 processes, embedded digits data):
     python 02_sampler_patterns/prepare_shards.py --num-shards 12 --out-dir data/digits_shards
-    torchrun --standalone --nproc_per_node=2 02_sampler_patterns/sharded_loading.py --shards-dir data/digits_shards
+    torchrun --standalone --nproc_per_node=2 \
+        02_sampler_patterns/sharded_loading.py --shards-dir data/digits_shards
 """
 
 import dataclasses
@@ -42,11 +42,14 @@ from common.report import write_summary
 class ShardConfig(TrainConfig):
     shards_dir: str = field("data/digits_shards", "folder written by prepare_shards.py")
     epochs: int = field(2, "passes over the data", min=1)
-    output_dir: str = field("runs/sharded_loading", "where summary.json and the shard access logs go")
+    output_dir: str = field(
+        "runs/sharded_loading", "where summary.json and the shard access logs go"
+    )
 
 
 class ShardStream(IterableDataset):
-    """Streams (image, label, original index) from the given shard files, one shard in memory at a time."""
+    """Streams (image, label, original index) from the
+    given shard files, one shard in memory at a time."""
 
     def __init__(self, folder, seed, access_log):
         self.folder, self.seed, self.access_log = Path(folder), seed, access_log
@@ -58,13 +61,17 @@ class ShardStream(IterableDataset):
     def __iter__(self):
         files = self.files
         worker = get_worker_info()
-        if worker is not None:  # DataLoader workers must split the rank's shards again, or each repeats them all
-            files = files[worker.id::worker.num_workers]
+        # DataLoader workers must split the rank's shards again, or each repeats them all
+        if worker is not None:
+            files = files[worker.id :: worker.num_workers]
         for name in files:
             with open(self.access_log, "a") as log:  # a record of every file this rank opens
                 log.write(f"{self.epoch} {name}\n")
             shard = torch.load(self.folder / name, weights_only=True)
-            order = torch.randperm(len(shard["labels"]), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            order = torch.randperm(
+                len(shard["labels"]),
+                generator=torch.Generator().manual_seed(self.seed + self.epoch),
+            )
             for i in order.tolist():
                 yield shard["images"][i], shard["labels"][i], shard["indices"][i]
 
@@ -72,24 +79,34 @@ class ShardStream(IterableDataset):
 def read_manifest(folder):
     path = Path(folder) / "manifest.json"
     if not path.is_file():
-        raise DataError(f"no shards in {folder} (missing manifest.json): write them first with "
-                        f"`python 02_sampler_patterns/prepare_shards.py --out-dir {folder}`")
+        raise DataError(
+            f"no shards in {folder} (missing manifest.json): write them first with "
+            f"`python 02_sampler_patterns/prepare_shards.py --out-dir {folder}`"
+        )
     return json.loads(path.read_text())
 
 
 def shards_for(rank, world_size, files, seed, epoch):
     """This rank's shard files for this epoch: the same shuffle everywhere, every W-th file."""
-    order = torch.randperm(len(files), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    order = torch.randperm(
+        len(files), generator=torch.Generator().manual_seed(seed + epoch)
+    ).tolist()
     return [files[i] for i in order[rank::world_size]]
 
 
 def train(cfg, launch, manifest):
-    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")  # as in 01
+    # as in 01
+    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )
     w, rank = launch.world_size, launch.rank
     files = [s["file"] for s in manifest["shards"]]
     sizes = {s["file"]: s["samples"] for s in manifest["shards"]}
@@ -101,10 +118,15 @@ def train(cfg, launch, manifest):
     workers = max(1, cfg.num_workers)
 
     def batches(mine):  # each DataLoader worker batches its own slice of the shards
-        return sum(math.ceil(sum(sizes[f] for f in mine[k::workers]) / cfg.batch_size) for k in range(workers))
+        return sum(
+            math.ceil(sum(sizes[f] for f in mine[k::workers]) / cfg.batch_size)
+            for k in range(workers)
+        )
 
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, manifest["num_classes"], manifest["in_channels"], manifest["image_size"]).to(device)
+    model = build_model(
+        cfg.model, manifest["num_classes"], manifest["in_channels"], manifest["image_size"]
+    ).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     if rank == 0:
@@ -130,9 +152,21 @@ def train(cfg, launch, manifest):
         dist.all_gather_object(gathered, dict(shards=mine, steps=done, indices=seen))
         epochs.append(gathered)
         if rank == 0:
-            print(f"epoch {epoch + 1}: {steps} steps on every rank, {read} of {assigned} samples read "
-                  f"({assigned - read} left over); shards per rank: {[g['shards'] for g in gathered]}", flush=True)
-    write_summary(cfg.output_dir, model, world_size=w, total=manifest["total"], shards=len(files), epochs=epochs)
+            print(
+                f"epoch {epoch + 1}: {steps} steps on every rank, {read} of {assigned} "
+                "samples read "
+                f"({assigned - read} left over); shards per rank: "
+                f"{[g['shards'] for g in gathered]}",
+                flush=True,
+            )
+    write_summary(
+        cfg.output_dir,
+        model,
+        world_size=w,
+        total=manifest["total"],
+        shards=len(files),
+        epochs=epochs,
+    )
     dist.destroy_process_group()
 
 
@@ -143,13 +177,17 @@ def main():
     with exit_on_bad_input():  # before the process group: a missing folder fails fast everywhere
         manifest = read_manifest(cfg.shards_dir)
         if len(manifest["shards"]) < launch.world_size:
-            raise ConfigError(f"shards_dir: {len(manifest['shards'])} shards cannot feed {launch.world_size} ranks; "
-                              f"run prepare_shards.py with --num-shards at least {launch.world_size} "
-                              f"(better: a multiple of {launch.world_size})")
+            raise ConfigError(
+                f"shards_dir: {len(manifest['shards'])} shards cannot feed "
+                f"{launch.world_size} ranks; "
+                f"run prepare_shards.py with --num-shards at least {launch.world_size} "
+                f"(better: a multiple of {launch.world_size})"
+            )
     train(cfg, launch, manifest)
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    sys.stdout.flush()
     os._exit(0)

@@ -45,8 +45,11 @@ from common.report import write_summary
 
 @dataclasses.dataclass
 class UnevenConfig(TrainConfig):
-    fix: str = field("join", "how to handle uneven inputs (none: hang until --timeout-s)",
-                     choices=("join", "drop_last", "none"))
+    fix: str = field(
+        "join",
+        "how to handle uneven inputs (none: hang until --timeout-s)",
+        choices=("join", "drop_last", "none"),
+    )
     uneven: int = field(64, "rank r reads r * uneven samples fewer than its strided share", min=0)
     epochs: int = field(2, "passes over each rank's slice", min=1)
     # Plain SGD: with Join, ranks that ran out skip optimizer.step(), so their momentum misses those
@@ -64,17 +67,23 @@ def digest(tensors):
 
 
 def train(cfg, launch):
-    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")  # as in 01
+    # as in 01
+    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )
     w, rank = launch.world_size, launch.rank
     data = load_datasets(cfg, rank)
     sizes = [len(range(r, len(data.train), w)) - r * cfg.uneven for r in range(w)]
     batches = [math.ceil(n / cfg.batch_size) for n in sizes]
-    mine = Subset(data.train, list(range(rank, len(data.train), w))[:sizes[rank]])
+    mine = Subset(data.train, list(range(rank, len(data.train), w))[: sizes[rank]])
     loader = DataLoader(mine, batch_size=cfg.batch_size, shuffle=False)
     if rank == 0:
         print(f"samples per rank {sizes}, batches per rank {batches}, fix: {cfg.fix}", flush=True)
@@ -83,7 +92,8 @@ def train(cfg, launch):
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    torch.manual_seed(cfg.seed + launch.rank)  # as in 01: each rank its own augmentation from here on
+    # as in 01: each rank its own augmentation from here on
+    torch.manual_seed(cfg.seed + launch.rank)
     digests = []  # (epoch, step, gradient digest, weights digest) for every step this rank ran
     for epoch in range(cfg.epochs):
         steps = len(loader)
@@ -91,7 +101,8 @@ def train(cfg, launch):
             count = torch.tensor([steps], device=device)
             dist.all_reduce(count, op=dist.ReduceOp.MIN)
             steps = int(count)
-        # Join is a no-op unless enabled; enabled, it lets the ranks that finish early shadow the rest.
+        # Join is a no-op unless enabled; enabled, it lets
+        # the ranks that finish early shadow the rest.
         with Join([model], enable=cfg.fix == "join"):
             for step, (images, labels) in enumerate(islice(loader, steps)):
                 loss = F.cross_entropy(model(images.to(device)), labels.to(device))
@@ -101,20 +112,33 @@ def train(cfg, launch):
                 optimizer.step()
                 digests.append((epoch, step, grads, digest(model.parameters())))
         # Every rank waits here for the others. With --fix none a rank that ran out of batches waits
-        # while another waits in its gradient all-reduce, until --timeout-s. gloo's monitored_barrier
-        # then names the rank that never arrived; NCCL has none (a plain barrier waits until its watchdog's timeout).
+        # while another waits in its gradient all-reduce,
+        # until --timeout-s. gloo's monitored_barrier
+        # then names the rank that never arrived; NCCL has none
+        # (a plain barrier waits until its watchdog's timeout).
         if backend == "gloo":
             dist.monitored_barrier()
         else:
             dist.barrier()
         if rank == 0:
-            print(f"epoch {epoch + 1}: ranks ran {batches if cfg.fix != 'drop_last' else [steps] * w} steps",
-                  flush=True)
+            print(
+                f"epoch {epoch + 1}: ranks ran "
+                f"{batches if cfg.fix != 'drop_last' else [steps] * w} steps",
+                flush=True,
+            )
 
     everyone = [None] * w
     dist.all_gather_object(everyone, digests)
-    write_summary(cfg.output_dir, model, world_size=w, fix=cfg.fix, samples_per_rank=sizes,
-                  batches_per_rank=batches, steps_per_rank=[len(d) for d in everyone], digests=everyone)
+    write_summary(
+        cfg.output_dir,
+        model,
+        world_size=w,
+        fix=cfg.fix,
+        samples_per_rank=sizes,
+        batches_per_rank=batches,
+        steps_per_rank=[len(d) for d in everyone],
+        digests=everyone,
+    )
     dist.destroy_process_group()
 
 
@@ -128,5 +152,6 @@ def main():
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    sys.stdout.flush()
     os._exit(0)

@@ -38,18 +38,23 @@ from common.report import write_summary
 
 @dataclasses.dataclass
 class WeightedConfig(TrainConfig):
-    epochs: int = field(2, "passes (each rank draws ceil(len(data set) / W) samples per pass)", min=1)
+    epochs: int = field(
+        2, "passes (each rank draws ceil(len(data set) / W) samples per pass)", min=1
+    )
     imbalance: float = field(10.0, "class c keeps imbalance^(-c/(K-1)) of its samples", min=1.0)
     output_dir: str = field("runs/weighted_sampler", "where summary.json goes")
 
     def validate(self):  # called by load_config: before any process group
         if self.dataset == "fake":
-            raise ConfigError("dataset: fake does not list its labels; use digits, cifar10, mnist, "
-                              "fashion_mnist or imagefolder")
+            raise ConfigError(
+                "dataset: fake does not list its labels; use digits, cifar10, mnist, "
+                "fashion_mnist or imagefolder"
+            )
 
 
 class DistributedClassBalancedSampler(Sampler):
-    """Disjoint per-rank shares (like DistributedSampler), class-balanced draws within each share."""
+    """Disjoint per-rank shares (like DistributedSampler),
+    class-balanced draws within each share."""
 
     def __init__(self, labels, num_replicas, rank, num_samples=None, seed=0):
         self.labels, self.num_replicas, self.rank, self.seed = labels, num_replicas, rank, seed
@@ -69,11 +74,13 @@ class DistributedClassBalancedSampler(Sampler):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(len(self.labels), generator=g)
         order = order[torch.argsort(self.labels[order], stable=True)]
-        share = order[self.rank::self.num_replicas]
-        # 2. Draw from this rank's share only, each sample weighted by 1 / (its class's count there).
+        share = order[self.rank :: self.num_replicas]
+        # 2. Draw from this rank's share only, each sample
+        # weighted by 1 / (its class's count there).
         counts = torch.bincount(self.labels[share])
         weights = 1.0 / counts[self.labels[share]].double()
-        g.manual_seed(self.seed + self.epoch + 7919 * (self.rank + 1))  # different draws on each rank
+        # different draws on each rank
+        g.manual_seed(self.seed + self.epoch + 7919 * (self.rank + 1))
         picks = torch.multinomial(weights, self.num_samples, replacement=True, generator=g)
         return iter(share[picks].tolist())
 
@@ -86,37 +93,49 @@ def labels_of(dataset):
 
 
 def imbalanced(dataset, labels, num_classes, imbalance):
-    """Keep the first imbalance^(-c/(K-1)) of each class c: class 0 whole, the last class 1/imbalance."""
+    """Keep the first imbalance^(-c/(K-1)) of each class
+    c: class 0 whole, the last class 1/imbalance."""
     keep = []
     for c in range(num_classes):
         members = (labels == c).nonzero().flatten()
-        keep.append(members[:max(1, round(len(members) * imbalance ** (-c / (num_classes - 1))))])
+        keep.append(members[: max(1, round(len(members) * imbalance ** (-c / (num_classes - 1))))])
     keep = torch.cat(keep)
     return Subset(dataset, keep.tolist()), labels[keep]
 
 
 def train(cfg, launch):
-    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")  # as in 01
+    # as in 01
+    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )
     data = load_datasets(cfg, launch.rank)
     k = data.num_classes
     dataset, labels = imbalanced(data.train, labels_of(data.train), k, cfg.imbalance)
     before = torch.bincount(labels, minlength=k)
     if launch.rank == 0:
-        print(f"imbalanced training set: {len(dataset)} samples; class counts {before.tolist()} "
-              f"(frequency {min(before) / len(labels):.3f} .. {max(before) / len(labels):.3f})", flush=True)
+        print(
+            f"imbalanced training set: {len(dataset)} samples; class counts {before.tolist()} "
+            f"(frequency {min(before) / len(labels):.3f} .. {max(before) / len(labels):.3f})",
+            flush=True,
+        )
 
     sampler = DistributedClassBalancedSampler(labels, launch.world_size, launch.rank, seed=cfg.seed)
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler)  # no shuffle: the sampler does it
+    # no shuffle: the sampler does it
+    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, k, data.in_channels, data.image_size).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    torch.manual_seed(cfg.seed + launch.rank)  # as in 01: each rank its own augmentation from here on
+    # as in 01: each rank its own augmentation from here on
+    torch.manual_seed(cfg.seed + launch.rank)
 
     epochs = []
     for epoch in range(cfg.epochs):
@@ -132,15 +151,34 @@ def train(cfg, launch):
         dist.all_gather_object(gathered, (list(sampler), histogram.tolist()))
         per_rank = [h for _, h in gathered]
         total = torch.tensor(per_rank).sum(0)
-        overlap = sum(len(set(a) & set(b)) for i, (a, _) in enumerate(gathered) for b, _ in gathered[i + 1:])
-        epochs.append(dict(indices=[ix for ix, _ in gathered], histograms=per_rank, total=total.tolist(),
-                           indices_in_several_ranks=overlap))
+        overlap = sum(
+            len(set(a) & set(b)) for i, (a, _) in enumerate(gathered) for b, _ in gathered[i + 1 :]
+        )
+        epochs.append(
+            dict(
+                indices=[ix for ix, _ in gathered],
+                histograms=per_rank,
+                total=total.tolist(),
+                indices_in_several_ranks=overlap,
+            )
+        )
         if launch.rank == 0:
-            print(f"epoch {epoch + 1}: drawn per class {total.tolist()} (frequency {min(total) / sum(total):.3f} .. "
-                  f"{max(total) / sum(total):.3f}); per rank {per_rank}; indices read by two ranks: {overlap}",
-                  flush=True)
-    write_summary(cfg.output_dir, model, world_size=launch.world_size, dataset_size=len(dataset),
-                  labels=labels.tolist(), class_counts_before=before.tolist(), epochs=epochs)
+            print(
+                f"epoch {epoch + 1}: drawn per class {total.tolist()} (frequency "
+                f"{min(total) / sum(total):.3f} .. "
+                f"{max(total) / sum(total):.3f}); per rank {per_rank}; indices read by two "
+                f"ranks: {overlap}",
+                flush=True,
+            )
+    write_summary(
+        cfg.output_dir,
+        model,
+        world_size=launch.world_size,
+        dataset_size=len(dataset),
+        labels=labels.tolist(),
+        class_counts_before=before.tolist(),
+        epochs=epochs,
+    )
     dist.destroy_process_group()
 
 
@@ -154,5 +192,6 @@ def main():
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    sys.stdout.flush()
     os._exit(0)

@@ -4,8 +4,8 @@ Plain BatchNorm under DDP normalizes with the mean and variance of each rank's L
 small per-rank batch they are noisy, and the model is not the one a single process would train on
 the global batch. SyncBatchNorm combines the ranks' per-channel statistics, so 2 ranks x 4 samples
 behave like 1 x 8. Convert the model BEFORE the DDP wrap. On GPU: nn.SyncBatchNorm; it refuses CPU
-tensors, so on CPU the script uses CpuSyncBatchNorm (cpu_sync_batchnorm.py): the same global statistics.
-By default it trains twice, plain then synchronized BatchNorm, and compares them.
+tensors, so on CPU the script uses CpuSyncBatchNorm (cpu_sync_batchnorm.py): the same global
+statistics. By default it trains twice, plain then synchronized BatchNorm, and compares them.
 
     torchrun --standalone --nproc_per_node=2 04_syncbn/train.py
     torchrun --standalone --nproc_per_node=2 04_syncbn/train.py --batch-norm sync --batch-size 2
@@ -38,88 +38,143 @@ from cpu_sync_batchnorm import convert_to_cpu_sync_batchnorm  # next to this scr
 
 @dataclasses.dataclass
 class SyncBNConfig(TrainConfig):
-    batch_norm: str = field("compare", "plain: BatchNorm on each rank's batch; sync: synchronized over all ranks; "
-                                       "compare: train plain, then sync", choices=("compare", "plain", "sync"))
-    batch_size: int = field(4, "samples per rank per step: small, where SyncBatchNorm matters", min=1)
+    batch_norm: str = field(
+        "compare",
+        "plain: BatchNorm on each rank's batch; sync: synchronized over all ranks; "
+        "compare: train plain, then sync",
+        choices=("compare", "plain", "sync"),
+    )
+    batch_size: int = field(
+        4, "samples per rank per step: small, where SyncBatchNorm matters", min=1
+    )
     epochs: int = field(3, "passes over the training set (per run)", min=1)
     lr: float = field(0.01, "learning rate (small: the global batch is small)", min=0.0)
 
 
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Exact distributed evaluation: sums over this rank's slice of the test set, all-reduced. `model` is
-    the plain module (ddp_model.module): ranks may hold different numbers of test batches."""
+    """Exact distributed evaluation: sums over this rank's slice of the test
+    set, all-reduced. `model` is the plain module (ddp_model.module):
+    ranks may hold different numbers of test batches."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     for images, labels in loader:
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
-        totals += torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
-                               (logits.argmax(1) == labels).sum(), torch.tensor(len(labels), device=device)])
+        totals += torch.stack(
+            [
+                F.cross_entropy(logits, labels, reduction="sum"),
+                (logits.argmax(1) == labels).sum(),
+                torch.tensor(len(labels), device=device),
+            ]
+        )
     dist.all_reduce(totals)  # sum over ranks
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count, int(count)
 
 
 def train(cfg, launch):
-    # One GPU per process: the local rank's, or 0 where the site shows each rank only its own; else CPU (gloo).
+    # One GPU per process: the local rank's, or 0 where the
+    # site shows each rank only its own; else CPU (gloo).
     device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # before the process group, so its collectives use this device
-    dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
+        # before the process group, so its collectives use this device
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )
     runs = {}  # compare: plain, then sync, from the same initial weights and the same data order
-    for mode in (["plain", "sync"] if cfg.batch_norm == "compare" else [cfg.batch_norm]):
+    for mode in ["plain", "sync"] if cfg.batch_norm == "compare" else [cfg.batch_norm]:
         model, runs[mode] = fit(cfg, launch, device, mode)
     if launch.rank == 0:
         for r in runs.values():
-            print(f"{r['norm_layer']:>16} normalizes over {r['normalized_over']} samples: train loss "
-                  f"{r['final_train_loss']:.4f}, eval loss {r['eval_loss']:.4f}, eval acc {r['eval_accuracy']:.4f}")
-    write_summary(cfg.output_dir, model, world_size=launch.world_size, launcher=launch.launcher, backend=backend,
-                  global_batch_size=cfg.batch_size * launch.world_size, device=str(device),
-                  local_batch_size=cfg.batch_size, lr=cfg.lr, runs=runs, **runs[mode])  # top level: the last run
+            print(
+                f"{r['norm_layer']:>16} normalizes over {r['normalized_over']} samples: train loss "
+                f"{r['final_train_loss']:.4f}, eval loss {r['eval_loss']:.4f}, eval acc "
+                f"{r['eval_accuracy']:.4f}"
+            )
+    write_summary(
+        cfg.output_dir,
+        model,
+        world_size=launch.world_size,
+        launcher=launch.launcher,
+        backend=backend,
+        global_batch_size=cfg.batch_size * launch.world_size,
+        device=str(device),
+        # top level: the last run
+        local_batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        runs=runs,
+        **runs[mode],
+    )
     dist.destroy_process_group()
 
 
 def fit(cfg, launch, device, mode):
     """One training run with plain (mode "plain") or synchronized (mode "sync") BatchNorm."""
     start_time = time.perf_counter()
-    torch.manual_seed(cfg.seed)  # same initial weights on every rank (and DDP broadcasts rank 0's at the wrap)
+    # same initial weights on every rank (and DDP broadcasts rank 0's at the wrap)
+    torch.manual_seed(cfg.seed)
 
     data = load_datasets(cfg, launch.rank)
-    # Each rank gets a disjoint 1/world_size of the training set, shuffled alike on every rank (seed + epoch).
-    train_sampler = DistributedSampler(data.train, num_replicas=launch.world_size, rank=launch.rank,
-                                       shuffle=True, seed=cfg.seed)
-    train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=train_sampler,
-                              num_workers=cfg.num_workers, pin_memory=device.type == "cuda")
-    # Evaluation: a strided slice per rank covers every test sample once (DistributedSampler would pad with repeats).
+    # Each rank gets a disjoint 1/world_size of the training
+    # set, shuffled alike on every rank (seed + epoch).
+    train_sampler = DistributedSampler(
+        data.train, num_replicas=launch.world_size, rank=launch.rank, shuffle=True, seed=cfg.seed
+    )
+    train_loader = DataLoader(
+        data.train,
+        batch_size=cfg.batch_size,
+        sampler=train_sampler,
+        num_workers=cfg.num_workers,
+        pin_memory=device.type == "cuda",
+    )
+    # Evaluation: a strided slice per rank covers every test
+    # sample once (DistributedSampler would pad with repeats).
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
     test_loader = DataLoader(test_shard, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
 
-    # Move the model to this rank's device, then wrap: DDP registers the hooks that all-reduce gradients in backward().
-    model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size, norm="batch").to(device)
+    # Move the model to this rank's device, then wrap: DDP
+    # registers the hooks that all-reduce gradients in backward().
+    model = build_model(
+        cfg.model, data.num_classes, data.in_channels, data.image_size, norm="batch"
+    ).to(device)
     if mode == "sync":  # convert BEFORE the wrap: DDP records the modules and parameters it wraps
         if device.type == "cuda":
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         else:
             model = convert_to_cpu_sync_batchnorm(model)  # nn.SyncBatchNorm refuses CPU tensors
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    torch.manual_seed(cfg.seed + launch.rank)  # from here on each rank its own augmentation and loader worker seeds
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+    )
+    # from here on each rank its own augmentation and loader worker seeds
+    torch.manual_seed(cfg.seed + launch.rank)
 
     norm_layers = [type(m).__name__ for m in model.modules() if "BatchNorm" in type(m).__name__]
-    normalized_over = cfg.batch_size * (launch.world_size if mode == "sync" else 1)  # samples per statistic
+    # samples per statistic
+    normalized_over = cfg.batch_size * (launch.world_size if mode == "sync" else 1)
     if launch.rank == 0:
-        print(f"{mode}: {len(norm_layers)} x {norm_layers[0]}, statistics over {normalized_over} samples per channel; "
-              f"launcher {launch.launcher}, {dist.get_backend()} on {device} (CUDA_VISIBLE_DEVICES="
-              f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), world size {launch.world_size}, "
-              f"batch {cfg.batch_size} x {launch.world_size} = {cfg.batch_size * launch.world_size}", flush=True)
+        print(
+            f"{mode}: {len(norm_layers)} x {norm_layers[0]}, statistics over "
+            f"{normalized_over} samples per channel; "
+            f"launcher {launch.launcher}, {dist.get_backend()} on {device} (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), world size {launch.world_size}, "
+            f"batch {cfg.batch_size} x {launch.world_size} = {cfg.batch_size * launch.world_size}",
+            flush=True,
+        )
     step, images_seen = 0, 0
     for epoch in range(cfg.epochs):
-        train_sampler.set_epoch(epoch)  # a new shuffle each epoch; without it every epoch repeats epoch 0
+        # a new shuffle each epoch; without it every epoch repeats epoch 0
+        train_sampler.set_epoch(epoch)
         model.train()
-        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # this rank's loss sum and sample count
+        # this rank's loss sum and sample count
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
         for images, labels in train_loader:
             images, labels = images.to(device), labels.to(device)
             loss = F.cross_entropy(model(images), labels)
@@ -131,37 +186,59 @@ def fit(cfg, launch, device, mode):
             loss_sum[0] += loss.detach() * len(labels)
             loss_sum[1] += len(labels)
             if launch.rank == 0 and step % cfg.log_every == 0:
-                print(f"epoch {epoch + 1} step {step} loss {loss.item():.4f} (rank 0's batch)", flush=True)
+                print(
+                    f"epoch {epoch + 1} step {step} loss {loss.item():.4f} (rank 0's batch)",
+                    flush=True,
+                )
             if step == cfg.max_steps:
                 break
-        dist.all_reduce(loss_sum)  # sums and counts over all ranks: the exact mean, not a mean of means
+        # sums and counts over all ranks: the exact mean, not a mean of means
+        dist.all_reduce(loss_sum)
         train_loss = (loss_sum[0] / loss_sum[1]).item()
-        eval_loss, eval_acc, eval_count = evaluate(model.module, test_loader, device)  # with the running statistics
+        # with the running statistics
+        eval_loss, eval_acc, eval_count = evaluate(model.module, test_loader, device)
         if launch.rank == 0:
-            print(f"epoch {epoch + 1} done: train loss {train_loss:.4f}, eval loss {eval_loss:.4f}, "
-                  f"eval accuracy {eval_acc:.4f} ({eval_count} images)", flush=True)
+            print(
+                f"epoch {epoch + 1} done: train loss {train_loss:.4f}, eval loss {eval_loss:.4f}, "
+                f"eval accuracy {eval_acc:.4f} ({eval_count} images)",
+                flush=True,
+            )
         if step == cfg.max_steps:
             break
 
     if launch.rank == 0:  # plain file I/O on one rank; model.module drops DDP's "module." prefix
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        torch.save(model.module.state_dict(), Path(cfg.output_dir) / f"model_{mode}.pt")  # with running statistics
+        # with running statistics
+        torch.save(model.module.state_dict(), Path(cfg.output_dir) / f"model_{mode}.pt")
     elapsed = time.perf_counter() - start_time
-    return model, dict(norm_layer=norm_layers[0], norm_layers=len(norm_layers), normalized_over=normalized_over,
-                       images_per_second=images_seen * launch.world_size / elapsed,  # every rank saw as many
-                       epochs=epoch + 1, steps=step, final_train_loss=train_loss, eval_loss=eval_loss,
-                       eval_accuracy=eval_acc, eval_samples=eval_count, wall_time_s=elapsed)
+    return model, dict(
+        norm_layer=norm_layers[0],
+        norm_layers=len(norm_layers),
+        normalized_over=normalized_over,
+        # every rank saw as many
+        images_per_second=images_seen * launch.world_size / elapsed,
+        epochs=epoch + 1,
+        steps=step,
+        final_train_loss=train_loss,
+        eval_loss=eval_loss,
+        eval_accuracy=eval_acc,
+        eval_samples=eval_count,
+        wall_time_s=elapsed,
+    )
 
 
 @record  # under torchrun, a failing rank's exception and traceback show in torchrun's summary
 def main():
     cfg = load_config(SyncBNConfig)  # bad input (here and below): one "error:" line, exit code 2
-    launch = detect_launcher()  # rank, local rank, world size, rendezvous address: torchrun, srun, mpiexec
-    check_data(cfg, launch.world_size)  # before any process group, so no rank waits for a failed one
+    # rank, local rank, world size, rendezvous address: torchrun, srun, mpiexec
+    launch = detect_launcher()
+    # before any process group, so no rank waits for a failed one
+    check_data(cfg, launch.world_size)
     train(cfg, launch)
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    sys.stdout.flush()
     os._exit(0)

@@ -1,13 +1,14 @@
-"""Checkpoint files for 05_checkpointing: atomic writes, keep-last-K, a `latest` pointer,
-safe loading with fallback, and RNG states as plain tensors.
+"""Checkpoint files for 05_checkpointing: atomic writes, keep-last-K, a `latest`
+pointer, safe loading with fallback, and RNG states as plain tensors.
 
-Plain file I/O only (no collectives): train.py calls save() on rank 0 and puts the
-gather and the barrier around it itself, where a reader sees them.
+Plain file I/O only (no collectives): train.py calls save() on rank 0 and
+puts the gather and the barrier around it itself, where a reader sees them.
 
 Folder layout:
     ckpt-00000040.pt     one complete checkpoint per saved step (the last `keep` are kept)
     latest               a one-line text file naming the newest complete checkpoint
-    .ckpt-*.tmp-<pid>    a write in progress, or one killed mid-write (removed by the next save); never read
+    .ckpt-*.tmp-<pid>    a write in progress, or one killed mid-write (removed by the next save);
+    never read
 """
 
 from __future__ import annotations
@@ -22,10 +23,21 @@ import numpy as np
 import torch
 
 # Exit code after a preemption save: EX_TEMPFAIL from sysexits.h ("temporary failure, retry later").
-# Distinct from 143 (128 + SIGTERM), which is what a process killed by SIGTERM *without* saving reports.
+# Distinct from 143 (128 + SIGTERM), which is what a
+# process killed by SIGTERM *without* saving reports.
 REQUEUE_EXIT_CODE = 75
 NAME_RE = re.compile(r"^ckpt-(\d{8})\.pt$")
-REQUIRED_KEYS = ("model", "optimizer", "scheduler", "step", "epoch", "consumed", "ranks", "world_size", "batch_size")
+REQUIRED_KEYS = (
+    "model",
+    "optimizer",
+    "scheduler",
+    "step",
+    "epoch",
+    "consumed",
+    "ranks",
+    "world_size",
+    "batch_size",
+)
 
 
 def checkpoint_name(step: int) -> str:
@@ -58,8 +70,8 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
 
 
 def save(state: dict, folder: str | Path, step: int, keep: int) -> Path:
-    """Rank 0: write ckpt-<step>.pt atomically, then point `latest` at it, then prune to `keep` files
-    and remove the leftovers of writes that were killed."""
+    """Rank 0: write ckpt-<step>.pt atomically, then point `latest` at it, then
+    prune to `keep` files and remove the leftovers of writes that were killed."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / checkpoint_name(step)
@@ -91,7 +103,8 @@ def read_latest(folder: str | Path) -> Path | None:
 
 
 def load(path: str | Path, map_location: Any = "cpu") -> dict:
-    """Load a checkpoint with weights_only=True: tensors, numbers, booleans, None, strings, lists and dicts only.
+    """Load a checkpoint with weights_only=True: tensors,
+    numbers, booleans, None, strings, lists and dicts only.
 
     Unpickling an arbitrary object could run arbitrary code; weights_only refuses it instead.
     Raises ValueError with a one-line reason for anything that is not a complete checkpoint.
@@ -113,8 +126,9 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
-def find_resumable(folder: str | Path, log: Callable[[str], None] = _print,
-                   map_location: Any = "cpu") -> tuple[Path | None, dict | None]:
+def find_resumable(
+    folder: str | Path, log: Callable[[str], None] = _print, map_location: Any = "cpu"
+) -> tuple[Path | None, dict | None]:
     """The newest checkpoint that loads, and its contents: `latest` first, then older files by step.
 
     A bad file is reported in one line and skipped; nothing is deleted or overwritten.
@@ -134,8 +148,8 @@ def find_resumable(folder: str | Path, log: Callable[[str], None] = _print,
 
 
 def remove_partial_files(folder: str | Path) -> list[Path]:
-    """Delete `.tmp-` leftovers of writes that were killed (never complete files). Only the one writer
-    (rank 0) calls it, after its own write has completed."""
+    """Delete `.tmp-` leftovers of writes that were killed (never complete files).
+    Only the one writer (rank 0) calls it, after its own write has completed."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -146,6 +160,7 @@ def remove_partial_files(folder: str | Path) -> list[Path]:
 
 
 # --- RNG states as plain tensors (weights_only-loadable) ---------------------------------------
+
 
 def rng_state(device: torch.device) -> dict:
     """This process's RNG states: torch CPU and accelerator, and Python `random` and NumPy for
@@ -171,7 +186,14 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"].cpu())
     py_state = tuple(int(x) for x in state["python"].cpu().numpy().view(np.uint32))
     random.setstate((state["python_version"], py_state, state["python_gauss"]))
-    np.random.set_state(("MT19937", state["numpy"].cpu().numpy().view(np.uint32),
-                         state["numpy_pos"], state["numpy_has_gauss"], state["numpy_gauss"]))
+    np.random.set_state(
+        (
+            "MT19937",
+            state["numpy"].cpu().numpy().view(np.uint32),
+            state["numpy_pos"],
+            state["numpy_has_gauss"],
+            state["numpy_gauss"],
+        )
+    )
     if device.type in state:
         getattr(torch, device.type).set_rng_state(state[device.type].cpu(), device)

@@ -41,9 +41,14 @@ from common.report import write_summary
 
 @dataclasses.dataclass
 class DcpConfig(TrainConfig):
-    mode: str = field("save", "save: train max_steps and save; load: load the saved state and verify it",
-                      choices=("save", "load"))
-    output_dir: str = field("runs/dcp", "checkpoint/ (the DCP folder), reference.pt and summary.json go here")
+    mode: str = field(
+        "save",
+        "save: train max_steps and save; load: load the saved state and verify it",
+        choices=("save", "load"),
+    )
+    output_dir: str = field(
+        "runs/dcp", "checkpoint/ (the DCP folder), reference.pt and summary.json go here"
+    )
     max_steps: int = field(10, "optimizer steps to train before saving", min=1)
 
     def validate(self):  # called by load_config: one error line, exit code 2
@@ -53,8 +58,12 @@ class DcpConfig(TrainConfig):
 
 
 def train_and_save(cfg, launch, device, model, optimizer, data, folder):
-    sampler = DistributedSampler(data.train, num_replicas=launch.world_size, rank=launch.rank, seed=cfg.seed)
-    for step, (images, labels) in enumerate(DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler)):
+    sampler = DistributedSampler(
+        data.train, num_replicas=launch.world_size, rank=launch.rank, seed=cfg.seed
+    )
+    for step, (images, labels) in enumerate(
+        DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler)
+    ):
         if step == cfg.max_steps:
             break
         loss = F.cross_entropy(model(images.to(device)), labels.to(device))
@@ -63,12 +72,20 @@ def train_and_save(cfg, launch, device, model, optimizer, data, folder):
         optimizer.step()
     # get_state_dict: plain keys (no "module."), optimizer state keyed by parameter name.
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)  # collective: all ranks write
+    # collective: all ranks write
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
     if launch.rank == 0:  # a plain copy, only to compare against after loading
-        torch.save({"model": model.module.state_dict(), "optim": optim_sd}, folder.parent / "reference.pt")
-        print(f"saved {folder} from {launch.world_size} rank(s) after {cfg.max_steps} steps", flush=True)
+        torch.save(
+            {"model": model.module.state_dict(), "optim": optim_sd}, folder.parent / "reference.pt"
+        )
+        print(
+            f"saved {folder} from {launch.world_size} rank(s) after {cfg.max_steps} steps",
+            flush=True,
+        )
     dist.barrier()
-    write_summary(cfg.output_dir, model, mode="save", world_size=launch.world_size, steps=cfg.max_steps)
+    write_summary(
+        cfg.output_dir, model, mode="save", world_size=launch.world_size, steps=cfg.max_steps
+    )
 
 
 def load_and_check(cfg, launch, device, model, optimizer, folder):
@@ -77,27 +94,49 @@ def load_and_check(cfg, launch, device, model, optimizer, folder):
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=folder)  # collective
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
 
     reference = torch.load(folder.parent / "reference.pt", map_location=device, weights_only=True)
-    params_equal = all(torch.equal(v, reference["model"][k]) for k, v in model.module.state_dict().items())
+    params_equal = all(
+        torch.equal(v, reference["model"][k]) for k, v in model.module.state_dict().items()
+    )
     _, optim_now = get_state_dict(model, optimizer)
-    momentum_equal = all(torch.equal(optim_now["state"][k]["momentum_buffer"], v["momentum_buffer"])
-                         for k, v in reference["optim"]["state"].items())
+    momentum_equal = all(
+        torch.equal(optim_now["state"][k]["momentum_buffer"], v["momentum_buffer"])
+        for k, v in reference["optim"]["state"].items()
+    )
     if launch.rank == 0:
-        print(f"loaded {folder} into {launch.world_size} rank(s): parameters equal {params_equal}, "
-              f"momentum buffers equal {momentum_equal}", flush=True)
-    write_summary(cfg.output_dir, model, mode="load", world_size=launch.world_size, params_equal=params_equal,
-                  momentum_equal=momentum_equal, momentum_buffers=len(reference["optim"]["state"]))
+        print(
+            f"loaded {folder} into {launch.world_size} rank(s): parameters equal {params_equal}, "
+            f"momentum buffers equal {momentum_equal}",
+            flush=True,
+        )
+    write_summary(
+        cfg.output_dir,
+        model,
+        mode="load",
+        world_size=launch.world_size,
+        params_equal=params_equal,
+        momentum_equal=momentum_equal,
+        momentum_buffers=len(reference["optim"]["state"]),
+    )
 
 
 def save_or_load(cfg, launch):
-    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")  # as in 01
+    # as in 01
+    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )
     torch.manual_seed(cfg.seed)
     data = load_datasets(cfg, launch.rank)
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
@@ -121,5 +160,6 @@ def main():
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    sys.stdout.flush()
     os._exit(0)

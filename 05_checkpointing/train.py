@@ -1,14 +1,16 @@
 """05 - complete, atomic, exactly resumable checkpoints, and preemption.
 
 01_basic_ddp/train.py plus what a long job needs to be stopped and started again as if nothing
-happened: a checkpoint holds the model, optimizer, LR scheduler, the step (hence the position in
-the epoch) and every rank's RNG states; rank 0 writes it atomically (checkpoint.py); start-up
-resumes from the newest one that loads. SIGTERM/SIGUSR1, or the --time-limit-s deadline (PBS
-warns no one before its wall time), make all ranks save at the same step boundary and exit with
-code 75 (requeue me). `diff 01_basic_ddp/train.py train.py` shows exactly that.
+happened: a checkpoint holds the model, optimizer, LR scheduler, the step (hence the position
+in the epoch) and every rank's RNG states; rank 0 writes it atomically (checkpoint.py);
+start-up resumes from the newest one that loads. SIGTERM/SIGUSR1, or the --time-limit-s
+deadline (PBS warns no one before its wall time), make all ranks save at the same step boundary
+and exit with code 75 (requeue me). `diff 01_basic_ddp/train.py train.py` shows exactly that.
 
     torchrun --standalone --nproc_per_node=2 05_checkpointing/train.py --save-every-steps 20
-    # stop it (kill -TERM <torchrun pid>) and run the same command again: it resumes where it stopped
+    # stop it (kill -TERM <torchrun pid>) and run the same command again: it resumes where it
+    # stopped
+
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=2 \
         05_checkpointing/train.py   # survives a crashed worker (README: why the variable)
 """
@@ -31,7 +33,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-import checkpoint as ckpt  # 05_checkpointing/checkpoint.py: atomic files, `latest`, fallback, RNG states
+# 05_checkpointing/checkpoint.py: atomic files, `latest`, fallback, RNG states
+import checkpoint as ckpt
 from common.config import TrainConfig, field, load_config
 from common.data import check_data, load_datasets
 from common.errors import ConfigError, exit_on_bad_input
@@ -43,11 +46,21 @@ from common.report import write_summary
 @dataclasses.dataclass
 class CheckpointConfig(TrainConfig):
     checkpoint_dir: str = field("", "checkpoint folder (empty: <output_dir>/checkpoints)")
-    save_every_steps: int = field(0, "also save every N optimizer steps (0: only at the end of each epoch)", min=0)
-    keep_last: int = field(3, "checkpoints to keep (older ones are deleted after a successful save)", min=1)
-    resume: bool = field(True, "resume from the newest checkpoint that loads (--no-resume: refuse if there is one)")
-    time_limit_s: float = field(0.0, "save and exit with code 75 after this many seconds (0: no limit); set it "
-                                     "below the job's wall time where the scheduler gives no warning", min=0.0)
+    save_every_steps: int = field(
+        0, "also save every N optimizer steps (0: only at the end of each epoch)", min=0
+    )
+    keep_last: int = field(
+        3, "checkpoints to keep (older ones are deleted after a successful save)", min=1
+    )
+    resume: bool = field(
+        True, "resume from the newest checkpoint that loads (--no-resume: refuse if there is one)"
+    )
+    time_limit_s: float = field(
+        0.0,
+        "save and exit with code 75 after this many seconds (0: no limit); set it "
+        "below the job's wall time where the scheduler gives no warning",
+        min=0.0,
+    )
 
     @property
     def checkpoints(self) -> Path:
@@ -55,25 +68,30 @@ class CheckpointConfig(TrainConfig):
 
     def validate(self):  # called by load_config: one error line, exit code 2
         if not self.resume and ckpt.list_checkpoints(self.checkpoints):
-            raise ConfigError(f"--no-resume but {self.checkpoints} holds checkpoints of an earlier run: "
-                              "remove them or pass another --checkpoint-dir")
+            raise ConfigError(
+                f"--no-resume but {self.checkpoints} holds checkpoints of an earlier run: "
+                "remove them or pass another --checkpoint-dir"
+            )
 
 
 class ResumableSampler(DistributedSampler):
-    """DistributedSampler (shuffle=True, drop_last=False) that can start an epoch part-way, on any number of
-    ranks. After k steps of batch b on W ranks, the ranks have together read the first k x b x W samples of
-    the epoch's order (randperm seeded with seed + epoch; rank r reads positions r, r + W, ...). So a resume
-    drops the first `consumed` samples of that order and splits the rest as DistributedSampler splits an
-    epoch: rank r takes every W-th from r, padded to a multiple of W with the order's first samples."""
+    """DistributedSampler (shuffle=True, drop_last=False) that can start an epoch part-way, on
+    any number of ranks. After k steps of batch b on W ranks, the ranks have together read
+    the first k x b x W samples of the epoch's order (randperm seeded with seed + epoch;
+    rank r reads positions r, r + W, ...). So a resume drops the first `consumed` samples
+    of that order and splits the rest as DistributedSampler splits an epoch: rank r takes
+    every W-th from r, padded to a multiple of W with the order's first samples."""
 
     consumed = 0  # samples of this epoch that the ranks have trained on before the checkpoint
 
     def __iter__(self):
-        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        order = torch.randperm(
+            len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch)
+        )
         order = order.tolist()
-        rest = order[self.consumed:]
-        rest += (order * self.num_replicas)[:len(self) * self.num_replicas - len(rest)]  # padding
-        return iter(rest[self.rank::self.num_replicas])
+        rest = order[self.consumed :]
+        rest += (order * self.num_replicas)[: len(self) * self.num_replicas - len(rest)]  # padding
+        return iter(rest[self.rank :: self.num_replicas])
 
     def __len__(self):
         return math.ceil((len(self.dataset) - self.consumed) / self.num_replicas)
@@ -104,33 +122,54 @@ class Preemption:
 
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Exact distributed evaluation: sums over this rank's slice of the test set, all-reduced. `model` is
-    the plain module (ddp_model.module): ranks may hold different numbers of test batches."""
+    """Exact distributed evaluation: sums over this rank's slice of the test
+    set, all-reduced. `model` is the plain module (ddp_model.module):
+    ranks may hold different numbers of test batches."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     for images, labels in loader:
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
-        totals += torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
-                               (logits.argmax(1) == labels).sum(), torch.tensor(len(labels), device=device)])
+        totals += torch.stack(
+            [
+                F.cross_entropy(logits, labels, reduction="sum"),
+                (logits.argmax(1) == labels).sum(),
+                torch.tensor(len(labels), device=device),
+            ]
+        )
     dist.all_reduce(totals)  # sum over ranks
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count, int(count)
 
 
-def save_checkpoint(cfg, launch, device, model, optimizer, scheduler, step, position, loss_sum, model_args, stop=""):
-    """Collective: every rank sends its RNG states and loss sums to rank 0, which writes the one file
-    (the replicas are identical); the barrier keeps all ranks from going on before it is complete.
-    On a stop, rank 0 also writes checkpoints/REQUEUE before the barrier: the job files requeue on it,
-    as the launcher may stop rank 0 once another rank has exited."""
+def save_checkpoint(
+    cfg, launch, device, model, optimizer, scheduler, step, position, loss_sum, model_args, stop=""
+):
+    """Collective: every rank sends its RNG states and loss sums to rank 0, which writes the one
+    file (the replicas are identical); the barrier keeps all ranks from going on before it is
+    complete. On a stop, rank 0 also writes checkpoints/REQUEUE before the barrier: the job
+    files requeue on it, as the launcher may stop rank 0 once another rank has exited."""
     ranks = [None] * launch.world_size if launch.rank == 0 else None
     dist.gather_object({**ckpt.rng_state(device), "loss_sum": loss_sum.cpu()}, ranks, dst=0)
     if launch.rank == 0:
-        path = ckpt.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                          "scheduler": scheduler.state_dict(), "step": step, "ranks": ranks,
-                          "epoch": position[0], "consumed": position[1],  # where the next run goes on
-                          "world_size": launch.world_size, "batch_size": cfg.batch_size,
-                          "model_args": model_args}, cfg.checkpoints, step, cfg.keep_last)
+        path = ckpt.save(
+            {
+                "model": model.module.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "step": step,
+                "ranks": ranks,
+                # where the next run goes on
+                "epoch": position[0],
+                "consumed": position[1],
+                "world_size": launch.world_size,
+                "batch_size": cfg.batch_size,
+                "model_args": model_args,
+            },
+            cfg.checkpoints,
+            step,
+            cfg.keep_last,
+        )
         print(f"saved {path}", flush=True)
         if stop:
             (cfg.checkpoints / "REQUEUE").write_text(f"{stop} at step {step}\n")
@@ -140,38 +179,68 @@ def save_checkpoint(cfg, launch, device, model, optimizer, scheduler, step, posi
 def train(cfg, launch):
     start_time = time.perf_counter()
     preemption = Preemption(cfg.time_limit_s)  # first: a signal from now on is not lost
-    # One GPU per process: the local rank's, or 0 where the site shows each rank only its own; else CPU (gloo).
+    # One GPU per process: the local rank's, or 0 where the
+    # site shows each rank only its own; else CPU (gloo).
     device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # before the process group, so its collectives use this device
-    dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
-    torch.manual_seed(cfg.seed)  # same initial weights on every rank (and DDP broadcasts rank 0's at the wrap)
+        # before the process group, so its collectives use this device
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )
+    # same initial weights on every rank (and DDP broadcasts rank 0's at the wrap)
+    torch.manual_seed(cfg.seed)
 
     data = load_datasets(cfg, launch.rank)
-    # Each rank gets a disjoint 1/world_size of the training set, shuffled alike on every rank (seed + epoch).
-    train_sampler = ResumableSampler(data.train, num_replicas=launch.world_size, rank=launch.rank,
-                                     shuffle=True, seed=cfg.seed)
+    # Each rank gets a disjoint 1/world_size of the training
+    # set, shuffled alike on every rank (seed + epoch).
+    train_sampler = ResumableSampler(
+        data.train, num_replicas=launch.world_size, rank=launch.rank, shuffle=True, seed=cfg.seed
+    )
     # A DataLoader draws a seed at every iter() from `generator`, or else from the global RNG, which
     # the checkpoint restores: its own generator keeps the loaders from shifting that stream.
     generator = torch.Generator()
-    train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=train_sampler,
-                              num_workers=cfg.num_workers, pin_memory=device.type == "cuda", generator=generator)
-    # Evaluation: a strided slice per rank covers every test sample once (DistributedSampler would pad with repeats).
+    train_loader = DataLoader(
+        data.train,
+        batch_size=cfg.batch_size,
+        sampler=train_sampler,
+        num_workers=cfg.num_workers,
+        pin_memory=device.type == "cuda",
+        generator=generator,
+    )
+    # Evaluation: a strided slice per rank covers every test
+    # sample once (DistributedSampler would pad with repeats).
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
-    test_loader = DataLoader(test_shard, batch_size=cfg.batch_size, num_workers=cfg.num_workers, generator=generator)
+    test_loader = DataLoader(
+        test_shard, batch_size=cfg.batch_size, num_workers=cfg.num_workers, generator=generator
+    )
 
-    # Move the model to this rank's device, then wrap: DDP registers the hooks that all-reduce gradients in backward().
-    model_args = dict(name=cfg.model, num_classes=data.num_classes, in_channels=data.in_channels,
-                      image_size=data.image_size)  # saved, so that export_model.py can rebuild the network
+    # Move the model to this rank's device, then wrap: DDP
+    # registers the hooks that all-reduce gradients in backward().
+    model_args = dict(
+        name=cfg.model,
+        num_classes=data.num_classes,
+        in_channels=data.in_channels,
+        # saved, so that export_model.py can rebuild the network
+        image_size=data.image_size,
+    )
     model = build_model(**model_args).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    torch.manual_seed(cfg.seed + launch.rank)  # each rank its own augmentation from here on: checkpoints hold all RNGs
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+    )
+    # each rank its own augmentation from here on: checkpoints hold all RNGs
+    torch.manual_seed(cfg.seed + launch.rank)
     steps_per_epoch = len(train_loader)
     # The LR changes every step, so the scheduler's position is part of the state to restore.
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.epochs * steps_per_epoch)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
+        optimizer, T_max=cfg.epochs * steps_per_epoch
+    )
 
     # Resume: rank 0 picks the newest checkpoint that loads and tells the others which one; every
     # rank loads it onto its own device with weights_only=True (tensors and plain values only).
@@ -179,36 +248,55 @@ def train(cfg, launch):
     resumed_sums = torch.zeros(2, dtype=torch.float64, device=device)
     if launch.rank == 0:  # this run's own stop will write a new one
         (cfg.checkpoints / "REQUEUE").unlink(missing_ok=True)
-    found, state = ckpt.find_resumable(cfg.checkpoints, map_location=device) if launch.rank == 0 else (None, None)
+    found, state = (
+        ckpt.find_resumable(cfg.checkpoints, map_location=device)
+        if launch.rank == 0
+        else (None, None)
+    )
     choice = [found]
     dist.broadcast_object_list(choice, src=0)
     if choice[0] is not None:
         state = state if launch.rank == 0 else ckpt.load(choice[0], map_location=device)
         with exit_on_bad_input():  # the same on every rank: rank 0 says it, all exit with code 2
             if state["batch_size"] != cfg.batch_size:
-                raise ConfigError(f"{choice[0]} was written with batch size {state['batch_size']} per rank; a "
-                                  f"resume needs the same (now {cfg.batch_size}), or start afresh with another "
-                                  "--checkpoint-dir")
+                raise ConfigError(
+                    f"{choice[0]} was written with batch size {state['batch_size']} per rank; a "
+                    f"resume needs the same (now {cfg.batch_size}), or start afresh with another "
+                    "--checkpoint-dir"
+                )
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        if launch.rank < len(state["ranks"]):  # this rank's own RNG states; a new rank keeps its seed + rank
+        # this rank's own RNG states; a new rank keeps its seed + rank
+        if launch.rank < len(state["ranks"]):
             ckpt.set_rng_state(state["ranks"][launch.rank], device)
         step, start_epoch, consumed = state["step"], state["epoch"], state["consumed"]
         saved_world_size = state["world_size"]
-        # The epoch's loss sums so far: with W ranks now, rank r adds those of the saved ranks r, r + W, ...
-        resumed_sums += sum(s["loss_sum"] for s in state["ranks"][launch.rank::launch.world_size])
+        # The epoch's loss sums so far: with W ranks now,
+        # rank r adds those of the saved ranks r, r + W, ...
+        resumed_sums += sum(s["loss_sum"] for s in state["ranks"][launch.rank :: launch.world_size])
         del state
-        # The cosine goes on from the LR it has reached and ends at this run's last step (another world
+        # The cosine goes on from the LR it has reached
+        # and ends at this run's last step (another world
         # size changes the number of steps left); len(train_loader) is then the resumed epoch's.
         train_sampler.consumed = consumed
-        scheduler.T_max = step + len(train_loader) + (cfg.epochs - start_epoch - 1) * steps_per_epoch
+        scheduler.T_max = (
+            step + len(train_loader) + (cfg.epochs - start_epoch - 1) * steps_per_epoch
+        )
         if launch.rank == 0:
-            change = "" if saved_world_size == launch.world_size else (
-                f"; world size {saved_world_size} -> {launch.world_size}: global batch "
-                f"{cfg.batch_size * saved_world_size} -> {cfg.batch_size * launch.world_size} "
-                f"({cfg.batch_size} per rank), learning rate not rescaled")
-            print(f"resumed from {choice[0]}: step {step}, epoch {start_epoch + 1}{change}", flush=True)
+            change = (
+                ""
+                if saved_world_size == launch.world_size
+                else (
+                    f"; world size {saved_world_size} -> {launch.world_size}: global batch "
+                    f"{cfg.batch_size * saved_world_size} -> {cfg.batch_size * launch.world_size} "
+                    f"({cfg.batch_size} per rank), learning rate not rescaled"
+                )
+            )
+            print(
+                f"resumed from {choice[0]}: step {step}, epoch {start_epoch + 1}{change}",
+                flush=True,
+            )
     resumed_from = step
     if start_epoch >= cfg.epochs or 0 < cfg.max_steps <= step:  # a finished run, started again
         if launch.rank == 0:
@@ -217,17 +305,23 @@ def train(cfg, launch):
         return
 
     if launch.rank == 0:
-        print(f"launcher {launch.launcher}, {backend} on {device} (CUDA_VISIBLE_DEVICES="
-              f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), world size {launch.world_size}, "
-              f"batch {cfg.batch_size} x {launch.world_size} = {cfg.batch_size * launch.world_size}", flush=True)
+        print(
+            f"launcher {launch.launcher}, {backend} on {device} (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), world size {launch.world_size}, "
+            f"batch {cfg.batch_size} x {launch.world_size} = {cfg.batch_size * launch.world_size}",
+            flush=True,
+        )
     images_seen = 0
     for epoch in range(start_epoch, cfg.epochs):
-        train_sampler.set_epoch(epoch)  # a new shuffle each epoch; without it every epoch repeats epoch 0
+        # a new shuffle each epoch; without it every epoch repeats epoch 0
+        train_sampler.set_epoch(epoch)
         # Mid-epoch resume: the same order, without the samples trained on before the checkpoint.
         train_sampler.consumed = consumed if epoch == start_epoch else 0
-        generator.manual_seed(cfg.seed + launch.rank + epoch * launch.world_size)  # worker seeds: per rank and epoch
+        # worker seeds: per rank and epoch
+        generator.manual_seed(cfg.seed + launch.rank + epoch * launch.world_size)
         model.train()
-        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # this rank's loss sum and sample count
+        # this rank's loss sum and sample count
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
         if train_sampler.consumed:  # and the sums of those batches
             loss_sum += resumed_sums
         for batch, (images, labels) in enumerate(train_loader, 1):
@@ -242,30 +336,58 @@ def train(cfg, launch):
             loss_sum[0] += loss.detach() * len(labels)
             loss_sum[1] += len(labels)
             if launch.rank == 0 and step % cfg.log_every == 0:
-                print(f"epoch {epoch + 1} step {step} loss {loss.item():.4f} (rank 0's batch)", flush=True)
+                print(
+                    f"epoch {epoch + 1} step {step} loss {loss.item():.4f} (rank 0's batch)",
+                    flush=True,
+                )
             # Step boundary: every rank learns whether any rank was signalled.
             stop = preemption.requested(device)
             periodic = cfg.save_every_steps and step % cfg.save_every_steps == 0
             epoch_done = batch == len(train_loader)
             if stop or periodic or epoch_done or step == cfg.max_steps:
-                # Where to go on: the next epoch, or this one after the samples all ranks have read so far.
-                position = (epoch + 1, 0) if epoch_done else (
-                    epoch, train_sampler.consumed + batch * cfg.batch_size * launch.world_size)
-                save_checkpoint(cfg, launch, device, model, optimizer, scheduler, step, position, loss_sum,
-                                model_args, stop)
+                # Where to go on: the next epoch, or this one
+                # after the samples all ranks have read so far.
+                position = (
+                    (epoch + 1, 0)
+                    if epoch_done
+                    else (
+                        epoch,
+                        train_sampler.consumed + batch * cfg.batch_size * launch.world_size,
+                    )
+                )
+                save_checkpoint(
+                    cfg,
+                    launch,
+                    device,
+                    model,
+                    optimizer,
+                    scheduler,
+                    step,
+                    position,
+                    loss_sum,
+                    model_args,
+                    stop,
+                )
             if stop:
                 if launch.rank == 0:
-                    print(f"{stop}: checkpoint at step {step} saved; exiting with code "
-                          f"{ckpt.REQUEUE_EXIT_CODE} (requeue me)", flush=True)
+                    print(
+                        f"{stop}: checkpoint at step {step} saved; exiting with code "
+                        f"{ckpt.REQUEUE_EXIT_CODE} (requeue me)",
+                        flush=True,
+                    )
                 sys.exit(ckpt.REQUEUE_EXIT_CODE)
             if step == cfg.max_steps:
                 break
-        dist.all_reduce(loss_sum)  # sums and counts over all ranks: the exact mean, not a mean of means
+        # sums and counts over all ranks: the exact mean, not a mean of means
+        dist.all_reduce(loss_sum)
         train_loss = (loss_sum[0] / loss_sum[1]).item()
         eval_loss, eval_acc, eval_count = evaluate(model.module, test_loader, device)
         if launch.rank == 0:
-            print(f"epoch {epoch + 1} done: train loss {train_loss:.4f}, eval loss {eval_loss:.4f}, "
-                  f"eval accuracy {eval_acc:.4f} ({eval_count} images)", flush=True)
+            print(
+                f"epoch {epoch + 1} done: train loss {train_loss:.4f}, eval loss {eval_loss:.4f}, "
+                f"eval accuracy {eval_acc:.4f} ({eval_count} images)",
+                flush=True,
+            )
         if step == cfg.max_steps:
             break
 
@@ -273,25 +395,43 @@ def train(cfg, launch):
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         torch.save(model.module.state_dict(), Path(cfg.output_dir) / "model.pt")
     elapsed = time.perf_counter() - start_time
-    write_summary(cfg.output_dir, model, world_size=launch.world_size, launcher=launch.launcher, backend=backend,
-                  global_batch_size=cfg.batch_size * launch.world_size,
-                  images_per_second=images_seen * launch.world_size / elapsed,  # every rank saw as many
-                  device=str(device), local_batch_size=cfg.batch_size, lr=cfg.lr, epochs=epoch + 1, steps=step,
-                  resumed_from_step=resumed_from,
-                  final_train_loss=train_loss, eval_loss=eval_loss, eval_accuracy=eval_acc, eval_samples=eval_count,
-                  wall_time_s=elapsed)
+    write_summary(
+        cfg.output_dir,
+        model,
+        world_size=launch.world_size,
+        launcher=launch.launcher,
+        backend=backend,
+        global_batch_size=cfg.batch_size * launch.world_size,
+        # every rank saw as many
+        images_per_second=images_seen * launch.world_size / elapsed,
+        device=str(device),
+        local_batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        epochs=epoch + 1,
+        steps=step,
+        resumed_from_step=resumed_from,
+        final_train_loss=train_loss,
+        eval_loss=eval_loss,
+        eval_accuracy=eval_acc,
+        eval_samples=eval_count,
+        wall_time_s=elapsed,
+    )
     dist.destroy_process_group()
 
 
 @record  # under torchrun, a failing rank's exception and traceback show in torchrun's summary
 def main():
-    cfg = load_config(CheckpointConfig)  # bad input (here and below): one "error:" line, exit code 2
-    launch = detect_launcher()  # rank, local rank, world size, rendezvous address: torchrun, srun, mpiexec
-    check_data(cfg, launch.world_size)  # before any process group, so no rank waits for a failed one
+    # bad input (here and below): one "error:" line, exit code 2
+    cfg = load_config(CheckpointConfig)
+    # rank, local rank, world size, rendezvous address: torchrun, srun, mpiexec
+    launch = detect_launcher()
+    # before any process group, so no rank waits for a failed one
+    check_data(cfg, launch.world_size)
     train(cfg, launch)
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    sys.stdout.flush()
     os._exit(0)

@@ -13,6 +13,7 @@ or everything running on one host.
     srun -N2 --ntasks-per-node=4 python 06_multinode/train.py      # inside a Slurm allocation
 Job files for Slurm and PBS are in jobs/; run 06_multinode/comm_check.py first on a new allocation.
 """
+
 import os
 import socket
 import sys
@@ -38,85 +39,132 @@ from common.report import write_summary
 
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Exact distributed evaluation: sums over this rank's slice of the test set, all-reduced. `model` is
-    the plain module (ddp_model.module): ranks may hold different numbers of test batches."""
+    """Exact distributed evaluation: sums over this rank's slice of the test
+    set, all-reduced. `model` is the plain module (ddp_model.module):
+    ranks may hold different numbers of test batches."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     for images, labels in loader:
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
-        totals += torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
-                               (logits.argmax(1) == labels).sum(), torch.tensor(len(labels), device=device)])
+        totals += torch.stack(
+            [
+                F.cross_entropy(logits, labels, reduction="sum"),
+                (logits.argmax(1) == labels).sum(),
+                torch.tensor(len(labels), device=device),
+            ]
+        )
     dist.all_reduce(totals)  # sum over ranks
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count, int(count)
 
 
 def gather_placement(launch, device):
-    """Collective: every rank's host, rank, local rank, device, CUDA_VISIBLE_DEVICES and GPU UUID (which physical
-    GPU it is, however the mask numbers it), in rank order, on every rank."""
+    """Collective: every rank's host, rank, local rank, device, CUDA_VISIBLE_DEVICES and GPU UUID
+    (which physical GPU it is, however the mask numbers it), in rank order, on every rank."""
     placement = [None] * launch.world_size
     gpu_uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
-    dist.all_gather_object(placement, dict(host=socket.gethostname(), rank=launch.rank, local_rank=launch.local_rank,
-                                           device=str(device), visible=os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
-                                           gpu_uuid=gpu_uuid))
+    dist.all_gather_object(
+        placement,
+        dict(
+            host=socket.gethostname(),
+            rank=launch.rank,
+            local_rank=launch.local_rank,
+            device=str(device),
+            visible=os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
+            gpu_uuid=gpu_uuid,
+        ),
+    )
     return placement
 
 
 def print_placement(placement):
     """One line per rank, the hosts, and a warning for every GPU that two ranks share."""
     lines = [f"{'rank':>5} {'local':>5}  {'host':<24} {'device':<8} CUDA_VISIBLE_DEVICES"]
-    lines += [f"{p['rank']:>5} {p['local_rank']:>5}  {p['host']:<24} {p['device']:<8} {p['visible']}"
-              for p in placement]
+    lines += [
+        f"{p['rank']:>5} {p['local_rank']:>5}  {p['host']:<24} {p['device']:<8} {p['visible']}"
+        for p in placement
+    ]
     hosts = sorted({p["host"] for p in placement})
     lines.append(f"{len(placement)} ranks on {len(hosts)} host(s): {', '.join(hosts)}")
-    owners = {}  # by UUID: with per-rank GPU binding every rank's GPU is cuda:0, yet each is another GPU
+    # by UUID: with per-rank GPU binding every rank's GPU is cuda:0, yet each is another GPU
+    owners = {}
     for p in placement:
         if p["device"] != "cpu":  # CPU processes share the host's cores by design
             owners.setdefault((p["host"], p["gpu_uuid"]), []).append(p)
-    lines += [f"WARNING: ranks {[p['rank'] for p in ps]} share one GPU ({ps[0]['device']} of rank {ps[0]['rank']}) "
-              f"on {host}: start one process per GPU" for (host, _), ps in owners.items() if len(ps) > 1]
+    lines += [
+        f"WARNING: ranks {[p['rank'] for p in ps]} share one GPU ({ps[0]['device']} of rank "
+        f"{ps[0]['rank']}) "
+        f"on {host}: start one process per GPU"
+        for (host, _), ps in owners.items()
+        if len(ps) > 1
+    ]
     print("\n".join(lines), flush=True)
 
 
 def train(cfg, launch):
     start_time = time.perf_counter()
-    # One GPU per process: the local rank's, or 0 where the site shows each rank only its own; else CPU (gloo).
+    # One GPU per process: the local rank's, or 0 where the
+    # site shows each rank only its own; else CPU (gloo).
     device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # before the process group, so its collectives use this device
-    dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
-    torch.manual_seed(cfg.seed)  # same initial weights on every rank (and DDP broadcasts rank 0's at the wrap)
+        # before the process group, so its collectives use this device
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )
+    # same initial weights on every rank (and DDP broadcasts rank 0's at the wrap)
+    torch.manual_seed(cfg.seed)
 
     data = load_datasets(cfg, launch.rank)
-    # Each rank gets a disjoint 1/world_size of the training set, shuffled alike on every rank (seed + epoch).
-    train_sampler = DistributedSampler(data.train, num_replicas=launch.world_size, rank=launch.rank,
-                                       shuffle=True, seed=cfg.seed)
-    train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=train_sampler,
-                              num_workers=cfg.num_workers, pin_memory=device.type == "cuda")
-    # Evaluation: a strided slice per rank covers every test sample once (DistributedSampler would pad with repeats).
+    # Each rank gets a disjoint 1/world_size of the training
+    # set, shuffled alike on every rank (seed + epoch).
+    train_sampler = DistributedSampler(
+        data.train, num_replicas=launch.world_size, rank=launch.rank, shuffle=True, seed=cfg.seed
+    )
+    train_loader = DataLoader(
+        data.train,
+        batch_size=cfg.batch_size,
+        sampler=train_sampler,
+        num_workers=cfg.num_workers,
+        pin_memory=device.type == "cuda",
+    )
+    # Evaluation: a strided slice per rank covers every test
+    # sample once (DistributedSampler would pad with repeats).
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
     test_loader = DataLoader(test_shard, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
 
-    # Move the model to this rank's device, then wrap: DDP registers the hooks that all-reduce gradients in backward().
+    # Move the model to this rank's device, then wrap: DDP
+    # registers the hooks that all-reduce gradients in backward().
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    torch.manual_seed(cfg.seed + launch.rank)  # from here on each rank its own augmentation and loader worker seeds
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+    )
+    # from here on each rank its own augmentation and loader worker seeds
+    torch.manual_seed(cfg.seed + launch.rank)
 
     placement = gather_placement(launch, device)  # a collective: every rank takes part
     if launch.rank == 0:
         print_placement(placement)
-        print(f"launcher {launch.launcher}, {backend} on {device} (CUDA_VISIBLE_DEVICES="
-              f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), world size {launch.world_size}, "
-              f"batch {cfg.batch_size} x {launch.world_size} = {cfg.batch_size * launch.world_size}", flush=True)
+        print(
+            f"launcher {launch.launcher}, {backend} on {device} (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), world size {launch.world_size}, "
+            f"batch {cfg.batch_size} x {launch.world_size} = {cfg.batch_size * launch.world_size}",
+            flush=True,
+        )
     step, images_seen = 0, 0
     for epoch in range(cfg.epochs):
-        train_sampler.set_epoch(epoch)  # a new shuffle each epoch; without it every epoch repeats epoch 0
+        # a new shuffle each epoch; without it every epoch repeats epoch 0
+        train_sampler.set_epoch(epoch)
         model.train()
-        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # this rank's loss sum and sample count
+        # this rank's loss sum and sample count
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
         for images, labels in train_loader:
             images, labels = images.to(device), labels.to(device)
             loss = F.cross_entropy(model(images), labels)
@@ -128,15 +176,22 @@ def train(cfg, launch):
             loss_sum[0] += loss.detach() * len(labels)
             loss_sum[1] += len(labels)
             if launch.rank == 0 and step % cfg.log_every == 0:
-                print(f"epoch {epoch + 1} step {step} loss {loss.item():.4f} (rank 0's batch)", flush=True)
+                print(
+                    f"epoch {epoch + 1} step {step} loss {loss.item():.4f} (rank 0's batch)",
+                    flush=True,
+                )
             if step == cfg.max_steps:
                 break
-        dist.all_reduce(loss_sum)  # sums and counts over all ranks: the exact mean, not a mean of means
+        # sums and counts over all ranks: the exact mean, not a mean of means
+        dist.all_reduce(loss_sum)
         train_loss = (loss_sum[0] / loss_sum[1]).item()
         eval_loss, eval_acc, eval_count = evaluate(model.module, test_loader, device)
         if launch.rank == 0:
-            print(f"epoch {epoch + 1} done: train loss {train_loss:.4f}, eval loss {eval_loss:.4f}, "
-                  f"eval accuracy {eval_acc:.4f} ({eval_count} images)", flush=True)
+            print(
+                f"epoch {epoch + 1} done: train loss {train_loss:.4f}, eval loss {eval_loss:.4f}, "
+                f"eval accuracy {eval_acc:.4f} ({eval_count} images)",
+                flush=True,
+            )
         if step == cfg.max_steps:
             break
 
@@ -144,25 +199,45 @@ def train(cfg, launch):
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         torch.save(model.module.state_dict(), Path(cfg.output_dir) / "model.pt")
     elapsed = time.perf_counter() - start_time
-    write_summary(cfg.output_dir, model, world_size=launch.world_size, launcher=launch.launcher, backend=backend,
-                  global_batch_size=cfg.batch_size * launch.world_size,
-                  images_per_second=images_seen * launch.world_size / elapsed,  # every rank saw as many
-                  device=str(device), local_batch_size=cfg.batch_size, lr=cfg.lr, epochs=epoch + 1, steps=step,
-                  final_train_loss=train_loss, eval_loss=eval_loss, eval_accuracy=eval_acc, eval_samples=eval_count,
-                  wall_time_s=elapsed, placement=placement, scheduler=launch.scheduler,
-                  master_addr=launch.master_addr, master_port=launch.master_port)
+    write_summary(
+        cfg.output_dir,
+        model,
+        world_size=launch.world_size,
+        launcher=launch.launcher,
+        backend=backend,
+        global_batch_size=cfg.batch_size * launch.world_size,
+        # every rank saw as many
+        images_per_second=images_seen * launch.world_size / elapsed,
+        device=str(device),
+        local_batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        epochs=epoch + 1,
+        steps=step,
+        final_train_loss=train_loss,
+        eval_loss=eval_loss,
+        eval_accuracy=eval_acc,
+        eval_samples=eval_count,
+        wall_time_s=elapsed,
+        placement=placement,
+        scheduler=launch.scheduler,
+        master_addr=launch.master_addr,
+        master_port=launch.master_port,
+    )
     dist.destroy_process_group()
 
 
 @record  # under torchrun, a failing rank's exception and traceback show in torchrun's summary
 def main():
     cfg = load_config(TrainConfig)  # bad input (here and below): one "error:" line, exit code 2
-    launch = detect_launcher()  # rank, local rank, world size, rendezvous address: torchrun, srun, mpiexec
-    check_data(cfg, launch.world_size)  # before any process group, so no rank waits for a failed one
+    # rank, local rank, world size, rendezvous address: torchrun, srun, mpiexec
+    launch = detect_launcher()
+    # before any process group, so no rank waits for a failed one
+    check_data(cfg, launch.world_size)
     train(cfg, launch)
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    sys.stdout.flush()
     os._exit(0)

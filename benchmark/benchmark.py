@@ -1,24 +1,26 @@
-"""Benchmark: throughput, scaling efficiency and where a step's time goes, per world size.
+r"""Benchmark: throughput, scaling efficiency and where a step's time goes, per world size.
 
-For each world size it starts a real `torchrun` of benchmark/train.py (the script with every
-performance knob) twice, with DDP and with `--no-ddp` (the same loop without gradient
-communication), each with `--profile-steps`, and prints one table:
+For each world size it starts a real `torchrun` of benchmark/train.py (the script
+with every performance knob) twice, with DDP and with `--no-ddp` (the same loop
+without gradient communication), each with `--profile-steps`, and prints one table:
 
     world size | images/s | per rank | scaling efficiency | step ms split into data wait /
     forward+backward / exposed communication / optimizer / other | no-DDP images/s and step ms |
     peak memory of the largest rank
 
-scaling efficiency = images/s at N ranks / (N x images/s at 1 rank), at a fixed local batch.
-Every time is the median over the profiled steps (warm-up left out) of the mean over ranks, images/s
-is the global batch over the median step time, peak memory the largest rank's;
-with --repeats R each run is repeated R times, interleaved, and the run with the median step time is
-kept (with an even R the faster of the two middle runs: with --repeats 2, the faster run).
-`--sweep` then runs each knob against the default at the largest world size and prints the
-ratio of each to the default, measured in the same invocation.
+scaling efficiency = images/s at N ranks / (N x images/s at 1 rank), at a fixed local
+batch. Every time is the median over the profiled steps (warm-up left out) of the mean over
+ranks, images/s is the global batch over the median step time, peak memory the largest
+rank's; with --repeats R each run is repeated R times, interleaved, and the run with the
+median step time is kept (with an even R the faster of the two middle runs: with --repeats
+2, the faster run). `--sweep` then runs each knob against the default at the largest world
+size and prints the ratio of each to the default, measured in the same invocation.
 
     python benchmark/benchmark.py --world-sizes 1,2
-    python benchmark/benchmark.py --world-sizes 1,2 --model resnet18 --dataset fake --batch-size 16 --sweep
-    python benchmark/benchmark.py --world-sizes 1,2 -- --precision bf16   # flags after -- go to every run
+    python benchmark/benchmark.py --world-sizes 1,2 --model resnet18 --dataset fake \
+        --batch-size 16 --sweep
+    # flags after -- go to every run
+    python benchmark/benchmark.py --world-sizes 1,2 -- --precision bf16
 
 Outputs in --output-dir: scaling.csv, sweep.csv (with --sweep), tensorboard/, one folder per run.
 """
@@ -49,7 +51,13 @@ KNOBS = {
     "static_graph": ["--static-graph"],
     "bf16_compress": ["--comm-hook", "bf16_compress"],
     "fp16_compress": ["--comm-hook", "fp16_compress"],
-    "bf16_compress_view_5mb": ["--comm-hook", "bf16_compress", "--gradient-as-bucket-view", "--bucket-cap-mb", "5"],
+    "bf16_compress_view_5mb": [
+        "--comm-hook",
+        "bf16_compress",
+        "--gradient-as-bucket-view",
+        "--bucket-cap-mb",
+        "5",
+    ],
     "bf16": ["--precision", "bf16"],
     "fp16": ["--precision", "fp16"],
     "channels_last": ["--channels-last"],
@@ -59,65 +67,146 @@ KNOBS = {
     "workers_1": ["--num-workers", "1"],
     "workers_2": ["--num-workers", "2"],
 }
-DEFAULT_SWEEP = "bucket_1mb,bucket_5mb,bucket_100mb,grad_as_bucket_view,static_graph,bf16_compress,fp16_compress"
+DEFAULT_SWEEP = (
+    "bucket_1mb,bucket_5mb,bucket_100mb,grad_as_bucket_view,static_graph,"
+    "bf16_compress,fp16_compress"
+)
 PARTS = ("data_wait", "forward_backward", "exposed_comm", "optimizer", "other")
-SCALING_COLUMNS = ["world_size", "images_per_s", "images_per_s_per_rank", "scaling_efficiency", "step_ms",
-                   "data_wait_ms", "forward_backward_ms", "exposed_comm_ms", "optimizer_ms", "other_ms",
-                   "data_wait_pct", "exposed_comm_pct", "no_ddp_images_per_s", "no_ddp_step_ms",
-                   "ddp_overhead_ms", "peak_memory_mib"]
-SWEEP_COLUMNS = ["knob", "flags", "world_size", "images_per_s", "step_ms", "exposed_comm_ms", "data_wait_ms",
-                 "images_per_s_ratio", "exposed_comm_ratio", "scaling_efficiency", "peak_memory_mib"]
+SCALING_COLUMNS = [
+    "world_size",
+    "images_per_s",
+    "images_per_s_per_rank",
+    "scaling_efficiency",
+    "step_ms",
+    "data_wait_ms",
+    "forward_backward_ms",
+    "exposed_comm_ms",
+    "optimizer_ms",
+    "other_ms",
+    "data_wait_pct",
+    "exposed_comm_pct",
+    "no_ddp_images_per_s",
+    "no_ddp_step_ms",
+    "ddp_overhead_ms",
+    "peak_memory_mib",
+]
+SWEEP_COLUMNS = [
+    "knob",
+    "flags",
+    "world_size",
+    "images_per_s",
+    "step_ms",
+    "exposed_comm_ms",
+    "data_wait_ms",
+    "images_per_s_ratio",
+    "exposed_comm_ratio",
+    "scaling_efficiency",
+    "peak_memory_mib",
+]
 
 
 @dataclasses.dataclass
 class BenchConfig:
     """Throughput and scaling efficiency of benchmark/train.py over world sizes."""
 
-    script: str = field("benchmark/train.py", "training script to run (must take benchmark/train.py's knob "
-                        "flags); may carry leading arguments, e.g. 'tests/perf_cifar.py run benchmark/train.py'")
+    script: str = field(
+        "benchmark/train.py",
+        "training script to run (must take benchmark/train.py's knob "
+        "flags); may carry leading arguments, e.g. 'tests/perf_cifar.py run benchmark/train.py'",
+    )
     world_sizes: str = field("1,2", "comma-separated processes per run; must include 1")
     dataset: str = field("digits", "data set (--dataset of the script)")
     data_dir: str = field("data", "data folder (--data-dir of the script)")
     model: str = field("small_cnn", "network (--model of the script)")
     image_size: int = field(0, "resize images (0: the data set's size)", min=0)
-    batch_size: int = field(32, "local batch per rank (fixed over world sizes: weak scaling)", min=1)
+    batch_size: int = field(
+        32, "local batch per rank (fixed over world sizes: weak scaling)", min=1
+    )
     warmup: int = field(5, "steps left out before measuring", min=0)
     steps: int = field(20, "measured steps per run (medians over these)", min=1)
-    repeats: int = field(1, "runs per configuration, interleaved; the run with the median step time is reported "
-                            "(even: the faster of the two middle runs)", min=1)
-    sweep: bool = field(False, "also run each knob of --sweep-knobs against the default at the largest world size")
-    sweep_knobs: str = field(DEFAULT_SWEEP, f"comma-separated knobs to sweep, from: {', '.join(KNOBS)}")
+    repeats: int = field(
+        1,
+        "runs per configuration, interleaved; the run with the median step time is reported "
+        "(even: the faster of the two middle runs)",
+        min=1,
+    )
+    sweep: bool = field(
+        False, "also run each knob of --sweep-knobs against the default at the largest world size"
+    )
+    sweep_knobs: str = field(
+        DEFAULT_SWEEP, f"comma-separated knobs to sweep, from: {', '.join(KNOBS)}"
+    )
     output_dir: str = field("runs/benchmark", "where CSV files, TensorBoard logs and the runs go")
     timeout_s: float = field(600.0, "seconds one run may take", min=1.0)
-    threads_per_rank: int = field(0, "OMP_NUM_THREADS per rank on CPU (0: cores / largest world size)", min=0)
+    threads_per_rank: int = field(
+        0, "OMP_NUM_THREADS per rank on CPU (0: cores / largest world size)", min=0
+    )
 
 
 def parse_world_sizes(text: str) -> list[int]:
     try:
         sizes = sorted({int(s) for s in text.split(",") if s.strip()})
     except ValueError:
-        raise ConfigError(f"world_sizes: expected comma-separated integers such as 1,2,4, got {text!r}") from None
+        raise ConfigError(
+            f"world_sizes: expected comma-separated integers such as 1,2,4, got {text!r}"
+        ) from None
     if not sizes or sizes[0] < 1:
         raise ConfigError(f"world_sizes: expected positive integers, got {text!r}")
     if sizes[0] != 1:
-        raise ConfigError("world_sizes: must include 1 (scaling efficiency is relative to one process)")
+        raise ConfigError(
+            "world_sizes: must include 1 (scaling efficiency is relative to one process)"
+        )
     return sizes
 
 
-def launch(cfg: BenchConfig, nproc: int, name: str, flags: list[str], extra: list[str], threads: int) -> dict:
-    """One `torchrun` of the script; returns its summary.json. A failed run ends the benchmark (exit code 1)."""
+def launch(
+    cfg: BenchConfig, nproc: int, name: str, flags: list[str], extra: list[str], threads: int
+) -> dict:
+    """One `torchrun` of the script; returns its summary.json.
+    A failed run ends the benchmark (exit code 1)."""
     out = Path(cfg.output_dir) / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           *shlex.split(cfg.script), "--dataset", cfg.dataset, "--data-dir", cfg.data_dir, "--model", cfg.model,
-           "--image-size", str(cfg.image_size), "--batch-size", str(cfg.batch_size), "--epochs", "1000",
-           "--max-steps", str(cfg.warmup + cfg.steps + 1), "--profile-warmup", str(cfg.warmup),
-           "--profile-steps", str(cfg.steps), "--log-every", "1000000", "--output-dir", str(out), *extra, *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *shlex.split(cfg.script),
+        "--dataset",
+        cfg.dataset,
+        "--data-dir",
+        cfg.data_dir,
+        "--model",
+        cfg.model,
+        "--image-size",
+        str(cfg.image_size),
+        "--batch-size",
+        str(cfg.batch_size),
+        "--epochs",
+        "1000",
+        "--max-steps",
+        str(cfg.warmup + cfg.steps + 1),
+        "--profile-warmup",
+        str(cfg.warmup),
+        "--profile-steps",
+        str(cfg.steps),
+        "--log-every",
+        "1000000",
+        "--output-dir",
+        str(out),
+        *extra,
+        *flags,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     print(f"  run {name}: {' '.join(cmd[3:])}", flush=True)
     try:
-        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=cfg.timeout_s)
+        proc = subprocess.run(
+            cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=cfg.timeout_s
+        )
     except subprocess.TimeoutExpired:
-        sys.exit(f"error: run {name} took longer than timeout_s={cfg.timeout_s:g} s (raise --timeout-s)")
+        sys.exit(
+            f"error: run {name} took longer than timeout_s={cfg.timeout_s:g} s (raise --timeout-s)"
+        )
     if proc.returncode != 0:
         lines = (proc.stdout + proc.stderr).strip().splitlines()
         tail = "\n".join([line for line in lines if line.startswith("error: ")] or lines[-15:])
@@ -125,22 +214,31 @@ def launch(cfg: BenchConfig, nproc: int, name: str, flags: list[str], extra: lis
     summary = json.loads((out / "summary.json").read_text())
     prof = summary.get("profile") or {}
     if not prof.get("steps"):
-        sys.exit(f"error: run {name}: {cfg.script} wrote no step profile (does it take --profile-steps?)")
+        sys.exit(
+            f"error: run {name}: {cfg.script} wrote no step profile (does it take --profile-steps?)"
+        )
     return summary
 
 
 def figures(summary: dict) -> dict:
-    """Per-run figures from the step profile: images/s from the median step time; the largest rank's peak
-    memory (GPU: max_memory_allocated; CPU: peak resident set, which includes torch and the data set)."""
+    """Per-run figures from the step profile: images/s from the median step
+    time; the largest rank's peak memory (GPU: max_memory_allocated;
+    CPU: peak resident set, which includes torch and the data set)."""
     median = summary["profile"]["median_s"]
     step = median["step"]
-    row = {"images_per_s": summary["global_batch_size"] / step, "step_ms": 1000 * step,
-           "peak_memory_mib": None}
-    peaks = summary.get("perf", {}).get("peak_memory_bytes_per_rank")  # a --script may not report it
+    row = {
+        "images_per_s": summary["global_batch_size"] / step,
+        "step_ms": 1000 * step,
+        "peak_memory_mib": None,
+    }
+    # a --script may not report it
+    peaks = summary.get("perf", {}).get("peak_memory_bytes_per_rank")
     if peaks:
         row["peak_memory_mib"] = max(peaks) / 2**20
     # A part no profiled step reached (the GradScaler skipped every optimizer step) stays empty.
-    row.update({f"{part}_ms": None if median[part] is None else 1000 * median[part] for part in PARTS})
+    row.update(
+        {f"{part}_ms": None if median[part] is None else 1000 * median[part] for part in PARTS}
+    )
     return row
 
 
@@ -151,7 +249,9 @@ def median_run(rows: list[dict]) -> dict:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def run_all(cfg: BenchConfig, jobs: list[tuple[str, int, list[str]]], extra: list[str], threads: int) -> dict:
+def run_all(
+    cfg: BenchConfig, jobs: list[tuple[str, int, list[str]]], extra: list[str], threads: int
+) -> dict:
     """Each job `repeats` times, round-robin, so slow phases of a busy machine hit all of them."""
     results: dict[str, list[dict]] = {name: [] for name, _, _ in jobs}
     for r in range(cfg.repeats):
@@ -161,7 +261,9 @@ def run_all(cfg: BenchConfig, jobs: list[tuple[str, int, list[str]]], extra: lis
 
 
 def fmt(value, digits=1) -> str:
-    return "" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+    return (
+        "" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+    )
 
 
 def print_table(columns: list[str], rows: list[dict], digits: dict) -> None:
@@ -185,14 +287,16 @@ def percent(part, whole):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []  # flags for every training run
-    cfg = load_config(BenchConfig, argv[:argv.index("--")] if "--" in argv else argv)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []  # flags for every training run
+    cfg = load_config(BenchConfig, argv[: argv.index("--")] if "--" in argv else argv)
     with exit_on_bad_input():  # bad input: one "error:" line, exit code 2
         sizes = parse_world_sizes(cfg.world_sizes)
         knobs = [k.strip() for k in cfg.sweep_knobs.split(",") if k.strip()] if cfg.sweep else []
         unknown = [k for k in knobs if k not in KNOBS]
         if unknown:
-            raise ConfigError(f"sweep_knobs: unknown {', '.join(unknown)} (choose from {', '.join(KNOBS)})")
+            raise ConfigError(
+                f"sweep_knobs: unknown {', '.join(unknown)} (choose from {', '.join(KNOBS)})"
+            )
         if not (REPO / shlex.split(cfg.script)[0]).is_file():
             raise ConfigError(f"script: no file {shlex.split(cfg.script)[0]} in {REPO}")
     threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // sizes[-1])
@@ -200,10 +304,19 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 
-    print(f"benchmark: {cfg.script}, {cfg.model} on {cfg.dataset}, local batch {cfg.batch_size}, "
-          f"world sizes {sizes}, {cfg.warmup} warm-up + {cfg.steps} measured steps, {cfg.repeats} repeat(s), "
-          f"{threads} thread(s) per rank on CPU" + (f", extra flags {' '.join(extra)}" if extra else ""), flush=True)
-    jobs = [(f"ws{n}_{kind}", n, flags) for n in sizes for kind, flags in (("ddp", []), ("noddp", ["--no-ddp"]))]
+    print(
+        f"benchmark: {cfg.script}, {cfg.model} on {cfg.dataset}, local batch {cfg.batch_size}, "
+        f"world sizes {sizes}, {cfg.warmup} warm-up + {cfg.steps} measured steps, "
+        f"{cfg.repeats} repeat(s), "
+        f"{threads} thread(s) per rank on CPU"
+        + (f", extra flags {' '.join(extra)}" if extra else ""),
+        flush=True,
+    )
+    jobs = [
+        (f"ws{n}_{kind}", n, flags)
+        for n in sizes
+        for kind, flags in (("ddp", []), ("noddp", ["--no-ddp"]))
+    ]
     jobs += [(f"ws{sizes[-1]}_{knob}", sizes[-1], KNOBS[knob]) for knob in knobs]
     result = run_all(cfg, jobs, extra, threads)
 
@@ -211,15 +324,31 @@ def main(argv=None):
     rows = []
     for n in sizes:
         ddp, noddp = result[f"ws{n}_ddp"], result[f"ws{n}_noddp"]
-        rows.append({"world_size": n, **ddp, "images_per_s_per_rank": ddp["images_per_s"] / n,
-                     "scaling_efficiency": ddp["images_per_s"] / (n * base),
-                     "data_wait_pct": percent(ddp["data_wait_ms"], ddp["step_ms"]),
-                     "exposed_comm_pct": percent(ddp["exposed_comm_ms"], ddp["step_ms"]),
-                     "no_ddp_images_per_s": noddp["images_per_s"], "no_ddp_step_ms": noddp["step_ms"],
-                     "ddp_overhead_ms": ddp["step_ms"] - noddp["step_ms"]})
+        rows.append(
+            {
+                "world_size": n,
+                **ddp,
+                "images_per_s_per_rank": ddp["images_per_s"] / n,
+                "scaling_efficiency": ddp["images_per_s"] / (n * base),
+                "data_wait_pct": percent(ddp["data_wait_ms"], ddp["step_ms"]),
+                "exposed_comm_pct": percent(ddp["exposed_comm_ms"], ddp["step_ms"]),
+                "no_ddp_images_per_s": noddp["images_per_s"],
+                "no_ddp_step_ms": noddp["step_ms"],
+                "ddp_overhead_ms": ddp["step_ms"] - noddp["step_ms"],
+            }
+        )
     print()
-    print_table(SCALING_COLUMNS, rows, {"scaling_efficiency": 3, "images_per_s": 0, "images_per_s_per_rank": 0,
-                                        "no_ddp_images_per_s": 0, "peak_memory_mib": 0})
+    print_table(
+        SCALING_COLUMNS,
+        rows,
+        {
+            "scaling_efficiency": 3,
+            "images_per_s": 0,
+            "images_per_s_per_rank": 0,
+            "no_ddp_images_per_s": 0,
+            "peak_memory_mib": 0,
+        },
+    )
     write_csv(out / "scaling.csv", SCALING_COLUMNS, rows)
 
     from torch.utils.tensorboard import SummaryWriter
@@ -233,32 +362,71 @@ def main(argv=None):
     if knobs:
         n = sizes[-1]
         default = result[f"ws{n}_ddp"]
-        sweep_rows = [{"knob": "default", "flags": "", "world_size": n, **default, "images_per_s_ratio": 1.0,
-                       "exposed_comm_ratio": 1.0, "scaling_efficiency": default["images_per_s"] / (n * base)}]
+        sweep_rows = [
+            {
+                "knob": "default",
+                "flags": "",
+                "world_size": n,
+                **default,
+                "images_per_s_ratio": 1.0,
+                "exposed_comm_ratio": 1.0,
+                "scaling_efficiency": default["images_per_s"] / (n * base),
+            }
+        ]
         for knob in knobs:
             r = result[f"ws{n}_{knob}"]
-            sweep_rows.append({"knob": knob, "flags": " ".join(KNOBS[knob]), "world_size": n, **r,
-                               "images_per_s_ratio": r["images_per_s"] / default["images_per_s"],
-                               # > 1: the knob exposes less communication than the default
-                               "exposed_comm_ratio": (default["exposed_comm_ms"] / r["exposed_comm_ms"]
-                                                      if default["exposed_comm_ms"] is not None
-                                                      and r["exposed_comm_ms"] else None),
-                               # relative to the DEFAULT's 1-rank throughput: what the knob buys at N
-                               "scaling_efficiency": r["images_per_s"] / (n * base)})
+            sweep_rows.append(
+                {
+                    "knob": knob,
+                    "flags": " ".join(KNOBS[knob]),
+                    "world_size": n,
+                    **r,
+                    "images_per_s_ratio": r["images_per_s"] / default["images_per_s"],
+                    # > 1: the knob exposes less communication than the default
+                    "exposed_comm_ratio": (
+                        default["exposed_comm_ms"] / r["exposed_comm_ms"]
+                        if default["exposed_comm_ms"] is not None and r["exposed_comm_ms"]
+                        else None
+                    ),
+                    # relative to the DEFAULT's 1-rank
+                    # throughput: what the knob buys at N
+                    "scaling_efficiency": r["images_per_s"] / (n * base),
+                }
+            )
         print()
-        print(f"sweep at world size {n} (ratios to the default of this run; exposed_comm_ratio = default / knob):")
-        print_table(SWEEP_COLUMNS, sweep_rows, {"images_per_s": 0, "images_per_s_ratio": 2, "exposed_comm_ratio": 2,
-                                                "scaling_efficiency": 3, "peak_memory_mib": 0})
+        print(
+            f"sweep at world size {n} (ratios to the default of this run; exposed_comm_ratio "
+            "= default / knob):"
+        )
+        print_table(
+            SWEEP_COLUMNS,
+            sweep_rows,
+            {
+                "images_per_s": 0,
+                "images_per_s_ratio": 2,
+                "exposed_comm_ratio": 2,
+                "scaling_efficiency": 3,
+                "peak_memory_mib": 0,
+            },
+        )
         write_csv(out / "sweep.csv", SWEEP_COLUMNS, sweep_rows)
         for i, row in enumerate(sweep_rows):
             writer.add_text("sweep/knobs", f"{i}: {row['knob']} {row['flags']}", i)
-            for column in ("images_per_s", "exposed_comm_ms", "images_per_s_ratio", "exposed_comm_ratio",
-                           "peak_memory_mib"):
+            for column in (
+                "images_per_s",
+                "exposed_comm_ms",
+                "images_per_s_ratio",
+                "exposed_comm_ratio",
+                "peak_memory_mib",
+            ):
                 if row[column] is not None:
                     writer.add_scalar(f"sweep/{row['knob']}/{column}", row[column], n)
     writer.close()
-    print(f"\nwrote {out / 'scaling.csv'}" + (f", {out / 'sweep.csv'}" if knobs else "") +
-          f" and {out / 'tensorboard'} in {time.perf_counter() - started:.0f} s")
+    print(
+        f"\nwrote {out / 'scaling.csv'}"
+        + (f", {out / 'sweep.csv'}" if knobs else "")
+        + f" and {out / 'tensorboard'} in {time.perf_counter() - started:.0f} s"
+    )
 
 
 if __name__ == "__main__":

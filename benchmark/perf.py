@@ -1,18 +1,22 @@
 """Helpers of benchmark/train.py, the script with every performance knob.
 
-The knob lines themselves (autocast, GradScaler, channels_last, model.compile(), the DDP
-arguments, register_comm_hook) stay visible in benchmark/train.py. Here live only:
+The knob lines themselves (autocast, GradScaler, channels_last, model.compile(), the
+DDP arguments, register_comm_hook) stay visible in benchmark/train.py. Here live only:
 
     check_knobs(cfg)                      bad combinations: a ConfigError, before any process group
     device_type(cfg)                      "cuda" or "cpu", from --device auto/cpu/cuda
     AMP_DTYPES[cfg.precision]             the autocast dtype
     COMM_HOOKS[cfg.comm_hook]             torch's default_hooks.bf16/fp16_compress_hook
-    checkpoint_blocks(model, variant)     activation checkpointing: each block under torch.utils.checkpoint
+    checkpoint_blocks(model, variant)     activation checkpointing: each block under
+    torch.utils.checkpoint
     loader_kwargs(cfg, device)            DataLoader input-pipeline settings from the config
     NoDDP(model)                          the --no-ddp baseline: DDP's interface, no communication
-    StepTimer                             images/s, data wait and (--profile-steps) where a step's time goes
-    perf_settings(...)                    what the knobs set, read back from the objects (summary.json)
-    peak_memory(device)                   every rank's peak memory (GPU: allocated by tensors; CPU: resident)
+    StepTimer                             images/s, data wait and (--profile-steps) where a step's
+    time goes
+    perf_settings(...)                    what the knobs set, read back from the objects
+    (summary.json)
+    peak_memory(device)                   every rank's peak memory (GPU: allocated by tensors; CPU:
+    resident)
 """
 
 from __future__ import annotations
@@ -36,16 +40,25 @@ from common.errors import ConfigError
 
 AMP_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# Each hook casts a gradient bucket to 16 bits, all-reduces it, and casts back: half the bytes on the wire.
-COMM_HOOKS = {"none": None,
-              "bf16_compress": default_hooks.bf16_compress_hook,
-              "fp16_compress": default_hooks.fp16_compress_hook}
+# Each hook casts a gradient bucket to 16 bits, all-reduces
+# it, and casts back: half the bytes on the wire.
+COMM_HOOKS = {
+    "none": None,
+    "bf16_compress": default_hooks.bf16_compress_hook,
+    "fp16_compress": default_hooks.fp16_compress_hook,
+}
 
 # --activation-checkpointing: off, or torch.utils.checkpoint with use_reentrant=False / True.
 ACTIVATION_CHECKPOINTING = {"none": None, "non_reentrant": False, "reentrant": True}
 
 # Settings that configure DDP, and so mean nothing with --no-ddp.
-DDP_ONLY = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters", "comm_hook")
+DDP_ONLY = (
+    "bucket_cap_mb",
+    "gradient_as_bucket_view",
+    "static_graph",
+    "find_unused_parameters",
+    "comm_hook",
+)
 
 
 def device_type(cfg) -> str:
@@ -58,37 +71,61 @@ def device_type(cfg) -> str:
 def check_knobs(cfg) -> None:
     """Refuse settings that cannot work here, with the fix in the message (ConfigError)."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: cuda was asked for but this machine has no usable CUDA GPU "
-                          "(use --device auto or cpu)")
+        raise ConfigError(
+            "device: cuda was asked for but this machine has no usable CUDA GPU "
+            "(use --device auto or cpu)"
+        )
     kind = device_type(cfg)
     if cfg.backend == "nccl" and kind != "cuda":
-        raise ConfigError("backend: nccl needs CUDA tensors but the device is cpu (use --backend gloo or auto)")
+        raise ConfigError(
+            "backend: nccl needs CUDA tensors but the device is cpu (use --backend gloo or auto)"
+        )
     if cfg.backend == "nccl" and not dist.is_nccl_available():
         raise ConfigError("backend: this PyTorch build has no nccl (use --backend auto)")
     if cfg.precision == "bf16" and kind == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("precision: this GPU has no bf16 support (use --precision fp16, which adds a GradScaler)")
+        raise ConfigError(
+            "precision: this GPU has no bf16 support (use --precision fp16, which adds a "
+            "GradScaler)"
+        )
     if not cfg.ddp:
         defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
         changed = [k for k in DDP_ONLY if getattr(cfg, k) != defaults[k]]
         if changed:
-            raise ConfigError(f"ddp: {', '.join(changed)} configure DDP, which --no-ddp leaves out "
-                              "(drop them or drop --no-ddp)")
-    if cfg.activation_checkpointing == "reentrant" and cfg.ddp and cfg.find_unused_parameters \
-            and not cfg.static_graph:
-        # DDP's graph walk cannot see into a reentrant checkpoint, marks the parameters inside unused, and then
-        # the recomputing backward marks them ready a second time (tests/test_activation_checkpointing.py runs
+            raise ConfigError(
+                f"ddp: {', '.join(changed)} configure DDP, which --no-ddp leaves out "
+                "(drop them or drop --no-ddp)"
+            )
+    if (
+        cfg.activation_checkpointing == "reentrant"
+        and cfg.ddp
+        and cfg.find_unused_parameters
+        and not cfg.static_graph
+    ):
+        # DDP's graph walk cannot see into a reentrant checkpoint,
+        # marks the parameters inside unused, and then
+        # the recomputing backward marks them ready a second
+        # time (tests/test_activation_checkpointing.py runs
         # it unrefused).
-        raise ConfigError("activation_checkpointing: reentrant with find_unused_parameters fails in DDP's backward "
-                          "(\"Expected to mark a variable ready only once\"); use non_reentrant, or add "
-                          "--static-graph")
+        raise ConfigError(
+            "activation_checkpointing: reentrant with find_unused_parameters fails in DDP's "
+            "backward "
+            '("Expected to mark a variable ready only once"); use non_reentrant, or add '
+            "--static-graph"
+        )
     if cfg.compile and kind == "cpu" and not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
-        raise ConfigError("compile: torch.compile on CPU needs a C/C++ compiler (install gcc) "
-                          "or run without --compile")
+        raise ConfigError(
+            "compile: torch.compile on CPU needs a C/C++ compiler (install gcc) "
+            "or run without --compile"
+        )
     if cfg.compile and cfg.ddp and cfg.bucket_cap_mb < 1:
-        # Under DDP, torch.compile's DDPOptimizer splits the graph at DDP's buckets and asserts that they are
-        # no smaller than DDP's first bucket (1 MiB) (torch 2.14.1; tests/test_perf.py runs it unrefused).
-        raise ConfigError("compile: --bucket-cap-mb below 1 fails in torch.compile under DDP (its DDPOptimizer "
-                          "needs buckets of at least DDP's first one, 1 MiB); use 1 or more, or drop --compile")
+        # Under DDP, torch.compile's DDPOptimizer splits the
+        # graph at DDP's buckets and asserts that they are
+        # no smaller than DDP's first bucket (1 MiB) (torch
+        # 2.14.1; tests/test_perf.py runs it unrefused).
+        raise ConfigError(
+            "compile: --bucket-cap-mb below 1 fails in torch.compile under DDP (its DDPOptimizer "
+            "needs buckets of at least DDP's first one, 1 MiB); use 1 or more, or drop --compile"
+        )
 
 
 def loader_kwargs(cfg, device: torch.device) -> dict:
@@ -99,18 +136,22 @@ def loader_kwargs(cfg, device: torch.device) -> dict:
     """
     kwargs = dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and device.type == "cuda")
     if cfg.num_workers > 0:
-        kwargs.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
+        kwargs.update(
+            persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor
+        )
     return kwargs
 
 
 def checkpoint_blocks(model: nn.Module, variant: str) -> int:
-    """--activation-checkpointing: run each block of `model` under torch.utils.checkpoint; returns how many.
+    """--activation-checkpointing: run each block of `model`
+    under torch.utils.checkpoint; returns how many.
 
-    A checkpointed block keeps only its input during forward and runs its forward again in backward to get
-    the activations it needs: less memory for one more forward of the block. The blocks are a torchvision
-    ResNet's residual blocks (layer1..layer4) and SmallCNN's classifier. The first layers run as usual:
-    their input, the images, needs no gradient, and the reentrant variant gives the parameters inside a
-    checkpoint no gradient unless an input of it requires one (torch.utils.checkpoint's docs).
+    A checkpointed block keeps only its input during forward and runs its forward again
+    in backward to get the activations it needs: less memory for one more forward of the
+    block. The blocks are a torchvision ResNet's residual blocks (layer1..layer4) and
+    SmallCNN's classifier. The first layers run as usual: their input, the images, needs
+    no gradient, and the reentrant variant gives the parameters inside a checkpoint no
+    gradient unless an input of it requires one (torch.utils.checkpoint's docs).
 
     Each block's `forward` is replaced on the instance (no wrapper module), so parameter names and
     state_dict keys stay the model's own and model.pt loads into the model without checkpointing.
@@ -118,11 +159,17 @@ def checkpoint_blocks(model: nn.Module, variant: str) -> int:
     use_reentrant = ACTIVATION_CHECKPOINTING[variant]
     if use_reentrant is None:
         return 0
-    if all(hasattr(model, name) for name in ("layer1", "layer2", "layer3", "layer4")):  # torchvision ResNet
-        blocks = [block for name in ("layer1", "layer2", "layer3", "layer4") for block in getattr(model, name)]
+    # torchvision ResNet
+    if all(hasattr(model, name) for name in ("layer1", "layer2", "layer3", "layer4")):
+        blocks = [
+            block
+            for name in ("layer1", "layer2", "layer3", "layer4")
+            for block in getattr(model, name)
+        ]
     else:  # SmallCNN
         blocks = [model.classifier]
-    for block in blocks:  # training: block(x) calls checkpoint(<the block's own forward>, x, use_reentrant=...)
+    # training: block(x) calls checkpoint(<the block's own forward>, x, use_reentrant=...)
+    for block in blocks:
         block.forward = CheckpointedForward(block.forward, use_reentrant)
     return len(blocks)
 
@@ -134,23 +181,28 @@ class CheckpointedForward:
         self.forward, self.use_reentrant = forward, use_reentrant
 
     def __call__(self, *args):
-        if not torch.is_grad_enabled():  # evaluation under no_grad keeps no activations: nothing to save
+        # evaluation under no_grad keeps no activations: nothing to save
+        if not torch.is_grad_enabled():
             return self.forward(*args)
         return checkpoint(self.forward, *args, use_reentrant=self.use_reentrant)
 
 
 def checkpointed_blocks(module: nn.Module) -> list[bool]:
     """use_reentrant of every block checkpoint_blocks changed, read back from the modules."""
-    return [m.forward.use_reentrant for m in module.modules()
-            if isinstance(vars(m).get("forward"), CheckpointedForward)]
+    return [
+        m.forward.use_reentrant
+        for m in module.modules()
+        if isinstance(vars(m).get("forward"), CheckpointedForward)
+    ]
 
 
 def peak_memory(device: torch.device) -> dict:
     """Collective: every rank's peak memory since it started, in bytes, on all ranks.
 
-    GPU: torch.cuda.max_memory_allocated, the most memory tensors held at once. CPU: the process's peak
-    resident set (getrusage's ru_maxrss), which also counts the interpreter, torch's libraries and the data
-    set, so a saving in activations shows as a difference between two runs, not as a fraction of this figure.
+    GPU: torch.cuda.max_memory_allocated, the most memory tensors held at once.
+    CPU: the process's peak resident set (getrusage's ru_maxrss), which also counts
+    the interpreter, torch's libraries and the data set, so a saving in activations
+    shows as a difference between two runs, not as a fraction of this figure.
     """
     if device.type == "cuda":
         kind, peak = "cuda_max_memory_allocated", torch.cuda.max_memory_allocated(device)
@@ -159,7 +211,9 @@ def peak_memory(device: torch.device) -> dict:
 
         # ru_maxrss is in kilobytes on Linux, in bytes on macOS.
         kind = "cpu_max_rss"
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (
+            1 if sys.platform == "darwin" else 1024
+        )
     mine = torch.tensor([peak], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
@@ -187,7 +241,8 @@ class NoDDP(nn.Module):
 
 
 class StepTimer:
-    """Images/s and data wait for the progress lines; with `steps` > 0 also where each step's time goes.
+    """Images/s and data wait for the progress lines;
+    with `steps` > 0 also where each step's time goes.
 
         timer = StepTimer(model.module, optimizer, device, warmup=5, steps=20)
         for images, labels in timer.iterate(train_loader):   # the only change to the loop
@@ -195,29 +250,37 @@ class StepTimer:
         images_per_s, data_wait = timer.rates()               # collective: since the epoch started
         summary["profile"] = timer.profile()                  # collective
 
-    Nothing is called inside the step: `iterate` marks when a batch is requested and when it is in
-    hand, a post-accumulate-grad hook on every parameter marks the last gradient, and the
-    optimizer's step pre- and post-hooks mark the optimizer step. A step ends when the loop asks for
-    the next batch. The parts (seconds) of each profiled step:
+    Nothing is called inside the step: `iterate` marks when a batch is requested and when
+    it is in hand, a post-accumulate-grad hook on every parameter marks the last gradient,
+    and the optimizer's step pre- and post-hooks mark the optimizer step. A step ends when
+    the loop asks for the next batch. The parts (seconds) of each profiled step:
       data_wait         batch requested -> batch in hand (time inside next(loader));
       forward_backward  batch in hand -> the last parameter gradient computed;
       exposed_comm      last gradient computed -> optimizer.step() starts: DDP's backward() waits
                         there for the buckets still being all-reduced, so this is the communication
-                        NOT hidden behind backward compute (about 0 with --no-ddp); with fp16 it also
+                        NOT hidden behind backward compute (about 0 with --no-ddp); with fp16 it
+                        also
                         holds the GradScaler's unscale and overflow check;
       optimizer         optimizer.step() itself;
       other             after optimizer.step() -> next batch requested (GradScaler update, loss
                         bookkeeping, progress lines);
       step              batch requested -> next batch requested (the sum of the parts).
-    A part the step did not reach (a step the GradScaler skipped has no optimizer step) is left out.
-    On GPUs the marks are CUDA events (the GPU's time line), read after a synchronize per profiled step.
+    A part the step did not reach (a step the GradScaler skipped has
+    no optimizer step) is left out. On GPUs the marks are CUDA events
+    (the GPU's time line), read after a synchronize per profiled step.
     """
 
     PARTS = ("data_wait", "forward_backward", "exposed_comm", "optimizer", "other", "step")
     MARKS = ("request", "batch", "grad_ready", "step_start", "step_end", "end")
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 warmup: int = 0, steps: int = 0):
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        warmup: int = 0,
+        steps: int = 0,
+    ):
         self.device, self.warmup, self.steps = device, warmup, steps
         self.cuda = device.type == "cuda"
         self.index = 0  # steps finished, over all epochs
@@ -271,31 +334,41 @@ class StepTimer:
                 if self.cuda:
                     torch.cuda.synchronize(self.device)
                 marks = [self.marks.get(name) for name in self.MARKS]
-                self.rows.append([self._seconds(a, b) for a, b in zip(marks, marks[1:])]
-                                 + [self._seconds(marks[0], marks[-1])])
+                self.rows.append(
+                    [self._seconds(a, b) for a, b in zip(marks, marks[1:])]
+                    + [self._seconds(marks[0], marks[-1])]
+                )
             self.index += 1
 
     def rates(self) -> tuple[float, float]:
-        """Collective: (images/s over all ranks, fraction of time spent waiting for data) since the epoch started."""
+        """Collective: (images/s over all ranks, fraction of time
+        spent waiting for data) since the epoch started."""
         if self.cuda:
             torch.cuda.synchronize(self.device)  # GPU work is asynchronous: time it honestly
-        totals = torch.tensor([self.images, self.wait_s, time.perf_counter() - self.started],
-                              dtype=torch.float64, device=self.device)
+        totals = torch.tensor(
+            [self.images, self.wait_s, time.perf_counter() - self.started],
+            dtype=torch.float64,
+            device=self.device,
+        )
         dist.all_reduce(totals)  # sums over ranks
         images, wait_s, elapsed_s = totals.tolist()
         per_rank_s = elapsed_s / dist.get_world_size()
-        return (images / per_rank_s if per_rank_s else 0.0), (wait_s / elapsed_s if elapsed_s else 0.0)
+        return (images / per_rank_s if per_rank_s else 0.0), (
+            wait_s / elapsed_s if elapsed_s else 0.0
+        )
 
     def profile(self) -> dict:
-        """Collective when profiling: each part's median over the profiled steps of the mean over ranks
-        (median_s is None when profiling is off)."""
+        """Collective when profiling: each part's median over the profiled steps
+        of the mean over ranks (median_s is None when profiling is off)."""
         result = {"warmup_steps": self.warmup, "steps": 0, "median_s": None}
         if self.steps == 0:
             return result
         count = torch.tensor([len(self.rows)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MIN)
         n = int(count.item())  # every rank runs the same steps; be safe anyway
-        table = torch.tensor(self.rows[:n] or [[0.0] * len(self.PARTS)], dtype=torch.float64, device=self.device)
+        table = torch.tensor(
+            self.rows[:n] or [[0.0] * len(self.PARTS)], dtype=torch.float64, device=self.device
+        )
         dist.all_reduce(table)  # a part missing on any rank stays NaN and is left out
         table = (table / dist.get_world_size()).cpu()
         median = {}
@@ -305,33 +378,46 @@ class StepTimer:
         return dict(result, steps=n, median_s=median if n else None)
 
 
-def perf_settings(model: nn.Module, scaler: torch.amp.GradScaler, loader, comm_hook, compiled: bool,
-                  logits: torch.Tensor, images: torch.Tensor) -> dict:
+def perf_settings(
+    model: nn.Module,
+    scaler: torch.amp.GradScaler,
+    loader,
+    comm_hook,
+    compiled: bool,
+    logits: torch.Tensor,
+    images: torch.Tensor,
+) -> dict:
     """What the performance knobs set, read back from the objects (summary.json's "perf").
 
-    `comm_hook` is the hook the script registered (None: DDP's own all-reduce), `compiled` whether it
-    called model.compile(), `logits` and `images` the last training step's output and input.
+    `comm_hook` is the hook the script registered (None: DDP's own all-reduce), `compiled` whether
+    it called model.compile(), `logits` and `images` the last training step's output and input.
     """
     ddp = model if isinstance(model, DistributedDataParallel) else None
     weights = [p for p in model.module.parameters() if p.dim() == 4]  # conv weights
     checkpointed = checkpointed_blocks(model.module)
     return {
         "ddp": type(model).__name__,
-        "autocast_dtype": str(logits.dtype).replace("torch.", ""),  # the forward pass's output dtype
+        # the forward pass's output dtype
+        "autocast_dtype": str(logits.dtype).replace("torch.", ""),
         "grad_scaler_enabled": scaler.is_enabled(),
         "grad_scale": scaler.get_scale() if scaler.is_enabled() else None,
         "compiled": compiled,
         # A tensor with one channel is channels_last in either layout (digits' images, first conv).
-        "channels_last_weights": all(w.is_contiguous(memory_format=torch.channels_last) for w in weights)
-                                 if weights else None,
-        "channels_last_inputs": images.dim() == 4 and images.is_contiguous(memory_format=torch.channels_last),
+        "channels_last_weights": all(
+            w.is_contiguous(memory_format=torch.channels_last) for w in weights
+        )
+        if weights
+        else None,
+        "channels_last_inputs": images.dim() == 4
+        and images.is_contiguous(memory_format=torch.channels_last),
         "ddp_bucket_cap_bytes": ddp.bucket_bytes_cap if ddp else None,
         "ddp_gradient_as_bucket_view": ddp.gradient_as_bucket_view if ddp else None,
         "ddp_static_graph": ddp.static_graph if ddp else None,
         "ddp_find_unused_parameters": ddp.find_unused_parameters if ddp else None,
         "ddp_comm_hook": comm_hook.__name__ if comm_hook else None,
         "activation_checkpointing_blocks": len(checkpointed),
-        "activation_checkpointing_use_reentrant": checkpointed[0] if checkpointed else None,  # one variant for all
+        # one variant for all
+        "activation_checkpointing_use_reentrant": checkpointed[0] if checkpointed else None,
         "loader_num_workers": loader.num_workers,
         "loader_pin_memory": loader.pin_memory,
         "loader_persistent_workers": loader.persistent_workers,

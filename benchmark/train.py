@@ -1,15 +1,17 @@
-"""The script with every performance knob: 01_basic_ddp/train.py plus mixed precision,
-channels_last, model.compile(), activation checkpointing, DDP's bucket and communication-hook settings,
-a --no-ddp baseline, device and backend choice, input-pipeline settings, a step profile, peak memory and
-TensorBoard.
+r"""The script with every performance knob: 01_basic_ddp/train.py plus mixed
+precision, channels_last, model.compile(), activation checkpointing, DDP's
+bucket and communication-hook settings, a --no-ddp baseline, device and backend
+choice, input-pipeline settings, a step profile, peak memory and TensorBoard.
 
-The lessons stay short; this is the script benchmark/benchmark.py runs. `diff 01_basic_ddp/train.py
-benchmark/train.py` shows every knob line. summary.json gets 01's fields plus `perf` (what each knob
-set, read back from the objects, and every rank's peak memory) and `profile` (images/s, data wait, and
-with --profile-steps the median split of a step).
+The lessons stay short; this is the script benchmark/benchmark.py runs. `diff
+01_basic_ddp/train.py benchmark/train.py` shows every knob line. summary.json gets 01's fields
+plus `perf` (what each knob set, read back from the objects, and every rank's peak memory) and
+`profile` (images/s, data wait, and with --profile-steps the median split of a step).
 
-    torchrun --standalone --nproc_per_node=2 benchmark/train.py --precision bf16 --comm-hook bf16_compress
-    torchrun --standalone --nproc_per_node=2 benchmark/train.py --no-ddp --profile-steps 20   # the baseline
+    torchrun --standalone --nproc_per_node=2 \
+        benchmark/train.py --precision bf16 --comm-hook bf16_compress
+    # the baseline
+    torchrun --standalone --nproc_per_node=2 benchmark/train.py --no-ddp --profile-steps 20
 """
 
 import dataclasses
@@ -33,54 +35,106 @@ from common.data import check_data, load_datasets
 from common.launcher import detect_launcher
 from common.models import build_model
 from common.report import write_summary
-from perf import (ACTIVATION_CHECKPOINTING, AMP_DTYPES, COMM_HOOKS, NoDDP, StepTimer,  # benchmark/perf.py
-                  check_knobs, checkpoint_blocks, device_type, loader_kwargs, peak_memory, perf_settings)
+
+# benchmark/perf.py
+from perf import (
+    ACTIVATION_CHECKPOINTING,
+    AMP_DTYPES,
+    COMM_HOOKS,
+    NoDDP,
+    StepTimer,
+    check_knobs,
+    checkpoint_blocks,
+    device_type,
+    loader_kwargs,
+    peak_memory,
+    perf_settings,
+)
 
 
 @dataclasses.dataclass
 class PerfConfig(TrainConfig):
     """01's settings plus the performance knobs; the defaults are 01's behaviour."""
 
-    device: str = field("auto", "device type (auto: cuda where there is a GPU)", choices=("auto", "cpu", "cuda"))
-    backend: str = field("auto", "process-group backend (auto: nccl on cuda, gloo on cpu)",
-                         choices=("auto", "gloo", "nccl"))
-    precision: str = field("fp32", "autocast: fp32 (off), bf16, or fp16 (with a GradScaler)",
-                           choices=("fp32", "bf16", "fp16"))
+    device: str = field(
+        "auto", "device type (auto: cuda where there is a GPU)", choices=("auto", "cpu", "cuda")
+    )
+    backend: str = field(
+        "auto",
+        "process-group backend (auto: nccl on cuda, gloo on cpu)",
+        choices=("auto", "gloo", "nccl"),
+    )
+    precision: str = field(
+        "fp32",
+        "autocast: fp32 (off), bf16, or fp16 (with a GradScaler)",
+        choices=("fp32", "bf16", "fp16"),
+    )
     channels_last: bool = field(False, "channels_last memory format for model and inputs")
     compile: bool = field(False, "model.compile() (before the DDP wrap)")
-    activation_checkpointing: str = field("none", "recompute each block's activations in backward instead of "
-                                          "keeping them: torch.utils.checkpoint with use_reentrant=False "
-                                          "(non_reentrant) or True (reentrant)",
-                                          choices=tuple(ACTIVATION_CHECKPOINTING))
-    ddp: bool = field(True, "wrap in DDP; --no-ddp: the same loop without gradient communication (a baseline)")
+    activation_checkpointing: str = field(
+        "none",
+        "recompute each block's activations in backward instead of "
+        "keeping them: torch.utils.checkpoint with use_reentrant=False "
+        "(non_reentrant) or True (reentrant)",
+        choices=tuple(ACTIVATION_CHECKPOINTING),
+    )
+    ddp: bool = field(
+        True, "wrap in DDP; --no-ddp: the same loop without gradient communication (a baseline)"
+    )
     bucket_cap_mb: float = field(25.0, "DDP gradient bucket size in MiB", min=0.0)
-    gradient_as_bucket_view: bool = field(False, "DDP: gradients are views into the buckets (saves a copy)")
-    static_graph: bool = field(False, "DDP: the graph is the same every step (enables optimizations)")
-    find_unused_parameters: bool = field(False, "DDP: allow parameters that get no gradient (costs a graph walk)")
-    comm_hook: str = field("none", "DDP communication hook compressing gradients",
-                           choices=("none", "bf16_compress", "fp16_compress"))
+    gradient_as_bucket_view: bool = field(
+        False, "DDP: gradients are views into the buckets (saves a copy)"
+    )
+    static_graph: bool = field(
+        False, "DDP: the graph is the same every step (enables optimizations)"
+    )
+    find_unused_parameters: bool = field(
+        False, "DDP: allow parameters that get no gradient (costs a graph walk)"
+    )
+    comm_hook: str = field(
+        "none",
+        "DDP communication hook compressing gradients",
+        choices=("none", "bf16_compress", "fp16_compress"),
+    )
     pin_memory: bool = field(True, "pinned host memory for faster copies to the GPU (GPU only)")
-    persistent_workers: bool = field(True, "keep DataLoader workers alive between epochs (num_workers > 0)")
-    prefetch_factor: int = field(2, "batches each DataLoader worker loads ahead (num_workers > 0)", min=1)
-    profile_steps: int = field(0, "time this many steps (after profile_warmup) and write the median split of a "
-                               "step into summary.json; 0: off", min=0)
-    profile_warmup: int = field(5, "steps left out before profiling (start-up, first-step allocations)", min=0)
+    persistent_workers: bool = field(
+        True, "keep DataLoader workers alive between epochs (num_workers > 0)"
+    )
+    prefetch_factor: int = field(
+        2, "batches each DataLoader worker loads ahead (num_workers > 0)", min=1
+    )
+    profile_steps: int = field(
+        0,
+        "time this many steps (after profile_warmup) and write the median split of a "
+        "step into summary.json; 0: off",
+        min=0,
+    )
+    profile_warmup: int = field(
+        5, "steps left out before profiling (start-up, first-step allocations)", min=0
+    )
 
-    def validate(self):  # load_config calls it: bad combinations are one error line, before any process group
+    # load_config calls it: bad combinations are one error line, before any process group
+    def validate(self):
         check_knobs(self)
 
 
 @torch.no_grad()
 def evaluate(model, loader, device, memory_format=torch.preserve_format):
-    """Exact distributed evaluation: sums over this rank's slice of the test set, all-reduced. `model` is
-    the plain module (ddp_model.module): ranks may hold different numbers of test batches."""
+    """Exact distributed evaluation: sums over this rank's slice of the test
+    set, all-reduced. `model` is the plain module (ddp_model.module):
+    ranks may hold different numbers of test batches."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     for images, labels in loader:
         images, labels = images.to(device, memory_format=memory_format), labels.to(device)
         logits = model(images)
-        totals += torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
-                               (logits.argmax(1) == labels).sum(), torch.tensor(len(labels), device=device)])
+        totals += torch.stack(
+            [
+                F.cross_entropy(logits, labels, reduction="sum"),
+                (logits.argmax(1) == labels).sum(),
+                torch.tensor(len(labels), device=device),
+            ]
+        )
     dist.all_reduce(totals)  # sum over ranks
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count, int(count)
@@ -88,54 +142,81 @@ def evaluate(model, loader, device, memory_format=torch.preserve_format):
 
 def train(cfg, launch):
     start_time = time.perf_counter()
-    # One GPU per process (--device auto: where there is one): the local rank's, or 0 where each rank sees only its own.
+    # One GPU per process (--device auto: where there is one):
+    # the local rank's, or 0 where each rank sees only its own.
     device = torch.device("cuda", launch.gpu) if device_type(cfg) == "cuda" else torch.device("cpu")
     backend = cfg.backend if cfg.backend != "auto" else "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # before the process group, so its collectives use this device
-    dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
-    torch.manual_seed(cfg.seed)  # same initial weights on every rank (and DDP broadcasts rank 0's at the wrap)
+        # before the process group, so its collectives use this device
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )
+    # same initial weights on every rank (and DDP broadcasts rank 0's at the wrap)
+    torch.manual_seed(cfg.seed)
 
     data = load_datasets(cfg, launch.rank)
-    # Each rank gets a disjoint 1/world_size of the training set, shuffled alike on every rank (seed + epoch).
-    train_sampler = DistributedSampler(data.train, num_replicas=launch.world_size, rank=launch.rank,
-                                       shuffle=True, seed=cfg.seed)
-    # num_workers, pin_memory (GPU only), persistent_workers and prefetch_factor (with workers) from the config.
-    train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=train_sampler,
-                              **loader_kwargs(cfg, device))
-    # Evaluation: a strided slice per rank covers every test sample once (DistributedSampler would pad with repeats).
+    # Each rank gets a disjoint 1/world_size of the training
+    # set, shuffled alike on every rank (seed + epoch).
+    train_sampler = DistributedSampler(
+        data.train, num_replicas=launch.world_size, rank=launch.rank, shuffle=True, seed=cfg.seed
+    )
+    # num_workers, pin_memory (GPU only), persistent_workers
+    # and prefetch_factor (with workers) from the config.
+    train_loader = DataLoader(
+        data.train, batch_size=cfg.batch_size, sampler=train_sampler, **loader_kwargs(cfg, device)
+    )
+    # Evaluation: a strided slice per rank covers every test
+    # sample once (DistributedSampler would pad with repeats).
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
     test_loader = DataLoader(test_shard, batch_size=cfg.batch_size, **loader_kwargs(cfg, device))
 
-    # Move the model to this rank's device, then wrap: DDP registers the hooks that all-reduce gradients in backward().
+    # Move the model to this rank's device, then wrap: DDP
+    # registers the hooks that all-reduce gradients in backward().
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
     # NHWC, the fast layout for convolutions on tensor cores; the inputs follow in the loop.
     memory_format = torch.channels_last if cfg.channels_last else torch.preserve_format
     model = model.to(memory_format=memory_format)
-    # Activation checkpointing: each block keeps only its input and runs again in backward (less memory, more
-    # compute). Before the wrap. reentrant fails with find_unused_parameters unless static_graph is set
+    # Activation checkpointing: each block keeps only its
+    # input and runs again in backward (less memory, more
+    # compute). Before the wrap. reentrant fails with
+    # find_unused_parameters unless static_graph is set
     # (benchmark/README.md, "Activation checkpointing with DDP"); non_reentrant does not.
     checkpoint_blocks(model, cfg.activation_checkpointing)
     if cfg.compile:  # in place, before the wrap: DDP's hooks stay outside the compiled graphs
-        model.compile()  # (no wrapper: state_dict keys stay the module's own; DDPOptimizer still splits at buckets)
+        # (no wrapper: state_dict keys stay the module's own; DDPOptimizer still splits at buckets)
+        model.compile()
     comm_hook = COMM_HOOKS[cfg.comm_hook] if cfg.ddp else None
     if cfg.ddp:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                    bucket_cap_mb=cfg.bucket_cap_mb,  # gradients are all-reduced in buckets of this size
-                    gradient_as_bucket_view=cfg.gradient_as_bucket_view,  # .grad points into the bucket
-                    static_graph=cfg.static_graph,  # same graph every step: DDP can plan ahead
-                    find_unused_parameters=cfg.find_unused_parameters)  # only if some parameters get no grad
+        model = DDP(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            # gradients are all-reduced in buckets of this size
+            bucket_cap_mb=cfg.bucket_cap_mb,
+            # .grad points into the bucket
+            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+            static_graph=cfg.static_graph,  # same graph every step: DDP can plan ahead
+            # only if some parameters get no grad
+            find_unused_parameters=cfg.find_unused_parameters,
+        )
         if comm_hook is not None:  # default_hooks.bf16_compress_hook / fp16_compress_hook
             model.register_comm_hook(state=None, hook=comm_hook)
     else:  # the baseline: the same loop without gradient communication (replicas drift apart)
         model = NoDDP(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    torch.manual_seed(cfg.seed + launch.rank)  # from here on each rank its own augmentation and loader worker seeds
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+    )
+    # from here on each rank its own augmentation and loader worker seeds
+    torch.manual_seed(cfg.seed + launch.rank)
     # Mixed precision: autocast runs the forward pass in bf16/fp16; fp16 also needs a GradScaler,
     # which scales the loss so small gradients do not underflow (a no-op when disabled).
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-    # Images/s and data wait; with --profile-steps also where each step's time goes (hooks, no calls in the step).
+    # Images/s and data wait; with --profile-steps also where
+    # each step's time goes (hooks, no calls in the step).
     timer = StepTimer(model.module, optimizer, device, cfg.profile_warmup, cfg.profile_steps)
     writer = None
     if launch.rank == 0:  # TensorBoard on rank 0 only
@@ -144,25 +225,33 @@ def train(cfg, launch):
         writer = SummaryWriter(str(Path(cfg.output_dir) / "tensorboard"))
 
     if launch.rank == 0:
-        print(f"launcher {launch.launcher}, {backend} on {device} (CUDA_VISIBLE_DEVICES="
-              f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), world size {launch.world_size}, "
-              f"batch {cfg.batch_size} x {launch.world_size} = {cfg.batch_size * launch.world_size}; "
-              f"{type(model).__name__}, precision {cfg.precision}, comm hook {cfg.comm_hook}, "
-              f"compile {cfg.compile}, channels_last {cfg.channels_last}, "
-              f"activation checkpointing {cfg.activation_checkpointing}", flush=True)
+        print(
+            f"launcher {launch.launcher}, {backend} on {device} (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), world size {launch.world_size}, "
+            f"batch {cfg.batch_size} x {launch.world_size} = {cfg.batch_size * launch.world_size}; "
+            f"{type(model).__name__}, precision {cfg.precision}, comm hook {cfg.comm_hook}, "
+            f"compile {cfg.compile}, channels_last {cfg.channels_last}, "
+            f"activation checkpointing {cfg.activation_checkpointing}",
+            flush=True,
+        )
     step, images_seen = 0, 0
     for epoch in range(cfg.epochs):
-        train_sampler.set_epoch(epoch)  # a new shuffle each epoch; without it every epoch repeats epoch 0
+        # a new shuffle each epoch; without it every epoch repeats epoch 0
+        train_sampler.set_epoch(epoch)
         model.train()
-        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # this rank's loss sum and sample count
+        # this rank's loss sum and sample count
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
         for images, labels in timer.iterate(train_loader):
             images = images.to(device, non_blocking=True, memory_format=memory_format)
             labels = labels.to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=AMP_DTYPES[cfg.precision], enabled=cfg.precision != "fp32"):
+            with torch.autocast(
+                device.type, dtype=AMP_DTYPES[cfg.precision], enabled=cfg.precision != "fp32"
+            ):
                 logits = model(images)
                 loss = F.cross_entropy(logits, labels)
             optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()  # DDP all-reduces (averages) the gradients here: every rank steps alike
+            # DDP all-reduces (averages) the gradients here: every rank steps alike
+            scaler.scale(loss).backward()
             scaler.step(optimizer)  # fp16: unscales, and skips the step if a gradient overflowed
             scaler.update()
             step += 1
@@ -170,25 +259,37 @@ def train(cfg, launch):
             loss_sum[0] += loss.detach() * len(labels)
             loss_sum[1] += len(labels)
             if step % cfg.log_every == 0:
-                images_per_s, data_wait = timer.rates()  # collective: every rank logs at the same steps
+                # collective: every rank logs at the same steps
+                images_per_s, data_wait = timer.rates()
                 if launch.rank == 0:
-                    print(f"epoch {epoch + 1} step {step} loss {loss.item():.4f} (rank 0's batch) images/s "
-                          f"{images_per_s:.0f} data-wait {100 * data_wait:.1f}%", flush=True)
+                    print(
+                        f"epoch {epoch + 1} step {step} loss {loss.item():.4f} (rank 0's "
+                        "batch) images/s "
+                        f"{images_per_s:.0f} data-wait {100 * data_wait:.1f}%",
+                        flush=True,
+                    )
                     writer.add_scalar("train/loss", loss.item(), step)
                     writer.add_scalar("perf/images_per_s", images_per_s, step)
                     writer.add_scalar("perf/data_wait_fraction", data_wait, step)
             if step == cfg.max_steps:
                 break
-        dist.all_reduce(loss_sum)  # sums and counts over all ranks: the exact mean, not a mean of means
+        # sums and counts over all ranks: the exact mean, not a mean of means
+        dist.all_reduce(loss_sum)
         train_loss = (loss_sum[0] / loss_sum[1]).item()
         images_per_s, data_wait = timer.rates()  # this epoch's training loop
         eval_loss, eval_acc, eval_count = evaluate(model.module, test_loader, device, memory_format)
         if launch.rank == 0:
-            print(f"epoch {epoch + 1} done: train loss {train_loss:.4f}, eval loss {eval_loss:.4f}, "
-                  f"eval accuracy {eval_acc:.4f} ({eval_count} images), images/s {images_per_s:.0f}, "
-                  f"data-wait {100 * data_wait:.1f}%", flush=True)
-            for name, value in (("train/epoch_loss", train_loss), ("eval/loss", eval_loss),
-                                ("eval/accuracy", eval_acc)):
+            print(
+                f"epoch {epoch + 1} done: train loss {train_loss:.4f}, eval loss {eval_loss:.4f}, "
+                f"eval accuracy {eval_acc:.4f} ({eval_count} images), images/s {images_per_s:.0f}, "
+                f"data-wait {100 * data_wait:.1f}%",
+                flush=True,
+            )
+            for name, value in (
+                ("train/epoch_loss", train_loss),
+                ("eval/loss", eval_loss),
+                ("eval/accuracy", eval_acc),
+            ):
                 writer.add_scalar(name, value, epoch + 1)
         if step == cfg.max_steps:
             break
@@ -197,32 +298,58 @@ def train(cfg, launch):
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         torch.save(model.module.state_dict(), Path(cfg.output_dir) / "model.pt")
         writer.close()
-    profile = dict(timer.profile(), images_per_second=images_per_s, data_wait_fraction=data_wait)  # collective
-    memory = peak_memory(device)  # collective: GPU max_memory_allocated, CPU peak resident set, every rank
+    # collective
+    profile = dict(timer.profile(), images_per_second=images_per_s, data_wait_fraction=data_wait)
+    # collective: GPU max_memory_allocated, CPU peak resident set, every rank
+    memory = peak_memory(device)
     if launch.rank == 0:
-        print(f"peak memory per rank ({memory['peak_memory']}): "
-              + ", ".join(f"{b / 2**20:.0f}" for b in memory["peak_memory_bytes_per_rank"]) + " MiB", flush=True)
+        print(
+            f"peak memory per rank ({memory['peak_memory']}): "
+            + ", ".join(f"{b / 2**20:.0f}" for b in memory["peak_memory_bytes_per_rank"])
+            + " MiB",
+            flush=True,
+        )
     elapsed = time.perf_counter() - start_time
-    write_summary(cfg.output_dir, model, world_size=launch.world_size, launcher=launch.launcher, backend=backend,
-                  global_batch_size=cfg.batch_size * launch.world_size,
-                  images_per_second=images_seen * launch.world_size / elapsed,  # every rank saw as many
-                  device=str(device), local_batch_size=cfg.batch_size, lr=cfg.lr, epochs=epoch + 1, steps=step,
-                  final_train_loss=train_loss, eval_loss=eval_loss, eval_accuracy=eval_acc, eval_samples=eval_count,
-                  wall_time_s=elapsed, profile=profile,
-                  perf=dict(perf_settings(model, scaler, train_loader, comm_hook, cfg.compile, logits, images),
-                            **memory))
+    write_summary(
+        cfg.output_dir,
+        model,
+        world_size=launch.world_size,
+        launcher=launch.launcher,
+        backend=backend,
+        global_batch_size=cfg.batch_size * launch.world_size,
+        # every rank saw as many
+        images_per_second=images_seen * launch.world_size / elapsed,
+        device=str(device),
+        local_batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        epochs=epoch + 1,
+        steps=step,
+        final_train_loss=train_loss,
+        eval_loss=eval_loss,
+        eval_accuracy=eval_acc,
+        eval_samples=eval_count,
+        wall_time_s=elapsed,
+        profile=profile,
+        perf=dict(
+            perf_settings(model, scaler, train_loader, comm_hook, cfg.compile, logits, images),
+            **memory,
+        ),
+    )
     dist.destroy_process_group()
 
 
 @record  # under torchrun, a failing rank's exception and traceback show in torchrun's summary
 def main():
     cfg = load_config(PerfConfig)  # bad input (here and below): one "error:" line, exit code 2
-    launch = detect_launcher()  # rank, local rank, world size, rendezvous address: torchrun, srun, mpiexec
-    check_data(cfg, launch.world_size)  # before any process group, so no rank waits for a failed one
+    # rank, local rank, world size, rendezvous address: torchrun, srun, mpiexec
+    launch = detect_launcher()
+    # before any process group, so no rank waits for a failed one
+    check_data(cfg, launch.world_size)
     train(cfg, launch)
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    sys.stdout.flush()
     os._exit(0)

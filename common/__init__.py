@@ -1,1 +1,2 @@
-"""Thin helpers for the examples: config, launcher, data, models, report, errors; the DDP lines stay in the scripts."""
+"""Thin helpers for the examples: config, launcher, data,
+models, report, errors; the DDP lines stay in the scripts."""

@@ -1,4 +1,5 @@
-"""Bad input the user can fix is not a crash: one `error:` line from one rank and exit code 2, as with argparse."""
+"""Bad input the user can fix is not a crash: one `error:`
+line from one rank and exit code 2, as with argparse."""
 
 import os
 import sys
@@ -6,10 +7,25 @@ import time
 from contextlib import contextmanager
 
 BAD_INPUT_EXIT_CODE = 2
-SILENT_RANK_DELAY_S = 2.0  # silent ranks exit later: a launcher stops all ranks once one exits, the reporting one too
-RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PALS_RANKID", "PMIX_RANK", "SLURM_PROCID")
-LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PALS_LOCAL_RANKID",
-                        "SLURM_LOCALID")  # each launcher's: torchrun, Open MPI, MPICH/Intel MPI, HPE PALS, PMIx, Slurm
+# silent ranks exit later: a launcher stops all ranks once one exits, the reporting one too
+SILENT_RANK_DELAY_S = 2.0
+RANK_VARIABLES = (
+    "RANK",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_RANK",
+    "PALS_RANKID",
+    "PMIX_RANK",
+    "SLURM_PROCID",
+)
+LOCAL_RANK_VARIABLES = (
+    "LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "PALS_LOCAL_RANKID",
+    # each launcher's: torchrun, Open MPI,
+    # MPICH/Intel MPI, HPE PALS, PMIx, Slurm
+    "SLURM_LOCALID",
+)
 
 
 class UsageError(Exception):
@@ -29,13 +45,16 @@ class DataError(UsageError):
 
 
 def _first(names: tuple[str, ...]) -> int | None:
-    return next((int(os.environ[name]) for name in names if os.environ.get(name, "").isdigit()), None)
+    return next(
+        (int(os.environ[name]) for name in names if os.environ.get(name, "").isdigit()), None
+    )
 
 
 @contextmanager
 def exit_on_bad_input():
-    """Turn a UsageError into one `error:` line and exit code 2. A config error is the same on every rank, so global
-    rank 0 says it; anything else (say, a data folder missing on one node) is said by each node's local rank 0."""
+    """Turn a UsageError into one `error:` line and exit code 2. A config error
+    is the same on every rank, so global rank 0 says it; anything else (say, a
+    data folder missing on one node) is said by each node's local rank 0."""
     try:
         yield
     except UsageError as exc:

@@ -1,6 +1,7 @@
-"""Which launcher started this process, where rank 0 listens, which GPU is this rank's. `detect_launcher()` reads
-os.environ (and the GPU count) through `launch_info(env)`, so it is unit-tested with plain dicts. Order matters:
-torchrun may run in a Slurm or PBS job, and HPE's PALS exports MPICH's PMI_* too, so the most specific comes first."""
+"""Which launcher started this process, where rank 0 listens, which GPU is this rank's.
+`detect_launcher()` reads os.environ (and the GPU count) through `launch_info(env)`, so
+it is unit-tested with plain dicts. Order matters: torchrun may run in a Slurm or PBS
+job, and HPE's PALS exports MPICH's PMI_* too, so the most specific comes first."""
 
 import os
 import re
@@ -13,16 +14,40 @@ import torch
 
 from common.errors import LauncherError, exit_on_bad_input
 
-DEFAULT_PORT = 29500  # torchrun's --master-port default across nodes (one node without it: a free port)
-PORT_BASE, PORT_SPAN, ARRAY_STRIDE = 15000, 15000, 7537  # below the ephemeral range (32768+); stride coprime to span
+# torchrun's --master-port default across nodes (one node without it: a free port)
+DEFAULT_PORT = 29500
+# below the ephemeral range (32768+); stride coprime to span
+PORT_BASE, PORT_SPAN, ARRAY_STRIDE = 15000, 15000, 7537
 LOOPBACK = "127.0.0.1"
 _MPI_LIKE = [  # (launcher, variables that mark it, rank, local rank, world size, local world size)
-    ("openmpi", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), "OMPI_COMM_WORLD_RANK",
-     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("pals", ("PALS_RANKID", "PALS_LOCAL_RANKID"), "PALS_RANKID", "PALS_LOCAL_RANKID", "PMI_SIZE", "PALS_LOCAL_SIZE"),
-    ("mpich", ("PMI_RANK", "PMI_SIZE"), "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE", "MPI_LOCALNRANKS"),  # Intel MPI too
+    (
+        "openmpi",
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    (
+        "pals",
+        ("PALS_RANKID", "PALS_LOCAL_RANKID"),
+        "PALS_RANKID",
+        "PALS_LOCAL_RANKID",
+        "PMI_SIZE",
+        "PALS_LOCAL_SIZE",
+    ),
+    # Intel MPI too
+    (
+        "mpich",
+        ("PMI_RANK", "PMI_SIZE"),
+        "PMI_RANK",
+        "MPI_LOCALRANKID",
+        "PMI_SIZE",
+        "MPI_LOCALNRANKS",
+    ),
 ]
-_SLURM_SPECIAL_STEP_MIN = 0xFFFFFFFA  # interactive, batch, extern and pending steps are not srun steps
+# interactive, batch, extern and pending steps are not srun steps
+_SLURM_SPECIAL_STEP_MIN = 0xFFFFFFFA
 
 
 @dataclass(frozen=True)
@@ -36,7 +61,8 @@ class LaunchInfo:
     master_port: int
     scheduler: str = "none"  # slurm, pbs or none
     job_id: str = ""
-    gpu: int = 0  # this rank's GPU among those it sees: its local rank, or 0 where it sees only its own
+    # this rank's GPU among those it sees: its local rank, or 0 where it sees only its own
+    gpu: int = 0
 
 
 def _int(env: Mapping[str, str], name: str | None) -> int | None:
@@ -49,7 +75,8 @@ def _int(env: Mapping[str, str], name: str | None) -> int | None:
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """Expand a Slurm hostlist such as 'gpu[001-004,010],login2' (commas in brackets separate ranges) into hosts."""
+    """Expand a Slurm hostlist such as 'gpu[001-004,010],login2'
+    (commas in brackets separate ranges) into hosts."""
     items = re.findall(r"(?:[^,\[\]]|\[[^\[\]]*\])+", hostlist or "")
     if not items or ",".join(items) != hostlist.strip():
         raise LauncherError(f"malformed host list {hostlist!r}")
@@ -93,7 +120,9 @@ def master_address(env: Mapping[str, str]) -> str:
     """MASTER_ADDR, else the job's first host (Slurm node list, PBS node file), else loopback."""
     if env.get("MASTER_ADDR"):
         return env["MASTER_ADDR"]
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    nodelist = (
+        env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    )
     if env.get("SLURM_JOB_ID") and nodelist:
         return expand_hostlist(nodelist)[0]
     if nodefile := env.get("PBS_NODEFILE"):
@@ -108,69 +137,105 @@ def master_address(env: Mapping[str, str]) -> str:
 
 
 def master_port(env: Mapping[str, str]) -> int:
-    """MASTER_PORT, else one from the job id (PBS array subjob i adds i x ARRAY_STRIDE), else 29500."""
+    """MASTER_PORT, else one from the job id (PBS array
+    subjob i adds i x ARRAY_STRIDE), else 29500."""
     if env.get("MASTER_PORT"):
         port = _int(env, "MASTER_PORT")
         if not 1 <= port <= 65535:
             raise LauncherError(f"MASTER_PORT={port} is not a TCP port (1-65535)")
         return port
-    m = re.match(r"(\d+)(?:\[(\d+)\])?", _scheduler(env)[1])  # PBS: '1234.pbs01', array subjob '1234[5].pbs01'
-    return PORT_BASE + (int(m[1]) + int(m[2] or 0) * ARRAY_STRIDE) % PORT_SPAN if m else DEFAULT_PORT
+    # PBS: '1234.pbs01', array subjob '1234[5].pbs01'
+    m = re.match(r"(\d+)(?:\[(\d+)\])?", _scheduler(env)[1])
+    return (
+        PORT_BASE + (int(m[1]) + int(m[2] or 0) * ARRAY_STRIDE) % PORT_SPAN if m else DEFAULT_PORT
+    )
 
 
 def detect_launcher(rank: int | None = None, world_size: int | None = None) -> LaunchInfo:
-    """This process's launch from os.environ (mp.spawn workers pass rank, world_size); bad input exits with code 2."""
+    """This process's launch from os.environ (mp.spawn workers
+    pass rank, world_size); bad input exits with code 2."""
     with exit_on_bad_input():
-        return launch_info(os.environ, rank, world_size, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        return launch_info(
+            os.environ,
+            rank,
+            world_size,
+            torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        )
 
 
-def launch_info(env: Mapping[str, str], rank: int | None = None, world_size: int | None = None,
-                gpus: int = 0) -> LaunchInfo:
-    """Rank, local rank, world sizes, master address/port, launcher name and GPU (of the `gpus` it sees) from `env`.
-    A process started alone, outside any job, gets port 0: its store takes any free port (nobody connects)."""
+def launch_info(
+    env: Mapping[str, str], rank: int | None = None, world_size: int | None = None, gpus: int = 0
+) -> LaunchInfo:
+    """Rank, local rank, world sizes, master address/port, launcher name and GPU
+    (of the `gpus` it sees) from `env`. A process started alone, outside any
+    job, gets port 0: its store takes any free port (nobody connects)."""
     scheduler, job_id = _scheduler(env)
     name, r, lr, ws, lws = _find(env, rank, world_size)
     ws = 1 if ws is None else ws
     if ws < 1:
         raise LauncherError(f"{name}: world size {ws} must be at least 1")
     if r is None and ws > 1:
-        raise LauncherError(f"{name}: world size is {ws} but this process's rank is not set; "
-                            "start it with a launcher (torchrun, srun, mpiexec) or set RANK")
+        raise LauncherError(
+            f"{name}: world size is {ws} but this process's rank is not set; "
+            "start it with a launcher (torchrun, srun, mpiexec) or set RANK"
+        )
     r = 0 if r is None else r
     if not 0 <= r < ws:
-        raise LauncherError(f"{name}: rank {r} is outside the world size {ws} (must be 0..{ws - 1})")
+        raise LauncherError(
+            f"{name}: rank {r} is outside the world size {ws} (must be 0..{ws - 1})"
+        )
     if lws is None:
         lws = ws if scheduler == "none" else 1 if lr is None else lr + 1
     lr = r % lws if lr is None else lr
     if not 0 <= lr < lws or lws > ws:
-        raise LauncherError(f"{name}: local rank {lr} and local world size {lws} do not fit world size {ws}")
-    gpu = lr if gpus >= lws else 0  # 0: per-task GPU binding (srun --gpus-per-task=1, site scripts) shows one GPU
+        raise LauncherError(
+            f"{name}: local rank {lr} and local world size {lws} do not fit world size {ws}"
+        )
+    # 0: per-task GPU binding (srun --gpus-per-task=1, site scripts) shows one GPU
+    gpu = lr if gpus >= lws else 0
     if 1 < gpus < lws:  # two ranks would share a GPU, which NCCL refuses ("Duplicate GPU detected")
-        raise LauncherError(f"{lws} ranks on this node but {gpus} GPUs visible to rank {r} (CUDA_VISIBLE_DEVICES="
-                            f"{env.get('CUDA_VISIBLE_DEVICES', 'unset')}): one rank per GPU, seeing all or its own")
-    port = 0 if name == "single" and scheduler == "none" and not env.get("MASTER_PORT") else master_port(env)
+        raise LauncherError(
+            f"{lws} ranks on this node but {gpus} GPUs visible to rank {r} (CUDA_VISIBLE_DEVICES="
+            f"{env.get('CUDA_VISIBLE_DEVICES', 'unset')}): one rank per GPU, seeing all or its own"
+        )
+    port = (
+        0
+        if name == "single" and scheduler == "none" and not env.get("MASTER_PORT")
+        else master_port(env)
+    )
     return LaunchInfo(name, r, lr, ws, lws, master_address(env), port, scheduler, job_id, gpu)
 
 
 def _find(env, rank, world_size):
     if rank is not None or world_size is not None:
-        return "mp.spawn", rank, rank, world_size, world_size  # one node: the local rank is the rank, even in a job
+        # one node: the local rank is the rank, even in a job
+        return "mp.spawn", rank, rank, world_size, world_size
     torchrun_like = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
     if env.get("TORCHELASTIC_RUN_ID") is not None:
         return ("torchrun", *(_int(env, n) for n in torchrun_like))
-    if env.get("RANK") or env.get("WORLD_SIZE"):  # set by hand, or by a launcher that follows torchrun
+    # set by hand, or by a launcher that follows torchrun
+    if env.get("RANK") or env.get("WORLD_SIZE"):
         return ("env", *(_int(env, n) for n in torchrun_like))
     for name, markers, *names in _MPI_LIKE:
         if any(env.get(m) is not None for m in markers):
             name = "intel-mpi" if name == "mpich" and env.get("I_MPI_ROOT") else name
             return (name, *(_int(env, n) for n in names))
-    if env.get("PMIX_RANK") is not None:  # PMIx alone exports no world size; Slurm (srun --mpi=pmix) does
+    # PMIx alone exports no world size; Slurm (srun --mpi=pmix) does
+    if env.get("PMIX_RANK") is not None:
         ws = _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS")
         return "pmix", _int(env, "PMIX_RANK"), _int(env, "SLURM_LOCALID"), ws, None
-    step = env.get("SLURM_STEP_ID", "batch")  # srun sets it; a batch script alone has SLURM_PROCID=0 but no step id
-    if step != "batch" and not (step.isdigit() and int(step) >= _SLURM_SPECIAL_STEP_MIN) and env.get("SLURM_PROCID"):
+    # srun sets it; a batch script alone has SLURM_PROCID=0 but no step id
+    step = env.get("SLURM_STEP_ID", "batch")
+    if (
+        step != "batch"
+        and not (step.isdigit() and int(step) >= _SLURM_SPECIAL_STEP_MIN)
+        and env.get("SLURM_PROCID")
+    ):
         ws = _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS")
-        spec, node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE"), _int(env, "SLURM_NODEID")
+        spec, node = (
+            env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE"),
+            _int(env, "SLURM_NODEID"),
+        )
         lws = _slurm_tasks_on_node(spec, node) if spec and node is not None else None
         return "slurm", _int(env, "SLURM_PROCID"), _int(env, "SLURM_LOCALID"), ws, lws
     return "single", None, None, None, None

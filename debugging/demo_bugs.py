@@ -1,14 +1,16 @@
-"""The classic DDP bugs, one flag each, so you can see what they look like and how to diagnose them.
+r"""The classic DDP bugs, one flag each, to see what they look like and how to diagnose them.
 
 Off by default: without --bug this is a short, correct DDP run. Every bug ends within seconds
 (the process-group timeout, --timeout-s, is 10 s here) instead of hanging for gloo's 30 minutes.
 
     torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug mismatched_collective
-    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc_per_node=2 \\
+    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc_per_node=2 \
         debugging/demo_bugs.py --bug mismatched_collective         # names the two collectives
     torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug unused_parameter
-    torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug unused_parameter --fix find_unused
-    torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug unused_parameter --fix use_all
+    torchrun --standalone --nproc_per_node=2 \
+        debugging/demo_bugs.py --bug unused_parameter --fix find_unused
+    torchrun --standalone --nproc_per_node=2 \
+        debugging/demo_bugs.py --bug unused_parameter --fix use_all
     torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug rank0_barrier
 
 See debugging/README.md for what each prints and why.
@@ -42,11 +44,17 @@ class DemoConfig:
     """Demonstrate one classic DDP bug (or none)."""
 
     bug: str = field("none", "the bug to demonstrate", choices=BUGS)
-    fix: str = field("none", "for --bug unused_parameter: find_unused (DDP flag) or use_all "
-                     "(every parameter takes part in the loss)", choices=FIXES)
+    fix: str = field(
+        "none",
+        "for --bug unused_parameter: find_unused (DDP flag) or use_all "
+        "(every parameter takes part in the loss)",
+        choices=FIXES,
+    )
     steps: int = field(4, "training steps", min=1)
     seed: int = field(0, "seed for the model's initial weights", min=0)
-    timeout_s: float = field(10.0, "process-group timeout: the bugs fail this fast instead of in minutes", min=1.0)
+    timeout_s: float = field(
+        10.0, "process-group timeout: the bugs fail this fast instead of in minutes", min=1.0
+    )
     output_dir: str = field("runs/demo_bugs", "where summary.json goes")
 
 
@@ -66,19 +74,28 @@ class TwoHeads(nn.Module):
 
 
 def train(cfg, launch):
-    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")  # as in 01
+    # as in 01
+    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-                            rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=cfg.timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )
     torch.manual_seed(cfg.seed)
     model = TwoHeads().to(device)
     if cfg.bug != "mismatched_collective":
         # Fix 1 for an unused parameter: let DDP look for parameters that got no gradient
         # (costs a walk of the autograd graph every step).
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                    find_unused_parameters=cfg.fix == "find_unused")
+        model = DDP(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=cfg.fix == "find_unused",
+        )
     # (The mismatched-collective demo leaves DDP out: it is about the two all-reduces below, and
     # with TORCH_DISTRIBUTED_DEBUG=DETAIL, DDP on CPU crashed intermittently (SIGSEGV) here.)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -96,7 +113,9 @@ def train(cfg, launch):
 
         # Metrics: every rank all-reduces the loss, then (correct, count).
         loss_sum = torch.tensor([loss.item()], device=device)
-        counts = torch.tensor([(logits.argmax(1) == y).sum().item(), len(y)], device=device, dtype=torch.float64)
+        counts = torch.tensor(
+            [(logits.argmax(1) == y).sum().item(), len(y)], device=device, dtype=torch.float64
+        )
         if cfg.bug == "mismatched_collective" and launch.rank == 1:
             pass  # BUG: rank 1 skips this all-reduce (think `if loss < threshold:`, true on some
             # ranks only), so its next collective, the counts below, meets rank 0's loss all-reduce.
@@ -104,14 +123,25 @@ def train(cfg, launch):
             dist.all_reduce(loss_sum)
         dist.all_reduce(counts)
         if launch.rank == 0:
-            print(f"step {step} mean loss {loss_sum.item() / launch.world_size:.4f} "
-                  f"accuracy {counts[0].item() / counts[1].item():.3f}", flush=True)
+            print(
+                f"step {step} mean loss {loss_sum.item() / launch.world_size:.4f} "
+                f"accuracy {counts[0].item() / counts[1].item():.3f}",
+                flush=True,
+            )
 
         if cfg.bug == "rank0_barrier" and step == 2:
             if launch.rank == 0:
                 print("rank 0 writes a checkpoint", flush=True)  # plain I/O: fine on rank 0 alone
-                dist.barrier()  # BUG: a collective inside a rank-0-only block; the others never come
-    write_summary(cfg.output_dir, model, world_size=launch.world_size, bug=cfg.bug, fix=cfg.fix, steps=cfg.steps)
+                # BUG: a collective inside a rank-0-only block; the others never come
+                dist.barrier()
+    write_summary(
+        cfg.output_dir,
+        model,
+        world_size=launch.world_size,
+        bug=cfg.bug,
+        fix=cfg.fix,
+        steps=cfg.steps,
+    )
     if launch.rank == 0:
         print("done: no bug", flush=True)
     dist.destroy_process_group()
@@ -126,5 +156,6 @@ def main():
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    sys.stdout.flush()
     os._exit(0)

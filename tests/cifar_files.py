@@ -1,4 +1,5 @@
-"""Write small data sets in CIFAR-10's on-disk format (python pickle batches), as torchvision reads them."""
+"""Write small data sets in CIFAR-10's on-disk format
+(python pickle batches), as torchvision reads them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ CIFAR_FOLDER = "cifar-10-batches-py"
 TRAIN_BATCHES = [f"data_batch_{i}" for i in range(1, 6)]
 
 
-def write_cifar10(root: Path, per_batch: int = 20, test_size: int = 30, seed: int = 0) -> dict[str, str]:
+def write_cifar10(
+    root: Path, per_batch: int = 20, test_size: int = 30, seed: int = 0
+) -> dict[str, str]:
     """Five training batches and a test batch of random 32x32 RGB images; returns {file: md5}.
 
     torchvision checks each file's MD5 against the real data set's: callers that load these
@@ -23,13 +26,31 @@ def write_cifar10(root: Path, per_batch: int = 20, test_size: int = 30, seed: in
     folder.mkdir(parents=True, exist_ok=True)
     digests = {}
     for name, n in [(b, per_batch) for b in TRAIN_BATCHES] + [("test_batch", test_size)]:
-        batch = {"batch_label": name, "data": rng.integers(0, 256, size=(n, 3072), dtype=np.uint8),
-                 "labels": rng.integers(0, 10, size=n).tolist(), "filenames": [f"{name}_{i}.png" for i in range(n)]}
+        batch = {
+            "batch_label": name,
+            "data": rng.integers(0, 256, size=(n, 3072), dtype=np.uint8),
+            "labels": rng.integers(0, 10, size=n).tolist(),
+            "filenames": [f"{name}_{i}.png" for i in range(n)],
+        }
         path = folder / name
         path.write_bytes(pickle.dumps(batch))
         digests[name] = hashlib.md5(path.read_bytes()).hexdigest()
-    meta = {"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"],
-            "num_cases_per_batch": per_batch, "num_vis": 3072}
+    meta = {
+        "label_names": [
+            "airplane",
+            "automobile",
+            "bird",
+            "cat",
+            "deer",
+            "dog",
+            "frog",
+            "horse",
+            "ship",
+            "truck",
+        ],
+        "num_cases_per_batch": per_batch,
+        "num_vis": 3072,
+    }
     (folder / "batches.meta").write_bytes(pickle.dumps(meta))
     digests["batches.meta"] = hashlib.md5((folder / "batches.meta").read_bytes()).hexdigest()
     return digests

@@ -1,16 +1,18 @@
-"""Run under torchrun (2 ranks, gloo): what the READMEs say DDP and nn.SyncBatchNorm do, seen in the
-installed torch. Each rank prints one line `RESULT <rank> <json>`.
+"""Run under torchrun (2 ranks, gloo): what the READMEs say DDP and nn.SyncBatchNorm
+do, seen in the installed torch. Each rank prints one line `RESULT <rank> <json>`.
 
     torchrun --standalone --nproc_per_node=2 tests/ddp_facts_worker.py
 
 - the wrap: ranks built with different weights and buffers hold rank 0's after DDP(...) (and keep
   their own with init_sync=False, the control);
-- at the start of forward DDP broadcasts rank 0's buffers again (not with forward_sync_buffers=False, nor
+- at the start of forward DDP broadcasts rank 0's buffers again (not with
+  forward_sync_buffers=False, nor
   right after a forward without grad or under no_sync());
 - nn.SyncBatchNorm refuses CPU tensors (its forward checks the device);
 - two all-reduces of the same shape called in a different order on the two ranks: gloo pairs them by
   order, raises nothing and returns mixed sums (debugging/README.md, "Hang mid-epoch");
-- a collective skipped on one rank, with the next one of equal shape and dtype: gloo sums the wrong tensors and
+- a collective skipped on one rank, with the next one of equal shape and dtype: gloo sums the wrong
+  tensors and
   raises nothing (debugging/README.md, --bug mismatched_collective);
 - DDP(static_graph=True) with no_sync() accumulation fails (PyTorch issue 143580), run last: it
   leaves DDP's reducer in a failed state.
@@ -47,7 +49,8 @@ def gathered(value: str) -> list[str]:
 
 
 def rank_own_model(rank: int) -> nn.Module:
-    """A model with BatchNorm buffers, its weights and running statistics different on every rank."""
+    """A model with BatchNorm buffers, its weights and
+    running statistics different on every rank."""
     torch.manual_seed(100 + rank)
     model = SmallCNN(1, 10, width=4, norm="batch")
     with torch.no_grad():
@@ -64,8 +67,13 @@ def wrap_facts(rank: int) -> dict:
     after = (gathered(digest(model.parameters())), gathered(digest(model.buffers())))
     control = rank_own_model(rank)
     DDP(control, init_sync=False)
-    return {"params_before": before[0], "buffers_before": before[1], "params_after": after[0],
-            "buffers_after": after[1], "params_without_init_sync": gathered(digest(control.parameters()))}
+    return {
+        "params_before": before[0],
+        "buffers_before": before[1],
+        "params_after": after[0],
+        "buffers_after": after[1],
+        "params_without_init_sync": gathered(digest(control.parameters())),
+    }
 
 
 def set_running_means(model: nn.Module, value: float) -> None:
@@ -76,39 +84,49 @@ def set_running_means(model: nn.Module, value: float) -> None:
 
 
 def forward_buffer_facts(rank: int) -> dict:
-    """Buffers made different AFTER the wrap, then forwards in eval mode (which leave them as they are)."""
+    """Buffers made different AFTER the wrap, then forwards
+    in eval mode (which leave them as they are)."""
     result = {}
-    for name, kwargs in (("default", {}), ("forward_sync_buffers_false", {"forward_sync_buffers": False})):
+    for name, kwargs in (
+        ("default", {}),
+        ("forward_sync_buffers_false", {"forward_sync_buffers": False}),
+    ):
         model = DDP(rank_own_model(0), **kwargs).eval()
         set_running_means(model.module, float(rank) + 5)
         different = gathered(digest(model.module.buffers()))
         with torch.no_grad():
             model(torch.zeros(2, 1, 8, 8))
         after = gathered(digest(model.module.buffers()))
-        # A forward without grad (or under no_sync) tells DDP that no gradient sync follows, and the next
+        # A forward without grad (or under no_sync) tells
+        # DDP that no gradient sync follows, and the next
         # forward skips the buffer broadcast.
         set_running_means(model.module, float(rank) + 7)
         with torch.no_grad():
             model(torch.zeros(2, 1, 8, 8))
         after_no_grad = gathered(digest(model.module.buffers()))
-        # The same after a forward under no_sync() (grad enabled; eval mode, so no backward is needed).
+        # The same after a forward under no_sync() (grad
+        # enabled; eval mode, so no backward is needed).
         model2 = DDP(rank_own_model(0), **kwargs).eval()
         with model2.no_sync():
             model2(torch.zeros(2, 1, 8, 8))
         set_running_means(model2.module, float(rank) + 9)
         model2(torch.zeros(2, 1, 8, 8))
-        result[name] = {"before_forward": different, "after_forward": after,
-                        "after_a_forward_after_no_grad": after_no_grad,
-                        "after_a_forward_after_no_sync": gathered(digest(model2.module.buffers()))}
+        result[name] = {
+            "before_forward": different,
+            "after_forward": after,
+            "after_a_forward_after_no_grad": after_no_grad,
+            "after_a_forward_after_no_sync": gathered(digest(model2.module.buffers())),
+        }
     return result
 
 
 def collectives_in_a_different_order(rank: int) -> dict:
-    """A loss sum and a sample count all-reduced in the same order on both ranks, then in swapped order."""
+    """A loss sum and a sample count all-reduced in the
+    same order on both ranks, then in swapped order."""
     result = {}
     for name, swapped in (("same_order", False), ("swapped_on_rank_1", rank == 1)):
         loss_sum, count = torch.tensor([1.0 + rank]), torch.tensor([10.0 * (rank + 1)])
-        for tensor in ((count, loss_sum) if swapped else (loss_sum, count)):
+        for tensor in (count, loss_sum) if swapped else (loss_sum, count):
             dist.all_reduce(tensor)
         result[name] = [loss_sum.item(), count.item()]
     return result
@@ -137,8 +155,9 @@ def static_graph_with_no_sync() -> str:
 
 
 def skipped_all_reduce_of_equal_shapes(rank: int) -> dict:
-    """As demo_bugs.py --bug mismatched_collective, with one float each: rank 1 skips the loss's all-reduce, so its
-    count meets rank 0's loss. Rank 1 then calls one more all-reduce, which meets rank 0's count (no one waits)."""
+    """As demo_bugs.py --bug mismatched_collective, with one float each: rank 1
+    skips the loss's all-reduce, so its count meets rank 0's loss. Rank 1 then
+    calls one more all-reduce, which meets rank 0's count (no one waits)."""
     loss, count = torch.tensor([1.0 + rank]), torch.tensor([10.0 * (rank + 1)])
     if rank != 1:
         dist.all_reduce(loss)
@@ -152,19 +171,26 @@ def skipped_all_reduce_of_equal_shapes(rank: int) -> dict:
 
 def main():
     warnings.simplefilter("ignore", FutureWarning)
-    dist.init_process_group("gloo")  # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    dist.init_process_group("gloo")
     rank = dist.get_rank()
-    result = {"wrap": wrap_facts(rank), "forward": forward_buffer_facts(rank), "syncbn_cpu": syncbn_on_cpu(),
-              "order": collectives_in_a_different_order(rank),
-              "equal_shapes_mismatch": skipped_all_reduce_of_equal_shapes(rank)}
+    result = {
+        "wrap": wrap_facts(rank),
+        "forward": forward_buffer_facts(rank),
+        "syncbn_cpu": syncbn_on_cpu(),
+        "order": collectives_in_a_different_order(rank),
+        "equal_shapes_mismatch": skipped_all_reduce_of_equal_shapes(rank),
+    }
     dist.barrier()
     result["static_graph_no_sync"] = static_graph_with_no_sync()
-    # One write per line (both ranks print; a print() under PYTHONUNBUFFERED writes the text and the newline
+    # One write per line (both ranks print; a print() under
+    # PYTHONUNBUFFERED writes the text and the newline
     # separately, and the two ranks' lines could interleave).
     sys.stdout.write(f"RESULT {rank} {json.dumps(result)}\n")
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    sys.stdout.flush()
     os._exit(0)

@@ -1,15 +1,17 @@
-"""Test-only: run a lesson under torchrun with its DDP instrumented from outside the lesson.
+r"""Test-only: run a lesson under torchrun with its DDP instrumented from outside the lesson.
 
-    torchrun --standalone --nproc_per_node=2 tests/ddp_probe.py RESULT.json LESSON.py [lesson flags...]
+    torchrun --standalone --nproc_per_node=2 \
+        tests/ddp_probe.py RESULT.json LESSON.py [lesson flags...]
 
-The lessons hold no test code. This worker imports LESSON.py with tests.helpers.load_script (its
-`if __name__ == "__main__"` does not run), replaces `DDP` in the lesson's namespace by a subclass,
-and calls the lesson's main() with the flags. Public APIs only. The subclass, for every model it wraps:
-  - records the class names of the model's BatchNorm layers at that moment (04 converts before the wrap);
+The lessons hold no test code. This worker imports LESSON.py with tests.helpers.load_script (its `if
+__name__ == "__main__"` does not run), replaces `DDP` in the lesson's namespace by a subclass, and
+calls the lesson's main() with the flags. Public APIs only. The subclass, for every model it wraps:
+  - records the class names of the model's BatchNorm layers at that moment (04 converts before the
+    wrap);
   - registers a DDP communication hook (DDP.register_comm_hook) that counts each gradient bucket,
     then all-reduces it with DDP's default, default_hooks.allreduce_hook.
-A global optimizer step hook (torch.optim.optimizer.register_optimizer_step_post_hook) snapshots the
-counts at every optimizer step. Rank 0 writes RESULT.json:
+A global optimizer step hook (torch.optim.optimizer.register_optimizer_step_post_hook)
+snapshots the counts at every optimizer step. Rank 0 writes RESULT.json:
     passes_per_step    backward passes that all-reduced gradients, per optimizer step
     buckets_per_step   bucket all-reduces per optimizer step
     passes, buckets    the totals; wrapped: the BatchNorm classes of each wrapped model
@@ -34,7 +36,8 @@ _at_last_step = {"passes": 0, "buckets": 0}
 
 
 def counting_allreduce_hook(state, bucket):
-    """A DDP communication hook: count the bucket (and the pass, at its last bucket), then all-reduce it."""
+    """A DDP communication hook: count the bucket (and the
+    pass, at its last bucket), then all-reduce it."""
     counts["buckets"] += 1
     counts["passes"] += bucket.is_last()  # one per backward that communicates
     return allreduce_hook(None, bucket)  # None: the default process group; averages over the ranks
@@ -59,7 +62,8 @@ def after_step(optimizer, args, kwargs):
 
 def main():
     result_path, lesson, *flags = sys.argv[1:]
-    sys.path.insert(0, str((REPO / lesson).parent))  # as when the lesson runs as a script (04 imports a neighbour)
+    # as when the lesson runs as a script (04 imports a neighbour)
+    sys.path.insert(0, str((REPO / lesson).parent))
     module = load_script(lesson, "lesson_under_probe")
     module.DDP = ProbeDDP
     register_optimizer_step_post_hook(after_step)
@@ -71,5 +75,6 @@ def main():
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    sys.stdout.flush()
     os._exit(0)

@@ -3,9 +3,9 @@
     torchrun --standalone --nproc_per_node=2 tests/grad_accum_worker.py
 
 Counts the all-reduces with tests/ddp_probe.py's counting communication hook (1 bucket: a tiny
-model): DDP decides in forward() whether the coming backward all-reduces. Then: syncing on the
-first micro-batch leaves the replicas' gradients different; an extra division by the world size
-shrinks the gradient; zeroing the gradients between micro-batches keeps only the last one's; and with
+model): DDP decides in forward() whether the coming backward all-reduces. Then: syncing on the first
+micro-batch leaves the replicas' gradients different; an extra division by the world size shrinks
+the gradient; zeroing the gradients between micro-batches keeps only the last one's; and with
 BatchNorm, accumulated micro-batches do not give the large batch's gradient (a model without does).
 """
 
@@ -29,7 +29,8 @@ def print0(text):
 
 
 def main():
-    dist.init_process_group("gloo")  # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(4, 2))
     model.register_comm_hook(None, counting_allreduce_hook)
@@ -48,8 +49,10 @@ def main():
     print0(f"forward outside, backward inside no_sync: {counts['buckets'] - before} all-reduces")
 
     # Which micro-batch syncs: each rank gets its own data, 2 micro-batches per step.
-    rank_data = [torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * dist.get_rank() + i))
-                 for i in range(2)]
+    rank_data = [
+        torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * dist.get_rank() + i))
+        for i in range(2)
+    ]
     for label, synced in (("last", 1), ("first", 0)):
         model.zero_grad()
         for i, x in enumerate(rank_data):
@@ -58,8 +61,10 @@ def main():
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
         gathered = [torch.empty_like(grads) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, grads)
-        print0(f"sync on the {label} micro-batch: gradients identical on all ranks: "
-               f"{all(torch.equal(g, gathered[0]) for g in gathered)}")
+        print0(
+            f"sync on the {label} micro-batch: gradients identical on all ranks: "
+            f"{all(torch.equal(g, gathered[0]) for g in gathered)}"
+        )
 
     # An extra division by the world size: DDP already averages.
     model.zero_grad()
@@ -84,27 +89,39 @@ def main():
     model.zero_grad()
     (model(rank_data[-1]).sum() / len(rank_data)).backward()
     last_only = model.module.weight.grad
-    print0(f"zero_grad between micro-batches: equals the last micro-batch's alone: {torch.equal(zeroed, last_only)}, "
-           f"equals the accumulated window: {torch.allclose(zeroed, accumulated)}")
+    print0(
+        "zero_grad between micro-batches: equals the last micro-batch's alone: "
+        f"{torch.equal(zeroed, last_only)}, "
+        f"equals the accumulated window: {torch.allclose(zeroed, accumulated)}"
+    )
 
-    # Accumulation equals the large batch only without BatchNorm (which normalizes each micro-batch on its own).
+    # Accumulation equals the large batch only without
+    # BatchNorm (which normalizes each micro-batch on its own).
     # One process's view, no DDP needed: 2 micro-batches of 4 accumulated vs one batch of 8.
     batch = torch.randn(8, 3, 4, 4, generator=torch.Generator().manual_seed(5)) * 2 + 1
-    for label, norm in (("BatchNorm", torch.nn.BatchNorm2d(3)), ("no BatchNorm", torch.nn.Identity())):
+    for label, norm in (
+        ("BatchNorm", torch.nn.BatchNorm2d(3)),
+        ("no BatchNorm", torch.nn.Identity()),
+    ):
         torch.manual_seed(1)
-        net = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3), norm, torch.nn.Flatten(), torch.nn.Linear(12, 2))
+        net = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 3, 3), norm, torch.nn.Flatten(), torch.nn.Linear(12, 2)
+        )
         net(batch).pow(2).mean().backward()
         large = torch.cat([p.grad.flatten() for p in net.parameters()])
         net.zero_grad()
         for half in batch.split(4):
             (net(half).pow(2).mean() / 2).backward()
         accumulated = torch.cat([p.grad.flatten() for p in net.parameters()])
-        print0(f"accumulation vs the large batch, {label}: relative difference "
-               f"{((accumulated - large).norm() / large.norm()).item():.1e}")
+        print0(
+            f"accumulation vs the large batch, {label}: relative difference "
+            f"{((accumulated - large).norm() / large.norm()).item():.1e}"
+        )
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    sys.stdout.flush()
     os._exit(0)

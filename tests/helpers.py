@@ -19,15 +19,37 @@ PYTHON = sys.executable
 
 # Variables of launchers and schedulers: a test that runs inside a Slurm job, under mpiexec or
 # torchrun must not hand them to the processes it starts.
-_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "PALS_", "PBS_", "MPI_", "HYDRA_", "I_MPI_",
-                      "TORCHELASTIC_")
-_LAUNCHER_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                   "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+_LAUNCHER_PREFIXES = (
+    "SLURM_",
+    "OMPI_",
+    "PMI_",
+    "PMIX_",
+    "PALS_",
+    "PBS_",
+    "MPI_",
+    "HYDRA_",
+    "I_MPI_",
+    "TORCHELASTIC_",
+)
+_LAUNCHER_NAMES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",
+)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_LAUNCHER_PREFIXES) and k not in _LAUNCHER_NAMES}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(_LAUNCHER_PREFIXES) and k not in _LAUNCHER_NAMES
+    }
     env.update(PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     env.update(extra)
     return env
@@ -45,26 +67,44 @@ class Result(subprocess.CompletedProcess):
         return (self.stdout or "") + (self.stderr or "")
 
 
-def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO,
-        check: bool = False) -> Result:
+def run(
+    cmd: list[str],
+    timeout: float,
+    env: dict[str, str] | None = None,
+    cwd: Path = REPO,
+    check: bool = False,
+) -> Result:
     """Run `cmd` in its own process group; on timeout kill the whole group and fail the test.
 
     A hang (a missed collective, a rendezvous that never completes) thus fails one test
     within `timeout` seconds instead of stalling the suite.
     """
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or clean_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env=env or clean_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_group(proc)
         out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n--- stdout\n{out[-4000:]}"
-                    f"\n--- stderr\n{err[-4000:]}", pytrace=False)
+        pytest.fail(
+            f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n--- stdout\n{out[-4000:]}"
+            f"\n--- stderr\n{err[-4000:]}",
+            pytrace=False,
+        )
     result = Result(proc.args, proc.returncode, out, err)
     if check and result.returncode != 0:
-        pytest.fail(f"exit code {result.returncode}: {' '.join(map(str, cmd))}\n--- stdout\n{out[-4000:]}"
-                    f"\n--- stderr\n{err[-4000:]}", pytrace=False)
+        pytest.fail(
+            f"exit code {result.returncode}: {' '.join(map(str, cmd))}\n--- stdout\n{out[-4000:]}"
+            f"\n--- stderr\n{err[-4000:]}",
+            pytrace=False,
+        )
     return result
 
 
@@ -75,11 +115,27 @@ def kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 120,
-             env: dict[str, str] | None = None, check: bool = True, launcher_args: tuple[str, ...] = ()) -> Result:
-    """`torchrun --standalone --nproc_per_node=N script args` (standalone picks a free loopback port)."""
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           *launcher_args, REPO / script, *args]
+def torchrun(
+    script: str | Path,
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+    launcher_args: tuple[str, ...] = (),
+) -> Result:
+    """`torchrun --standalone --nproc_per_node=N script
+    args` (standalone picks a free loopback port)."""
+    cmd = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *launcher_args,
+        REPO / script,
+        *args,
+    ]
     return run(cmd, timeout, env=env, check=check)
 
 
@@ -115,8 +171,9 @@ def relative_difference(a: dict, b: dict) -> float:
 
 
 def readme_command(readme: str, command: str) -> list[str]:
-    """The argv of `command`, taken as written from a ```bash block of `readme` (failing if that no longer
-    shows it), with `python` and `torchrun` run by this interpreter; relative paths need cwd=REPO."""
+    """The argv of `command`, taken as written from a ```bash block of
+    `readme` (failing if that no longer shows it), with `python` and
+    `torchrun` run by this interpreter; relative paths need cwd=REPO."""
     import shlex
 
     shown = {c.text for c in readme_commands() if c.readme == readme}
@@ -127,23 +184,28 @@ def readme_command(readme: str, command: str) -> list[str]:
 
 
 def readme_sample(readme: Path, after: str) -> list[str]:
-    """The lines of the first plain ``` block (a sample output) after the text `after` in `readme`."""
+    """The lines of the first plain ``` block (a sample
+    output) after the text `after` in `readme`."""
     return readme.read_text().split(after, 1)[1].split("```\n", 2)[1].splitlines()
 
 
-# --- the commands of the READMEs' ```bash blocks ----------------------------------------------------
+# --- the commands of the READMEs' ```bash blocks
+# ----------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Command:
-    text: str        # the command, whitespace-normalised, without its trailing comment (the table's key)
-    source: str      # the command as written (continuation lines included, comment left out)
-    comment: str     # its trailing `# ...` annotation, if any
-    before: str      # the paragraph just before its ```bash block
+    # the command, whitespace-normalised, without its trailing comment (the table's key)
+    text: str
+    source: str  # the command as written (continuation lines included, comment left out)
+    comment: str  # its trailing `# ...` annotation, if any
+    before: str  # the paragraph just before its ```bash block
     readme: str
 
 
 def _split_comment(line: str) -> tuple[str, str]:
-    """`cmd  # note` -> ("cmd", "note"); a # inside quotes or a word (`$#`, `a#b`) is not a comment."""
+    """`cmd  # note` -> ("cmd", "note"); a # inside quotes
+    or a word (`$#`, `a#b`) is not a comment."""
     quote = ""
     for i, ch in enumerate(line):
         if quote:
@@ -151,7 +213,7 @@ def _split_comment(line: str) -> tuple[str, str]:
         elif ch in "'\"":
             quote = ch
         elif ch == "#" and (i == 0 or line[i - 1].isspace()):
-            return line[:i].rstrip(), line[i + 1:].strip()
+            return line[:i].rstrip(), line[i + 1 :].strip()
     return line.rstrip(), ""
 
 
@@ -166,8 +228,9 @@ def _open_quote(text: str) -> bool:
 
 
 def readme_commands() -> list[Command]:
-    files = subprocess.run(["git", "ls-files", "*.md"], cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "*.md"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     commands = []
     for readme in files:
         lines = (REPO / readme).read_text().splitlines()

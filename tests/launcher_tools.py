@@ -1,4 +1,5 @@
-"""Real launchers for tests: skip when a tool is missing, unless REQUIRE_REAL_LAUNCHERS=1 (CI), then fail."""
+"""Real launchers for tests: skip when a tool is missing,
+unless REQUIRE_REAL_LAUNCHERS=1 (CI), then fail."""
 
 from __future__ import annotations
 
@@ -32,5 +33,10 @@ def need_root(what: str) -> None:
 
 def openmpi_env(**extra: str) -> dict[str, str]:
     """Open MPI as root, kept on loopback."""
-    return clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                     OMPI_MCA_oob_tcp_if_include="lo", OMPI_MCA_btl_tcp_if_include="lo", **extra)
+    return clean_env(
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        OMPI_MCA_oob_tcp_if_include="lo",
+        OMPI_MCA_btl_tcp_if_include="lo",
+        **extra,
+    )

@@ -1,18 +1,21 @@
 """CIFAR-10-format files written locally, for measuring the CIFAR input pipeline offline.
 
-    python tests/perf_cifar.py write DATA_DIR [IMAGES_PER_BATCH]      # DATA_DIR/cifar10/cifar-10-batches-py
-    torchrun ... tests/perf_cifar.py run SCRIPT [flags...]             # e.g. benchmark/train.py, MD5 check off
+    # DATA_DIR/cifar10/cifar-10-batches-py
+    python tests/perf_cifar.py write DATA_DIR [IMAGES_PER_BATCH]
+    # e.g. benchmark/train.py, MD5 check off
+    torchrun ... tests/perf_cifar.py run SCRIPT [flags...]
 
-The files are the python pickle batches torchvision reads (uint8 images, 3072 bytes each),
-filled with random pixels. torchvision compares each file's MD5 with the real data set's,
-so `run` starts SCRIPT with those expected digests set to None (= not checked).
+The files are the python pickle batches torchvision reads (uint8 images, 3072 bytes
+each), filled with random pixels. torchvision compares each file's MD5 with the real data
+set's, so `run` starts SCRIPT with those expected digests set to None (= not checked).
 """
 
 import runpy
 import sys
 from pathlib import Path
 
-from cifar_files import CIFAR_FOLDER, write_cifar10  # this folder is on sys.path when run as a script
+# this folder is on sys.path when run as a script
+from cifar_files import CIFAR_FOLDER, write_cifar10
 
 
 def write(data_dir: str, per_batch: int = 10000, test_size: int = 500, seed: int = 0) -> Path:

@@ -1,10 +1,10 @@
-"""Test-only: run benchmark/train.py's training with its knob checks (perf.check_knobs) left out, to show
-what torch itself does with a combination the script refuses.
+"""Test-only: run benchmark/train.py's training with its knob checks (perf.check_knobs)
+left out, to show what torch itself does with a combination the script refuses.
 
     torchrun --standalone --nproc_per_node=2 tests/perf_unchecked.py [benchmark/train.py flags...]
 
-Everything else is the script's own: its config class (minus validate), its train() and the launcher
-detection its main() uses.
+Everything else is the script's own: its config class (minus
+validate), its train() and the launcher detection its main() uses.
 """
 
 import os
@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "benchmark")]  # `common`, and `perf` as benchmark/train.py imports it
+# `common`, and `perf` as benchmark/train.py imports it
+sys.path[:0] = [str(REPO), str(REPO / "benchmark")]
 
 from common.config import load_config  # noqa: E402
 from common.launcher import detect_launcher  # noqa: E402

@@ -21,14 +21,33 @@ from pathlib import Path
 
 from tests.helpers import free_port
 
-TOOLS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "scancel")
+TOOLS = (
+    "munged",
+    "mungekey",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "srun",
+    "scontrol",
+    "sinfo",
+    "scancel",
+)
 NODES = ("node1", "node2")
 CPUS_PER_NODE = 2  # what each fake node advertises; both share this machine's cores
 
 
 class SlurmCluster:
-    FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-                    "DEADLINE", "PREEMPTED")
+    FINAL_STATES = (
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "PREEMPTED",
+    )
 
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -48,12 +67,25 @@ class SlurmCluster:
         munge_dir.mkdir(parents=True)
         munge_dir.chmod(0o755)
         key = munge_dir / "munge.key"
-        subprocess.run(["mungekey", "--create", "--keyfile", str(key), "--force"], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["mungekey", "--create", "--keyfile", str(key), "--force"],
+            check=True,
+            capture_output=True,
+        )
         key.chmod(0o400)
-        subprocess.run(["munged", "--force", f"--socket={self.socket}", f"--key-file={key}",
-                        f"--pid-file={self.munge_pid_file}", f"--log-file={munge_dir / 'munged.log'}",
-                        f"--seed-file={munge_dir / 'munged.seed'}"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "munged",
+                "--force",
+                f"--socket={self.socket}",
+                f"--key-file={key}",
+                f"--pid-file={self.munge_pid_file}",
+                f"--log-file={munge_dir / 'munged.log'}",
+                f"--seed-file={munge_dir / 'munged.seed'}",
+            ],
+            check=True,
+            capture_output=True,
+        )
         self._write_conf()
         env = self.env()
         for node in NODES:
@@ -61,19 +93,35 @@ class SlurmCluster:
         (self.root / "state").mkdir()
         log = self.root / "log"
         log.mkdir()
-        # -D: stay in the foreground, so the Popen object is the daemon and stop() can end it by pid.
-        self.procs.append(subprocess.Popen(["slurmctld", "-D", "-c", "-f", str(self.conf)], env=env,
-                                           stdout=open(log / "slurmctld.out", "w"), stderr=subprocess.STDOUT))
+        # -D: stay in the foreground, so the Popen object
+        # is the daemon and stop() can end it by pid.
+        self.procs.append(
+            subprocess.Popen(
+                ["slurmctld", "-D", "-c", "-f", str(self.conf)],
+                env=env,
+                stdout=open(log / "slurmctld.out", "w"),
+                stderr=subprocess.STDOUT,
+            )
+        )
         for node in NODES:
-            self.procs.append(subprocess.Popen(["slurmd", "-D", "-N", node, "-f", str(self.conf)], env=env,
-                                               stdout=open(log / f"slurmd-{node}.out", "w"),
-                                               stderr=subprocess.STDOUT))
+            self.procs.append(
+                subprocess.Popen(
+                    ["slurmd", "-D", "-N", node, "-f", str(self.conf)],
+                    env=env,
+                    stdout=open(log / f"slurmd-{node}.out", "w"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for proc in self.procs:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}:\n{self.logs()}")
-            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=env, capture_output=True, text=True)
+                    raise RuntimeError(
+                        f"{proc.args[0]} exited with {proc.returncode}:\n{self.logs()}"
+                    )
+            out = subprocess.run(
+                ["sinfo", "-h", "-N", "-o", "%N %t"], env=env, capture_output=True, text=True
+            )
             states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
             if all(states.get(node) in ("idle", "mix", "alloc") for node in NODES):
                 return self
@@ -87,7 +135,8 @@ class SlurmCluster:
         node_lines = "\n".join(
             f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} "
             f"CPUs={CPUS_PER_NODE} RealMemory=1000 State=UNKNOWN"
-            for node, port in ports.items())
+            for node, port in ports.items()
+        )
         self.conf.write_text(f"""\
 ClusterName=testcluster
 # A random first job id: job files derive their port from it, so side-by-side clusters differ.
@@ -121,21 +170,32 @@ KillWait=5
 InactiveLimit=0
 MinJobAge=600
 {node_lines}
-PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
 """)
 
     # -- jobs ---------------------------------------------------------------------------------
     def sbatch(self, args: list[str], env: dict[str, str], cwd: Path) -> str:
-        out = subprocess.run(["sbatch", "--parsable", *args], env=self.env(env), cwd=cwd,
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            ["sbatch", "--parsable", *args],
+            env=self.env(env),
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"sbatch {' '.join(args)} failed: {out.stderr}")
         return out.stdout.strip().split(";")[0]
 
     def job_state(self, job_id: str) -> tuple[str, str]:
         """(state, exit code 'N:S') from scontrol; jobs stay listed for MinJobAge seconds."""
-        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=self.env(),
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         fields = dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
         return fields.get("JobState", "UNKNOWN"), fields.get("ExitCode", "")
 

@@ -1,11 +1,12 @@
-"""Run under torchrun (2 ranks, gloo): 04_syncbn's CpuSyncBatchNorm at module level; rank 0 prints one JSON line.
+"""Run under torchrun (2 ranks, gloo): 04_syncbn's
+CpuSyncBatchNorm at module level; rank 0 prints one JSON line.
 
     torchrun --standalone --nproc_per_node=2 tests/syncbn_worker.py
 
-CpuSyncBatchNorm on 2 ranks x half batch vs plain BatchNorm in this process on the full batch
-(forward output, DDP-averaged gradients, running statistics, over 3 SGD steps); plain BatchNorm
-on 2 ranks for contrast; whether the running statistics are the same on every rank; and the number of
-all-reduces in train and eval mode.
+CpuSyncBatchNorm on 2 ranks x half batch vs plain BatchNorm in this process on the
+full batch (forward output, DDP-averaged gradients, running statistics, over 3 SGD
+steps); plain BatchNorm on 2 ranks for contrast; whether the running statistics
+are the same on every rank; and the number of all-reduces in train and eval mode.
 """
 
 import copy
@@ -53,9 +54,13 @@ def math_checks() -> dict:
     synced = DDP(convert_to_cpu_sync_batchnorm(copy.deepcopy(base)))
     plain = DDP(copy.deepcopy(base))  # plain BatchNorm under DDP: local statistics
     models = {"reference": reference, "sync": synced, "plain": plain}
-    optimizers = {k: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for k, m in models.items()}
-    worst = {"sync": {"output": 0.0, "grad": 0.0, "running_stats": 0.0, "params": 0.0},
-             "plain": {"output": 0.0, "grad": 0.0, "running_stats": 0.0, "params": 0.0}}
+    optimizers = {
+        k: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for k, m in models.items()
+    }
+    worst = {
+        "sync": {"output": 0.0, "grad": 0.0, "running_stats": 0.0, "params": 0.0},
+        "plain": {"output": 0.0, "grad": 0.0, "running_stats": 0.0, "params": 0.0},
+    }
     shard = slice(rank * FULL_BATCH // world, (rank + 1) * FULL_BATCH // world)
     for step in range(STEPS):
         generator = torch.Generator().manual_seed(100 + step)  # the same full batch on every rank
@@ -70,19 +75,29 @@ def math_checks() -> dict:
         ref_grads = [p.grad for p in reference.parameters()]
         for name in ("sync", "plain"):
             w = worst[name]
-            w["output"] = max(w["output"], relative(outputs[name].detach(), outputs["reference"][shard].detach()))
+            w["output"] = max(
+                w["output"], relative(outputs[name].detach(), outputs["reference"][shard].detach())
+            )
             grads = [p.grad for p in models[name].module.parameters()]
             # All gradients as one vector: a conv bias before BatchNorm has a gradient of ~0, whose
             # own relative error means nothing.
-            w["grad"] = max(w["grad"], relative(torch.cat([g.flatten() for g in grads]),
-                                                torch.cat([r.flatten() for r in ref_grads])))
+            w["grad"] = max(
+                w["grad"],
+                relative(
+                    torch.cat([g.flatten() for g in grads]),
+                    torch.cat([r.flatten() for r in ref_grads]),
+                ),
+            )
         for optimizer in optimizers.values():
             optimizer.step()
         for name in ("sync", "plain"):
             w = worst[name]
             ref_buffers, own = buffers(reference), buffers(models[name].module)
-            w["running_stats"] = max([w["running_stats"]] + [relative(own[k], ref_buffers[k]) for k in ref_buffers])
-    # Eval mode normalizes with the running statistics: after synchronized updates they are the same on every rank
+            w["running_stats"] = max(
+                [w["running_stats"]] + [relative(own[k], ref_buffers[k]) for k in ref_buffers]
+            )
+    # Eval mode normalizes with the running statistics: after
+    # synchronized updates they are the same on every rank
     # (bitwise); plain BatchNorm's, updated from each rank's own batch, are not.
     identical_running_stats = {}
     for name in ("sync", "plain"):
@@ -95,7 +110,8 @@ def math_checks() -> dict:
         worst[name]["params"] = max(relative(own[k], p) for k, p in reference.named_parameters())
         worst[name] = {k: max_over_ranks(v) for k, v in worst[name].items()}
 
-    # Count the all-reduces the synchronized layers issue, on the unwrapped model (as evaluate() uses it).
+    # Count the all-reduces the synchronized layers issue,
+    # on the unwrapped model (as evaluate() uses it).
     module = synced.module
     calls = []
     real_all_reduce = dist.all_reduce
@@ -122,12 +138,19 @@ def math_checks() -> dict:
         dist.all_reduce = real_all_reduce
     dist.barrier()
     layers = sum(isinstance(m, CpuSyncBatchNorm) for m in module.modules())
-    return dict(worst=worst, identical_running_stats=identical_running_stats, sync_layers=layers, train_forward_all_reduces=train_forward,
-                train_backward_all_reduces=train_backward, eval_forward_all_reduces=eval_forward)
+    return dict(
+        worst=worst,
+        identical_running_stats=identical_running_stats,
+        sync_layers=layers,
+        train_forward_all_reduces=train_forward,
+        train_backward_all_reduces=train_backward,
+        eval_forward_all_reduces=eval_forward,
+    )
 
 
 def main():
-    dist.init_process_group("gloo")  # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    dist.init_process_group("gloo")
     result = math_checks()
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
@@ -136,5 +159,6 @@ def main():
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()  # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
+    sys.stdout.flush()
     os._exit(0)

@@ -1,11 +1,12 @@
 """benchmark/train.py --activation-checkpointing with DDP, and the peak memory the script reports.
 
-Real torchrun, 2 ranks, SmallCNN on the digits (its classifier is the checkpointed block): the variants that
-work end where the run without checkpointing ends, with identical replicas; reentrant checkpointing with
-find_unused_parameters fails inside DDP's backward with torch's own message (the script refuses it; the run
-here goes through tests/perf_unchecked.py, which leaves the script's checks out). In this process: the
-other settings that work (as a world of one), which modules are checkpointed, the state_dict keys,
-BatchNorm inside a checkpoint, a block checkpointed twice (needs static_graph), and the peak-memory figure.
+Real torchrun, 2 ranks, SmallCNN on the digits (its classifier is the checkpointed block):
+the variants that work end where the run without checkpointing ends, with identical replicas;
+reentrant checkpointing with find_unused_parameters fails inside DDP's backward with torch's
+own message (the script refuses it; the run here goes through tests/perf_unchecked.py, which
+leaves the script's checks out). In this process: the other settings that work (as a world of
+one), which modules are checkpointed, the state_dict keys, BatchNorm inside a checkpoint, a
+block checkpointed twice (needs static_graph), and the peak-memory figure.
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ from common.config import parse_config
 from common.errors import ConfigError
 from common.launcher import LaunchInfo
 from common.models import build_model
-from tests.helpers import free_port, load_model, load_script, read_summary, relative_difference, torchrun
+from tests.helpers import (
+    free_port,
+    load_model,
+    load_script,
+    read_summary,
+    relative_difference,
+    torchrun,
+)
 
 perf = sys.modules["perf"] = load_script("benchmark/perf.py", "perf")  # as tests/test_perf.py does
 train_script = load_script("benchmark/train.py", "benchmark_train")
@@ -53,13 +61,16 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("actckpt")
     results = {}
     for name, flags in VARIANTS.items():
-        results[name] = torchrun(SCRIPT, *RUN, *flags, "--output-dir", str(root / name), timeout=240)
+        results[name] = torchrun(
+            SCRIPT, *RUN, *flags, "--output-dir", str(root / name), timeout=240
+        )
     return root, results
 
 
 @pytest.mark.parametrize("name", ["non_reentrant", "reentrant_static_graph"])
 def test_checkpointed_runs_end_where_the_run_without_ends(runs, name):
-    """non_reentrant with plain DDP and reentrant with static_graph: within 1e-5, identical replicas."""
+    """non_reentrant with plain DDP and reentrant with
+    static_graph: within 1e-5, identical replicas."""
     root, _ = runs
     summary, reference = read_summary(root / name), read_summary(root / "none")
     assert summary["steps"] == reference["steps"] == 6 and summary["world_size"] == 2
@@ -87,7 +98,8 @@ def test_peak_memory_is_reported_per_rank(runs):
         p = read_summary(root / name)["perf"]
         assert p["peak_memory"] == "cpu_max_rss"
         peaks = p["peak_memory_bytes_per_rank"]
-        # Two ranks; each holds at least torch's libraries (hundreds of MiB), and less than the machine has.
+        # Two ranks; each holds at least torch's libraries
+        # (hundreds of MiB), and less than the machine has.
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         assert len(peaks) == 2 and all(100 * MIB < b < total for b in peaks), peaks
         line = f"peak memory per rank (cpu_max_rss): {peaks[0] / MIB:.0f}, {peaks[1] / MIB:.0f} MiB"
@@ -95,34 +107,56 @@ def test_peak_memory_is_reported_per_rank(runs):
 
 
 def test_reentrant_with_find_unused_parameters_fails_in_ddp(tmp_path):
-    """torch's own failure, on 2 ranks, with the script's refusal left out: DDP's graph walk cannot see the
-    parameters inside a reentrant checkpoint (its forward ran under no_grad), marks them unused and ready,
-    and the recompute in backward marks them ready again."""
+    """torch's own failure, on 2 ranks, with the script's refusal left out: DDP's graph walk
+    cannot see the parameters inside a reentrant checkpoint (its forward ran under no_grad),
+    marks them unused and ready, and the recompute in backward marks them ready again."""
     out = tmp_path / "out"
-    result = torchrun("tests/perf_unchecked.py", *RUN, "--log-every", "1", "--activation-checkpointing", "reentrant",
-                      "--find-unused-parameters", "--output-dir", str(out), timeout=240, check=False)
+    result = torchrun(
+        "tests/perf_unchecked.py",
+        *RUN,
+        "--log-every",
+        "1",
+        "--activation-checkpointing",
+        "reentrant",
+        "--find-unused-parameters",
+        "--output-dir",
+        str(out),
+        timeout=240,
+        check=False,
+    )
     assert result.returncode != 0
     assert "activation checkpointing reentrant" in result.stdout  # training started: the banner
-    assert "epoch 1 step 1 loss" not in result.stdout  # the first step did not finish (a line per step)
-    assert f"RuntimeError: {READY_ONCE}" in result.stderr and ".backward()" in result.stderr, result.output[-3000:]
+    # the first step did not finish (a line per step)
+    assert "epoch 1 step 1 loss" not in result.stdout
+    assert f"RuntimeError: {READY_ONCE}" in result.stderr and ".backward()" in result.stderr, (
+        result.output[-3000:]
+    )
     assert not (out / "summary.json").exists()
 
 
 def test_the_script_refuses_that_combination():
     flags = ["--activation-checkpointing", "reentrant", "--find-unused-parameters"]
-    with pytest.raises(ConfigError, match=f"reentrant with find_unused_parameters fails .*{READY_ONCE}.* "
-                                          "use non_reentrant, or add --static-graph"):
+    with pytest.raises(
+        ConfigError,
+        match=f"reentrant with find_unused_parameters fails .*{READY_ONCE}.* "
+        "use non_reentrant, or add --static-graph",
+    ):
         parse_config(train_script.PerfConfig, flags)
-    for accepted in (flags + ["--static-graph"], ["--activation-checkpointing", "non_reentrant",
-                                                   "--find-unused-parameters"]):
+    for accepted in (
+        flags + ["--static-graph"],
+        ["--activation-checkpointing", "non_reentrant", "--find-unused-parameters"],
+    ):
         assert parse_config(train_script.PerfConfig, accepted).find_unused_parameters
 
 
-# --- in this process --------------------------------------------------------------------------------
+# --- in this process
+# --------------------------------------------------------------------------------
+
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """Small models on a busy 2-core machine: one thread is several times faster than two competing ones."""
+    """Small models on a busy 2-core machine: one thread
+    is several times faster than two competing ones."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -132,9 +166,10 @@ def one_thread():
 @pytest.mark.parametrize("model_name,blocks", [("small_cnn", 1), ("resnet18", 8)])
 @pytest.mark.parametrize("variant", ["non_reentrant", "reentrant"])
 def test_checkpoint_blocks_changes_no_names_and_no_results(model_name, blocks, variant):
-    """The same parameter names and state_dict keys (model.pt loads into the plain model), the same
-    outputs and gradients, and the blocks read back; a ResNet's residual blocks, SmallCNN's classifier.
-    Less memory: the tensors autograd keeps for backward (activations, not the weights) take fewer bytes."""
+    """The same parameter names and state_dict keys (model.pt loads into the plain
+    model), the same outputs and gradients, and the blocks read back; a ResNet's
+    residual blocks, SmallCNN's classifier. Less memory: the tensors autograd
+    keeps for backward (activations, not the weights) take fewer bytes."""
     torch.manual_seed(0)
     plain = build_model(model_name, 10, 3, 16)
     model = build_model(model_name, 10, 3, 16)
@@ -145,7 +180,8 @@ def test_checkpoint_blocks_changes_no_names_and_no_results(model_name, blocks, v
     assert list(model.state_dict()) == list(plain.state_dict())
     images, labels = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3])
     # Evaluation under no_grad skips the checkpoint (nothing to save): no "None of the inputs have
-    # requires_grad=True" warning from the reentrant variant. (Before training: BatchNorm's statistics agree.)
+    # requires_grad=True" warning from the reentrant variant.
+    # (Before training: BatchNorm's statistics agree.)
     plain.eval(), model.eval()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -154,7 +190,9 @@ def test_checkpoint_blocks_changes_no_names_and_no_results(model_name, blocks, v
     kept_bytes = []
     for m in (plain, model):
         weights = {p.untyped_storage().data_ptr() for p in m.parameters()}
-        kept = {}  # storage -> bytes of every tensor saved for backward outside a checkpoint (its input included)
+        # storage -> bytes of every tensor saved for
+        # backward outside a checkpoint (its input included)
+        kept = {}
 
         def keep(tensor):
             if tensor.untyped_storage().data_ptr() not in weights:
@@ -172,8 +210,8 @@ def test_checkpoint_blocks_changes_no_names_and_no_results(model_name, blocks, v
 
 @pytest.mark.parametrize("variant", ["non_reentrant", "reentrant"])
 def test_batchnorm_in_a_checkpointed_block_updates_its_statistics_twice(variant):
-    """The recompute is a second training-mode forward: running statistics move twice per step (here the
-    first residual block's BatchNorm), while the stem, outside any checkpoint, moves once."""
+    """The recompute is a second training-mode forward: running statistics move twice per step (here
+    the first residual block's BatchNorm), while the stem, outside any checkpoint, moves once."""
     model = build_model("resnet18", 10, 3, 16)
     plain = copy.deepcopy(model)
     perf.checkpoint_blocks(model, variant)
@@ -182,34 +220,54 @@ def test_batchnorm_in_a_checkpointed_block_updates_its_statistics_twice(variant)
         F.cross_entropy(m(images), torch.tensor([0, 1, 2, 3])).backward()
     assert model.bn1.num_batches_tracked.item() == 1
     assert model.layer1[0].bn1.num_batches_tracked.item() == 2
-    # So evaluation, which normalizes with the running statistics, can differ from a run without checkpointing.
+    # So evaluation, which normalizes with the running
+    # statistics, can differ from a run without checkpointing.
     assert not torch.allclose(model.layer1[0].bn1.running_mean, plain.layer1[0].bn1.running_mean)
     torch.testing.assert_close(model.bn1.running_mean, plain.bn1.running_mean)  # outside: the same
 
 
 def test_reentrant_needs_an_input_that_requires_grad_and_is_torchs_fallback():
-    """Why the first layers run outside any checkpoint: under the reentrant variant a block whose inputs need
-    no gradient (the images) gives its parameters none. torch 2.14.1 still falls back to it, with a warning,
-    when use_reentrant is not passed."""
+    """Why the first layers run outside any checkpoint: under the reentrant variant a
+    block whose inputs need no gradient (the images) gives its parameters none. torch
+    2.14.1 still falls back to it, with a warning, when use_reentrant is not passed."""
     layer, images = nn.Linear(4, 4), torch.randn(2, 4)
     assert checkpoint(layer, images, use_reentrant=False).requires_grad
-    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True. Gradients will be None"):
-        assert not checkpoint(layer, images, use_reentrant=True).requires_grad  # no path back to layer.weight
+    with pytest.warns(
+        UserWarning, match="None of the inputs have requires_grad=True. Gradients will be None"
+    ):
+        # no path back to layer.weight
+        assert not checkpoint(layer, images, use_reentrant=True).requires_grad
     with pytest.warns(UserWarning, match="use_reentrant parameter should be passed explicitly"):
         with pytest.warns(UserWarning, match="None of the inputs have requires_grad"):
             assert not checkpoint(layer, images).requires_grad
 
 
 def test_more_settings_that_work_in_one_process(tmp_path):
-    """In this process as a world of one, benchmark/train.py ends where the plain run without checkpointing
-    ends with: non_reentrant + find_unused_parameters, non_reentrant + static_graph, and reentrant with plain
-    DDP (each block is checkpointed once, so DDP's hooks fire once per parameter)."""
-    settings = {"none": [], "non_reentrant_find_unused": ["non_reentrant", "--find-unused-parameters"],
-                "non_reentrant_static_graph": ["non_reentrant", "--static-graph"], "reentrant": ["reentrant"]}
+    """In this process as a world of one, benchmark/train.py ends where the plain
+    run without checkpointing ends with: non_reentrant + find_unused_parameters,
+    non_reentrant + static_graph, and reentrant with plain DDP (each block is
+    checkpointed once, so DDP's hooks fire once per parameter)."""
+    settings = {
+        "none": [],
+        "non_reentrant_find_unused": ["non_reentrant", "--find-unused-parameters"],
+        "non_reentrant_static_graph": ["non_reentrant", "--static-graph"],
+        "reentrant": ["reentrant"],
+    }
     for name, flags in settings.items():
         flags = ["--activation-checkpointing", *flags] if flags else []
-        cfg = parse_config(train_script.PerfConfig, [*RUN, "--max-steps", "3", "--batch-size", "32",
-                                                     "--output-dir", str(tmp_path / name), *flags])
+        cfg = parse_config(
+            train_script.PerfConfig,
+            [
+                *RUN,
+                "--max-steps",
+                "3",
+                "--batch-size",
+                "32",
+                "--output-dir",
+                str(tmp_path / name),
+                *flags,
+            ],
+        )
         train_script.train(cfg, LaunchInfo("single", 0, 0, 1, 1, "127.0.0.1", free_port()))
     for name in list(settings)[1:]:
         p = read_summary(tmp_path / name)["perf"]
@@ -217,30 +275,44 @@ def test_more_settings_that_work_in_one_process(tmp_path):
         assert p["activation_checkpointing_use_reentrant"] is name.startswith("reentrant")
         assert p["ddp_find_unused_parameters"] is name.endswith("find_unused")
         assert p["ddp_static_graph"] is name.endswith("static_graph")
-        assert relative_difference(load_model(tmp_path / name), load_model(tmp_path / "none")) < 1e-5, name
+        assert (
+            relative_difference(load_model(tmp_path / name), load_model(tmp_path / "none")) < 1e-5
+        ), name
 
 
 class SharedTwice(nn.Module):
-    """One layer run twice in a forward, each time in its own checkpoint (use_reentrant None: no checkpoint)."""
+    """One layer run twice in a forward, each time in its own
+    checkpoint (use_reentrant None: no checkpoint)."""
 
     def __init__(self, use_reentrant):
         super().__init__()
-        self.first, self.shared, self.use_reentrant = nn.Linear(4, 4), nn.Linear(4, 4), use_reentrant
+        self.first, self.shared, self.use_reentrant = (
+            nn.Linear(4, 4),
+            nn.Linear(4, 4),
+            use_reentrant,
+        )
 
     def forward(self, x):
         x = self.first(x)
         for _ in range(2):
-            x = self.shared(x) if self.use_reentrant is None else \
-                checkpoint(self.shared, x, use_reentrant=self.use_reentrant)
+            x = (
+                self.shared(x)
+                if self.use_reentrant is None
+                else checkpoint(self.shared, x, use_reentrant=self.use_reentrant)
+            )
         return x
 
 
-@pytest.mark.parametrize("use_reentrant,static_graph,fails", [
-    (True, False, True), (True, True, False), (False, False, False)])
-def test_a_block_checkpointed_twice_needs_static_graph_when_reentrant(one_rank_group, use_reentrant,
-                                                                      static_graph, fails):
-    """Each reentrant checkpoint runs its own backward, so the shared weights are marked ready twice;
-    static_graph=True lets DDP expect it, and the non-reentrant variant has one backward."""
+@pytest.mark.parametrize(
+    "use_reentrant,static_graph,fails",
+    [(True, False, True), (True, True, False), (False, False, False)],
+)
+def test_a_block_checkpointed_twice_needs_static_graph_when_reentrant(
+    one_rank_group, use_reentrant, static_graph, fails
+):
+    """Each reentrant checkpoint runs its own backward, so the shared
+    weights are marked ready twice; static_graph=True lets DDP
+    expect it, and the non-reentrant variant has one backward."""
     torch.manual_seed(0)
     model = DDP(SharedTwice(use_reentrant), static_graph=static_graph)
     inputs = torch.randn(2, 4)
@@ -268,7 +340,8 @@ def proc_status_bytes(key: str) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_peak_memory_is_this_process_peak_resident_set(one_rank_group):
-    """The kernel's high-water mark of resident memory (VmHWM), in bytes; it holds a tensor just written."""
+    """The kernel's high-water mark of resident memory
+    (VmHWM), in bytes; it holds a tensor just written."""
     resident_before = proc_status_bytes("VmRSS")
     big = torch.ones(256 * MIB // 4)  # float32, every page written: resident
     resident = proc_status_bytes("VmRSS")
@@ -276,7 +349,8 @@ def test_peak_memory_is_this_process_peak_resident_set(one_rank_group):
     result = perf.peak_memory(torch.device("cpu"))
     assert result["peak_memory"] == "cpu_max_rss" and len(result["peak_memory_bytes_per_rank"]) == 1
     peak = result["peak_memory_bytes_per_rank"][0]
-    assert peak >= resident - MIB  # the peak so far includes the tensor (a figure in kB would be 1024x less)
+    # the peak so far includes the tensor (a figure in kB would be 1024x less)
+    assert peak >= resident - MIB
     assert abs(peak - proc_status_bytes("VmHWM")) < 16 * MIB
     del big
 
@@ -297,33 +371,50 @@ def test_peak_memory_on_gpu_is_max_memory_allocated():
 
 
 def test_the_benchmark_sweeps_both_variants():
-    """benchmark.py --sweep-knobs ckpt_non_reentrant,ckpt_reentrant: flags benchmark/train.py takes."""
+    """benchmark.py --sweep-knobs ckpt_non_reentrant,ckpt_reentrant:
+    flags benchmark/train.py takes."""
     bench = load_script("benchmark/benchmark.py", "benchmark_main")
     for knob, variant in (("ckpt_non_reentrant", "non_reentrant"), ("ckpt_reentrant", "reentrant")):
-        assert parse_config(train_script.PerfConfig, bench.KNOBS[knob]).activation_checkpointing == variant
+        assert (
+            parse_config(train_script.PerfConfig, bench.KNOBS[knob]).activation_checkpointing
+            == variant
+        )
     assert "peak_memory_mib" in bench.SWEEP_COLUMNS and "peak_memory_mib" in bench.SCALING_COLUMNS
 
 
 def test_the_why_is_read_from_torch_source():
-    """benchmark/README.md's "Why", read from torch 2.14.1: the reentrant checkpoint runs the block under
-    no_grad and calls torch.autograd.backward itself in backward; the non-reentrant one works through
-    saved-tensor hooks; DDP walks the graph after forward (prepare_for_backward on the outputs) only with
-    find_unused_parameters and without static_graph; and DDP's docstring says what the README quotes."""
+    """benchmark/README.md's "Why", read from torch 2.14.1: the reentrant checkpoint runs
+    the block under no_grad and calls torch.autograd.backward itself in backward; the
+    non-reentrant one works through saved-tensor hooks; DDP walks the graph after
+    forward (prepare_for_backward on the outputs) only with find_unused_parameters and
+    without static_graph; and DDP's docstring says what the README quotes."""
     reentrant = inspect.getsource(torch.utils.checkpoint.CheckpointFunction)
     assert "with torch.no_grad():" in reentrant and "torch.autograd.backward(" in reentrant
     checkpoint_source = Path(torch.utils.checkpoint.__file__).read_text()
-    assert "class _checkpoint_internal_hook(torch.autograd.graph.saved_tensors_hooks):" in checkpoint_source
+    assert (
+        "class _checkpoint_internal_hook(torch.autograd.graph.saved_tensors_hooks):"
+        in checkpoint_source
+    )
     assert "class _checkpoint_hook(_checkpoint_internal_hook):" in checkpoint_source
-    assert "    with _checkpoint_hook(new_frame), forward_context:" in checkpoint_source  # the non-reentrant forward
+    # the non-reentrant forward
+    assert "    with _checkpoint_hook(new_frame), forward_context:" in checkpoint_source
     ddp_source = Path(inspect.getsourcefile(DDP)).read_text()
-    assert ("            if self.find_unused_parameters and not self.static_graph:\n"
-            "                # Do not need to populate this for static graph.\n"
-            "                self.reducer.prepare_for_backward(list(_find_tensors(output)))") in ddp_source
+    assert (
+        "            if self.find_unused_parameters and not self.static_graph:\n"
+        "                # Do not need to populate this for static graph.\n"
+        "                self.reducer.prepare_for_backward(list(_find_tensors(output)))"
+    ) in ddp_source
     doc = " ".join(inspect.getdoc(DDP).split())
-    for quoted in ("If the checkpoint is done with use_reentrant=False (recommended), DDP will work as expected "
-                   "without any limitations.",
-                   "DDP will work as expected when there are no unused parameters in the model and each layer is "
-                   "checkpointed at most once (make sure you are not passing `find_unused_parameters=True` to DDP)",
-                   "1) Reentrant backwards. 2) Activation checkpointing multiple times. 3) Activation checkpointing "
-                   "when model has unused parameters."):
+    for quoted in (
+        "If the checkpoint is done with use_reentrant=False (recommended), DDP will work as "
+        "expected "
+        "without any limitations.",
+        "DDP will work as expected when there are no unused parameters in the model and each "
+        "layer is "
+        "checkpointed at most once (make sure you are not passing "
+        "`find_unused_parameters=True` to DDP)",
+        "1) Reentrant backwards. 2) Activation checkpointing multiple times. 3) Activation "
+        "checkpointing "
+        "when model has unused parameters.",
+    ):
         assert quoted in doc, quoted

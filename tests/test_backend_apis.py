@@ -1,5 +1,6 @@
-"""No example calls a backend-only torch.distributed API where the other backend may run: every use sits
-under an `if` (or a conditional expression) whose test names that backend, as in 02's uneven_inputs.py:
+"""No example calls a backend-only torch.distributed API where the other
+backend may run: every use sits under an `if` (or a conditional
+expression) whose test names that backend, as in 02's uneven_inputs.py:
 
     if backend == "gloo":
         dist.monitored_barrier()
@@ -9,11 +10,12 @@ under an `if` (or a conditional expression) whose test names that backend, as in
 The list, from torch 2.14's source (torch/distributed/distributed_c10d.py, ProcessGroupNCCL.cpp):
   gloo only:  monitored_barrier ("requires a group with a CPU-capable backend (e.g. GLOO)"),
               ReduceOp.BAND / BOR / BXOR ("Cannot use ReduceOp.BAND with NCCL"), ProcessGroupGloo
-  nccl only:  torch.cuda.nccl.* (direct NCCL calls on CUDA tensors), ProcessGroupNCCL (and its Options),
+  nccl only:  torch.cuda.nccl.* (direct NCCL calls on CUDA tensors), ProcessGroupNCCL (and its
+  Options),
               split_group ("currently this API only support NCCL and XCCL backend"),
               ReduceOp.PREMUL_SUM ("Cannot use ReduceOp.PREMUL_SUM with Gloo")
-ReduceOp.AVG is documented as NCCL-only but gloo computes it in torch 2.14, and batch_isend_irecv works
-on both: neither is listed.
+ReduceOp.AVG is documented as NCCL-only but gloo computes it in
+torch 2.14, and batch_isend_irecv works on both: neither is listed.
 """
 
 from __future__ import annotations
@@ -24,13 +26,22 @@ import pytest
 
 from tests.helpers import REPO
 
-BACKEND_ONLY = {"monitored_barrier": "gloo", "BAND": "gloo", "BOR": "gloo", "BXOR": "gloo",
-                "ProcessGroupGloo": "gloo", "ProcessGroupNCCL": "nccl", "split_group": "nccl",
-                "PREMUL_SUM": "nccl", "torch.cuda.nccl": "nccl"}
+BACKEND_ONLY = {
+    "monitored_barrier": "gloo",
+    "BAND": "gloo",
+    "BOR": "gloo",
+    "BXOR": "gloo",
+    "ProcessGroupGloo": "gloo",
+    "ProcessGroupNCCL": "nccl",
+    "split_group": "nccl",
+    "PREMUL_SUM": "nccl",
+    "torch.cuda.nccl": "nccl",
+}
 
 
 def names_backend(node: ast.AST, backend: str) -> bool:
-    """`node` mentions the backend: a string "gloo", a name or attribute such as Backend.GLOO or is_nccl_available."""
+    """`node` mentions the backend: a string "gloo", a name or
+    attribute such as Backend.GLOO or is_nccl_available."""
     for n in ast.walk(node):
         if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.lower() == backend:
             return True
@@ -41,7 +52,8 @@ def names_backend(node: ast.AST, backend: str) -> bool:
 
 
 def polarity(test: ast.AST, backend: str) -> int:
-    """+1 if `test` being true means the backend is `backend`, -1 if its being false does, 0 if it tells neither."""
+    """+1 if `test` being true means the backend is `backend`,
+    -1 if its being false does, 0 if it tells neither."""
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         return -polarity(test.operand, backend)
     if isinstance(test, ast.BoolOp):  # `a and b` true: both are; `a or b` false: both are false
@@ -95,48 +107,83 @@ def unguarded_uses(source: str) -> list[tuple[int, str]]:
     return found
 
 
-# Every .py outside tests/ (and outside hidden folders and installed packages, should a virtualenv live here).
-EXAMPLES = sorted(p for p in REPO.rglob("*.py")
-                  if not any(part.startswith(".") or part in ("tests", "site-packages")
-                             for part in p.relative_to(REPO).parts))
+# Every .py outside tests/ (and outside hidden folders
+# and installed packages, should a virtualenv live here).
+EXAMPLES = sorted(
+    p
+    for p in REPO.rglob("*.py")
+    if not any(
+        part.startswith(".") or part in ("tests", "site-packages")
+        for part in p.relative_to(REPO).parts
+    )
+)
 
 
 def test_every_python_file_outside_tests_is_scanned():
     scanned = {p.relative_to(REPO).as_posix() for p in EXAMPLES}
-    assert {"02_sampler_patterns/uneven_inputs.py", "01_basic_ddp/train.py", "common/launcher.py",
-            "benchmark/perf.py", "debugging/demo_bugs.py"} <= scanned
+    assert {
+        "02_sampler_patterns/uneven_inputs.py",
+        "01_basic_ddp/train.py",
+        "common/launcher.py",
+        "benchmark/perf.py",
+        "debugging/demo_bugs.py",
+    } <= scanned
     # uneven_inputs.py uses monitored_barrier, under its gloo guard: the scan sees the use.
     source = (REPO / "02_sampler_patterns/uneven_inputs.py").read_text()
-    assert "dist.monitored_barrier()" in source and unguarded_uses(source.replace('backend == "gloo"', "True"))
+    assert "dist.monitored_barrier()" in source and unguarded_uses(
+        source.replace('backend == "gloo"', "True")
+    )
 
 
 def test_no_example_uses_a_backend_only_api_unguarded():
-    found = [f"{p.relative_to(REPO)}:{line}: {api} ({BACKEND_ONLY[api]} only)"
-             for p in EXAMPLES for line, api in unguarded_uses(p.read_text())]
+    found = [
+        f"{p.relative_to(REPO)}:{line}: {api} ({BACKEND_ONLY[api]} only)"
+        for p in EXAMPLES
+        for line, api in unguarded_uses(p.read_text())
+    ]
     assert found == []
 
 
-@pytest.mark.parametrize("source,expected", [
-    # Unguarded: flagged.
-    ("dist.monitored_barrier()", [(1, "monitored_barrier")]),
-    ("from torch.distributed import monitored_barrier\nmonitored_barrier()", [(2, "monitored_barrier")]),
-    ("torch.cuda.nccl.all_reduce([t])", [(1, "torch.cuda.nccl")]),
-    ("dist.all_reduce(t, op=dist.ReduceOp.BAND)", [(1, "BAND")]),
-    ("opts = dist.ProcessGroupNCCL.Options()", [(1, "ProcessGroupNCCL")]),
-    ("if device.type == 'cuda':\n    dist.split_group(split_ranks=[[0]])", [(2, "split_group")]),  # cuda is not nccl
-    ("if backend == 'nccl':\n    dist.monitored_barrier()", [(2, "monitored_barrier")]),  # the wrong backend
-    ("if backend == 'gloo':\n    dist.barrier()\nelse:\n    dist.monitored_barrier()", [(4, "monitored_barrier")]),
-    ("if backend != 'gloo':\n    dist.monitored_barrier()", [(2, "monitored_barrier")]),
-    ("if backend == 'gloo' or fast:\n    dist.monitored_barrier()", [(2, "monitored_barrier")]),
-    # Guarded: not flagged.
-    ("if backend == 'gloo':\n    dist.monitored_barrier()\nelse:\n    dist.barrier()", []),
-    ("if dist.get_backend() == dist.Backend.GLOO:\n    dist.monitored_barrier()", []),
-    ("if backend != 'gloo':\n    dist.barrier()\nelse:\n    dist.monitored_barrier()", []),
-    ("if not dist.is_nccl_available():\n    pass\nelse:\n    torch.cuda.nccl.all_reduce([t])", []),
-    ("if backend == 'gloo' and debug:\n    dist.monitored_barrier()", []),
-    ("op = dist.ReduceOp.PREMUL_SUM(2.0) if backend == 'nccl' else dist.ReduceOp.SUM", []),
-    ("from torch.distributed import monitored_barrier", []),  # an import alone runs nothing
-])
+@pytest.mark.parametrize(
+    "source,expected",
+    [
+        # Unguarded: flagged.
+        ("dist.monitored_barrier()", [(1, "monitored_barrier")]),
+        (
+            "from torch.distributed import monitored_barrier\nmonitored_barrier()",
+            [(2, "monitored_barrier")],
+        ),
+        ("torch.cuda.nccl.all_reduce([t])", [(1, "torch.cuda.nccl")]),
+        ("dist.all_reduce(t, op=dist.ReduceOp.BAND)", [(1, "BAND")]),
+        ("opts = dist.ProcessGroupNCCL.Options()", [(1, "ProcessGroupNCCL")]),
+        # cuda is not nccl
+        (
+            "if device.type == 'cuda':\n    dist.split_group(split_ranks=[[0]])",
+            [(2, "split_group")],
+        ),
+        # the wrong backend
+        ("if backend == 'nccl':\n    dist.monitored_barrier()", [(2, "monitored_barrier")]),
+        (
+            "if backend == 'gloo':\n    dist.barrier()\nelse:\n    dist.monitored_barrier()",
+            [(4, "monitored_barrier")],
+        ),
+        ("if backend != 'gloo':\n    dist.monitored_barrier()", [(2, "monitored_barrier")]),
+        ("if backend == 'gloo' or fast:\n    dist.monitored_barrier()", [(2, "monitored_barrier")]),
+        # Guarded: not flagged.
+        ("if backend == 'gloo':\n    dist.monitored_barrier()\nelse:\n    dist.barrier()", []),
+        ("if dist.get_backend() == dist.Backend.GLOO:\n    dist.monitored_barrier()", []),
+        ("if backend != 'gloo':\n    dist.barrier()\nelse:\n    dist.monitored_barrier()", []),
+        (
+            "if not dist.is_nccl_available():\n    pass\nelse:\n    "
+            "torch.cuda.nccl.all_reduce([t])",
+            [],
+        ),
+        ("if backend == 'gloo' and debug:\n    dist.monitored_barrier()", []),
+        ("op = dist.ReduceOp.PREMUL_SUM(2.0) if backend == 'nccl' else dist.ReduceOp.SUM", []),
+        ("from torch.distributed import monitored_barrier", []),  # an import alone runs nothing
+    ],
+)
 def test_the_scan_flags_unguarded_uses_only(source, expected):
-    """Negative and positive controls: the scan can fail, and a guard silences it only for its backend."""
+    """Negative and positive controls: the scan can fail,
+    and a guard silences it only for its backend."""
     assert unguarded_uses(source) == expected

@@ -18,8 +18,19 @@ from torch.utils.data import DistributedSampler
 from common.config import TrainConfig, parse_config
 from common.data import digits
 from common.models import build_model
-from tests.helpers import (PYTHON, REPO, clean_env, free_port, kill_group, load_script, read_summary, readme_command,
-                           readme_sample, run, torchrun)
+from tests.helpers import (
+    PYTHON,
+    REPO,
+    clean_env,
+    free_port,
+    kill_group,
+    load_script,
+    read_summary,
+    readme_command,
+    readme_sample,
+    run,
+    torchrun,
+)
 
 SCRIPT = "01_basic_ddp/train.py"
 QUICK_START = "torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py"
@@ -48,8 +59,11 @@ def assert_same_params(a, b, rtol=1e-5):
 def quick_start(tmp_path_factory):
     """The README's quick-start command, as written, with only the output folder moved."""
     out = tmp_path_factory.mktemp("quick_start")
-    result = run(readme_command("01_basic_ddp/README.md", QUICK_START) + ["--output-dir", str(out)], timeout=180,
-                 check=True)
+    result = run(
+        readme_command("01_basic_ddp/README.md", QUICK_START) + ["--output-dir", str(out)],
+        timeout=180,
+        check=True,
+    )
     return result, out
 
 
@@ -58,7 +72,11 @@ def test_quick_start_trains_to_95_percent(quick_start):
     summary = read_summary(out)
     assert summary["eval_accuracy"] >= 0.95
     assert summary["eval_samples"] == 359  # every test image counted once, none twice
-    assert (summary["world_size"], summary["launcher"], summary["backend"]) == (2, "torchrun", "gloo")
+    assert (summary["world_size"], summary["launcher"], summary["backend"]) == (
+        2,
+        "torchrun",
+        "gloo",
+    )
     assert summary["global_batch_size"] == 2 * summary["local_batch_size"]
     assert f"eval accuracy {summary['eval_accuracy']:.4f}" in result.stdout
     assert summary["images_per_second"] > 0 and 0 < summary["wall_time_s"] < 180
@@ -67,25 +85,49 @@ def test_quick_start_trains_to_95_percent(quick_start):
 def test_banner_and_progress_come_from_rank_0_only(quick_start):
     result, _ = quick_start
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")  # as the run inherits it from here
-    assert result.stdout.count(f"launcher torchrun, gloo on cpu (CUDA_VISIBLE_DEVICES={visible}), world size 2, "
-                               "batch 32 x 2 = 64") == 1
+    assert (
+        result.stdout.count(
+            f"launcher torchrun, gloo on cpu (CUDA_VISIBLE_DEVICES={visible}), world size 2, "
+            "batch 32 x 2 = 64"
+        )
+        == 1
+    )
     assert result.stdout.count("epoch 1 step 10 loss") == 1
     assert result.stdout.count("epoch 12 done") == 1
     assert "Traceback" not in result.output
 
 
 def test_output_has_the_lines_and_summary_fields_the_readme_lists(quick_start):
-    """README.md, "Output": progress lines (epoch, step, rank 0's loss), one line per epoch with the exact train
-    loss, eval loss and accuracy, and summary.json with the fields it lists, next to model.pt."""
+    """README.md, "Output": progress lines (epoch, step, rank 0's loss), one
+    line per epoch with the exact train loss, eval loss and accuracy, and
+    summary.json with the fields it lists, next to model.pt."""
     result, out = quick_start
     summary = read_summary(out)
-    for key in ("world_size", "launcher", "backend", "global_batch_size", "epochs", "final_train_loss", "eval_loss",
-                "eval_accuracy", "images_per_second", "wall_time_s", "replica_checksums"):
+    for key in (
+        "world_size",
+        "launcher",
+        "backend",
+        "global_batch_size",
+        "epochs",
+        "final_train_loss",
+        "eval_loss",
+        "eval_accuracy",
+        "images_per_second",
+        "wall_time_s",
+        "replica_checksums",
+    ):
         assert key in summary, key
-    assert re.search(r"^epoch 1 step 10 loss \d+\.\d{4} \(rank 0's batch\)$", result.stdout, re.M), result.stdout
-    last = (f"epoch {summary['epochs']} done: train loss {summary['final_train_loss']:.4f}, eval loss "
-            f"{summary['eval_loss']:.4f}, eval accuracy {summary['eval_accuracy']:.4f} (359 images)")
-    assert result.stdout.count(last) == 1 and result.stdout.count(" done: train loss ") == summary["epochs"]
+    assert re.search(
+        r"^epoch 1 step 10 loss \d+\.\d{4} \(rank 0's batch\)$", result.stdout, re.M
+    ), result.stdout
+    last = (
+        f"epoch {summary['epochs']} done: train loss {summary['final_train_loss']:.4f}, eval loss "
+        f"{summary['eval_loss']:.4f}, eval accuracy {summary['eval_accuracy']:.4f} (359 images)"
+    )
+    assert (
+        result.stdout.count(last) == 1
+        and result.stdout.count(" done: train loss ") == summary["epochs"]
+    )
     assert (out / "model.pt").is_file()
 
 
@@ -125,25 +167,65 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(ddp_two_ranks, tmp_pat
 
 
 def test_mp_spawn_variant_matches_torchrun(ddp_two_ranks, tmp_path):
-    result = run([PYTHON, REPO / "01_basic_ddp/train_spawn.py", "--nprocs", "2", "--batch-size", "16", *STEPS,
-                  "--output-dir", tmp_path / "spawn"], timeout=120, check=True)
+    result = run(
+        [
+            PYTHON,
+            REPO / "01_basic_ddp/train_spawn.py",
+            "--nprocs",
+            "2",
+            "--batch-size",
+            "16",
+            *STEPS,
+            "--output-dir",
+            tmp_path / "spawn",
+        ],
+        timeout=120,
+        check=True,
+    )
     assert read_summary(tmp_path / "spawn")["launcher"] == "mp.spawn"
     assert result.stdout.count("launcher mp.spawn") == 1
     spawned = load_params(tmp_path / "spawn" / "model.pt")
-    assert all(torch.equal(spawned[k], ddp_two_ranks[k]) for k in spawned)  # bitwise: the same training
+    # bitwise: the same training
+    assert all(torch.equal(spawned[k], ddp_two_ranks[k]) for k in spawned)
 
 
 def test_single_process_baseline_is_the_same_training_as_one_ddp_process(tmp_path):
-    """train_single.py is 01 without DDP: on one process the two end bitwise equal (same seed, same
-    shuffles, and an all-reduce over one rank changes nothing), so `diff` between them shows only DDP."""
-    run([PYTHON, REPO / "01_basic_ddp/train_single.py", "--max-steps", "30", "--output-dir", tmp_path / "single"],
-        timeout=120, check=True)
+    """train_single.py is 01 without DDP: on one process the two end
+    bitwise equal (same seed, same shuffles, and an all-reduce over one
+    rank changes nothing), so `diff` between them shows only DDP."""
+    run(
+        [
+            PYTHON,
+            REPO / "01_basic_ddp/train_single.py",
+            "--max-steps",
+            "30",
+            "--output-dir",
+            tmp_path / "single",
+        ],
+        timeout=120,
+        check=True,
+    )
     torchrun(SCRIPT, "--max-steps", "30", "--output-dir", tmp_path / "ddp", nproc=1)
-    single, ddp = load_params(tmp_path / "single" / "model.pt"), load_params(tmp_path / "ddp" / "model.pt")
+    single, ddp = (
+        load_params(tmp_path / "single" / "model.pt"),
+        load_params(tmp_path / "ddp" / "model.pt"),
+    )
     assert single.keys() == ddp.keys() and all(torch.equal(single[k], ddp[k]) for k in single)
     # Negative control: another seed ends elsewhere, so the equality above is not trivially true.
-    run([PYTHON, REPO / "01_basic_ddp/train_single.py", "--max-steps", "30", "--seed", "1",
-         "--output-dir", tmp_path / "seed1"], timeout=120, check=True)
+    run(
+        [
+            PYTHON,
+            REPO / "01_basic_ddp/train_single.py",
+            "--max-steps",
+            "30",
+            "--seed",
+            "1",
+            "--output-dir",
+            tmp_path / "seed1",
+        ],
+        timeout=120,
+        check=True,
+    )
     other = load_params(tmp_path / "seed1" / "model.pt")
     assert not all(torch.equal(other[k], ddp[k]) for k in other)
     summary = read_summary(tmp_path / "single")
@@ -151,50 +233,73 @@ def test_single_process_baseline_is_the_same_training_as_one_ddp_process(tmp_pat
 
 
 def test_single_process_without_launcher(tmp_path):
-    run([PYTHON, REPO / SCRIPT, "--max-steps", "3", "--output-dir", tmp_path], timeout=120, check=True)
+    run(
+        [PYTHON, REPO / SCRIPT, "--max-steps", "3", "--output-dir", tmp_path],
+        timeout=120,
+        check=True,
+    )
     summary = read_summary(tmp_path)
     assert (summary["launcher"], summary["world_size"], summary["steps"]) == ("single", 1, 3)
 
 
 def test_two_single_processes_side_by_side_do_not_share_a_port(tmp_path):
-    """Started alone, a script's store binds any free port, so two at once on one machine both run. (With a
-    fixed port, here MASTER_PORT, the second fails while the first holds it: the control.)"""
+    """Started alone, a script's store binds any free port, so two at once
+    on one machine both run. (With a fixed port, here MASTER_PORT, the
+    second fails while the first holds it: the control.)"""
     for fixed_port in (None, str(free_port())):
         env = clean_env(**({"MASTER_PORT": fixed_port} if fixed_port else {}))
-        first = subprocess.Popen([PYTHON, REPO / SCRIPT, "--epochs", "1000", "--output-dir", tmp_path / "first"],
-                                 cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 start_new_session=True)
+        first = subprocess.Popen(
+            [PYTHON, REPO / SCRIPT, "--epochs", "1000", "--output-dir", tmp_path / "first"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
             deadline = time.monotonic() + 120
             while "epoch 1" not in (line := first.stdout.readline()):  # the first one's store is up
                 assert line and time.monotonic() < deadline, "the first run never trained"
-            second = run([PYTHON, REPO / SCRIPT, "--max-steps", "3", "--output-dir", tmp_path / "second"],
-                         timeout=120, env=env)
+            second = run(
+                [PYTHON, REPO / SCRIPT, "--max-steps", "3", "--output-dir", tmp_path / "second"],
+                timeout=120,
+                env=env,
+            )
             assert first.poll() is None  # still running, still holding its store's port
         finally:
             kill_group(first)
             first.wait()
         if fixed_port:
-            assert second.returncode != 0 and "address already in use" in second.stderr.lower(), second.stderr[-2000:]
+            assert second.returncode != 0 and "address already in use" in second.stderr.lower(), (
+                second.stderr[-2000:]
+            )
         else:
             assert second.returncode == 0, second.stderr[-2000:]
 
 
 # --- bad input: one line, exit code 2, no traceback wall, no hang ------------------------------
 
+
 def error_lines(result):
     return [line for line in result.stderr.splitlines() if line.startswith("error:")]
 
 
 # tests/test_failures.py runs every bad-input case against every example; these two are 01's own.
-@pytest.mark.parametrize("args,env,message", [
-    (["--bach-size", "3"], {}, "unrecognized arguments: --bach-size"),
-    ([], {"WORLD_SIZE": "2"}, "rank is not set"),
-])
+@pytest.mark.parametrize(
+    "args,env,message",
+    [
+        (["--bach-size", "3"], {}, "unrecognized arguments: --bach-size"),
+        ([], {"WORLD_SIZE": "2"}, "rank is not set"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, env, message):
     started = time.monotonic()
-    result = run([PYTHON, REPO / SCRIPT, *args, "--output-dir", tmp_path / "out"], timeout=60,
-                 env=clean_env(**env))
+    result = run(
+        [PYTHON, REPO / SCRIPT, *args, "--output-dir", tmp_path / "out"],
+        timeout=60,
+        env=clean_env(**env),
+    )
     assert result.returncode == 2, result.output
     assert time.monotonic() - started < 30
     assert len(error_lines(result)) == 1 and message in error_lines(result)[0], result.stderr
@@ -204,14 +309,18 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, env, message):
 def test_a_hanging_launch_fails_within_its_timeout(tmp_path):
     """tests/helpers.run kills the whole process group of a hung command and fails the test."""
     pid_file = tmp_path / "grandchild.pid"
-    hang = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '120']); "
-            "open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(120)")
+    hang = (
+        "import subprocess, sys, time; p = subprocess.Popen(['sleep', '120']); "
+        "open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(120)"
+    )
     started = time.monotonic()
     with pytest.raises(pytest.fail.Exception, match="timed out after 3s"):
         run([PYTHON, "-c", hang, pid_file], timeout=3)
     assert time.monotonic() - started < 15
-    # The grandchild was killed with the group (gone, or a zombie waiting to be reaped). SIGKILL is delivered
-    # asynchronously: on a busy machine the process may still be running for a moment after kill() returns.
+    # The grandchild was killed with the group (gone, or a
+    # zombie waiting to be reaped). SIGKILL is delivered
+    # asynchronously: on a busy machine the process may
+    # still be running for a moment after kill() returns.
     status = Path(f"/proc/{pid_file.read_text()}/status")
 
     def killed() -> bool:
@@ -238,43 +347,73 @@ def test_runs_unchanged_under_mpiexec(tmp_path, flavour):
         cmd = [tool, "-n", "2", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS"]
     else:
         env, cmd = clean_env(), [tool, "-n", "2"]
-    env["MASTER_PORT"] = str(free_port())  # mpiexec without a scheduler: a fixed port could be taken
-    cmd += [PYTHON, REPO / SCRIPT, "--max-steps", "3", "--batch-size", "16", "--output-dir", tmp_path]
+    # mpiexec without a scheduler: a fixed port could be taken
+    env["MASTER_PORT"] = str(free_port())
+    cmd += [
+        PYTHON,
+        REPO / SCRIPT,
+        "--max-steps",
+        "3",
+        "--batch-size",
+        "16",
+        "--output-dir",
+        tmp_path,
+    ]
     result = run(cmd, timeout=150, env=env, check=True)
     summary = read_summary(tmp_path)
-    assert (summary["launcher"], summary["world_size"], summary["replicas_identical"]) == (flavour, 2, True)
+    assert (summary["launcher"], summary["world_size"], summary["replicas_identical"]) == (
+        flavour,
+        2,
+        True,
+    )
     assert result.stdout.count("launcher ") == 1
 
 
-# --- what 01's README says about its run, held to the quick-start run above -------------------------
+# --- what 01's README says about its run, held to
+# the quick-start run above -------------------------
 
 README = REPO / "01_basic_ddp" / "README.md"
 
 
 def test_readme_sample_output_is_what_the_quick_start_prints(quick_start):
-    """The sample has the run's shape line by line, the same counts, and its final accuracy within 0.02 of
-    this run's (the run reproduces the sample's numbers on this machine; another CPU may round differently)."""
+    """The sample has the run's shape line by line, the same counts, and its
+    final accuracy within 0.02 of this run's (the run reproduces the
+    sample's numbers on this machine; another CPU may round differently)."""
     result, out = quick_start
-    sample = readme_sample(README, "Output (rank 0 only")  # the block after "Output (rank 0 only ..."
-    printed = result.stdout.replace(f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}",
-                                    "CUDA_VISIBLE_DEVICES=unset").splitlines()
+    # the block after "Output (rank 0 only ..."
+    sample = readme_sample(README, "Output (rank 0 only")
+    printed = result.stdout.replace(
+        f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}",
+        "CUDA_VISIBLE_DEVICES=unset",
+    ).splitlines()
     assert sample[0] == printed[0]  # the banner, word for word
     number = r"\d+\.\d{4}"
     step = re.compile(rf"epoch 1 step 10 loss {number} \(rank 0's batch\)")
     assert step.fullmatch(sample[1]) and any(step.fullmatch(line) for line in printed)
     assert sample[2] == "..."
-    done = re.compile(rf"epoch 12 done: train loss {number}, eval loss {number}, eval accuracy ({number}) \(359 images\)")
+    done = re.compile(
+        rf"epoch 12 done: train loss {number}, eval loss {number}, eval accuracy ({number}) "
+        r"\(359 images\)"
+    )
     (ran,) = [done.fullmatch(line) for line in printed if done.fullmatch(line)]
-    assert done.fullmatch(sample[3]) and abs(float(done.fullmatch(sample[3])[1]) - float(ran[1])) < 0.02
+    assert (
+        done.fullmatch(sample[3])
+        and abs(float(done.fullmatch(sample[3])[1]) - float(ran[1])) < 0.02
+    )
     # The sample's output folder is the default one; the test moved it.
-    assert sample[4] == "summary written to runs/latest/summary.json" == f"summary written to {TrainConfig().output_dir}/summary.json"
+    assert (
+        sample[4]
+        == "summary written to runs/latest/summary.json"
+        == f"summary written to {TrainConfig().output_dir}/summary.json"
+    )
     assert printed[-1] == f"summary written to {out}/summary.json"
     assert sorted(p.name for p in out.iterdir()) == ["model.pt", "summary.json"]
 
 
 def test_evaluation_is_exact_every_test_image_once(quick_start):
-    """01's strided Subset per rank + one all_reduce gives the metric of one process on the whole test set: the
-    saved model evaluated here, in one process, on all 359 images gives the summary's loss and accuracy."""
+    """01's strided Subset per rank + one all_reduce gives the metric of one
+    process on the whole test set: the saved model evaluated here, in one
+    process, on all 359 images gives the summary's loss and accuracy."""
     import torch.nn.functional as F
 
     _, out = quick_start
@@ -287,9 +426,13 @@ def test_evaluation_is_exact_every_test_image_once(quick_start):
     with torch.no_grad():
         logits = model(images)
     assert summary["eval_samples"] == len(labels) == 359
-    assert abs(F.cross_entropy(logits, labels, reduction="sum").item() / 359 - summary["eval_loss"]) < 1e-5
+    assert (
+        abs(F.cross_entropy(logits, labels, reduction="sum").item() / 359 - summary["eval_loss"])
+        < 1e-5
+    )
     assert summary["eval_accuracy"] == (logits.argmax(1) == labels).sum().item() / 359
-    # What the strided Subset avoids: a DistributedSampler pads 359 to 360 on 2 ranks, one image counted twice.
+    # What the strided Subset avoids: a DistributedSampler
+    # pads 359 to 360 on 2 ranks, one image counted twice.
     assert sum(len(DistributedSampler(data.test, num_replicas=2, rank=r)) for r in range(2)) == 360
 
 
@@ -302,20 +445,30 @@ def test_without_set_epoch_every_epoch_repeats_epoch_0s_order():
 
 
 def config_class(script: str, name: str):
-    """A script's config class, imported as the script imports its neighbours (its folder first on the path)."""
+    """A script's config class, imported as the script imports
+    its neighbours (its folder first on the path)."""
     folder = str((REPO / script).parent)
     sys.path.insert(0, folder)
     try:
         return getattr(load_script(script, f"config_of_{Path(script).parent.name}"), name)
     finally:
         sys.path.remove(folder)
-        sys.modules.pop("train", None)  # train_spawn.py's `from train import train`: leave no stray module
+        # train_spawn.py's `from train import train`: leave no stray module
+        sys.modules.pop("train", None)
 
 
-@pytest.mark.parametrize("script,name", [(SCRIPT, "TrainConfig"), ("01_basic_ddp/train_spawn.py", "SpawnConfig"),
-                                         ("03_grad_accum/train.py", "AccumConfig"), ("04_syncbn/train.py", "SyncBNConfig")])
+@pytest.mark.parametrize(
+    "script,name",
+    [
+        (SCRIPT, "TrainConfig"),
+        ("01_basic_ddp/train_spawn.py", "SpawnConfig"),
+        ("03_grad_accum/train.py", "AccumConfig"),
+        ("04_syncbn/train.py", "SyncBNConfig"),
+    ],
+)
 def test_every_setting_is_a_yaml_key_and_a_flag(script, name, tmp_path):
-    """01's README: every setting is a YAML key and a flag (and 03's and 04's keys, and train_spawn.py's)."""
+    """01's README: every setting is a YAML key and a flag
+    (and 03's and 04's keys, and train_spawn.py's)."""
     config_class_ = config_class(script, name)
     assert config_class_ is TrainConfig or issubclass(config_class_, TrainConfig)
     for f in dataclasses.fields(config_class_):
@@ -323,14 +476,22 @@ def test_every_setting_is_a_yaml_key_and_a_flag(script, name, tmp_path):
         yaml_file = tmp_path / f"{f.name}.yaml"
         yaml_file.write_text(f"{f.name}: {json.dumps(value)}\n")
         flag = f"--{f.name.replace('_', '-')}"
-        argv = [flag if value else f"--no-{f.name.replace('_', '-')}"] if isinstance(value, bool) else [flag, str(value)]
-        assert getattr(parse_config(config_class_, ["--config", str(yaml_file)]), f.name) == value, f.name
+        argv = (
+            [flag if value else f"--no-{f.name.replace('_', '-')}"]
+            if isinstance(value, bool)
+            else [flag, str(value)]
+        )
+        assert (
+            getattr(parse_config(config_class_, ["--config", str(yaml_file)]), f.name) == value
+        ), f.name
         assert getattr(parse_config(config_class_, argv), f.name) == value, f.name
 
 
 def test_same_seed_same_initial_weights_and_the_default_run_has_no_batchnorm_or_augmentation():
-    """01's table: the same seed before the model is built gives every rank the same weights (another seed
-    does not). The README's "digits and the small CNN: no BatchNorm, no random augmentation"."""
+    """01's table: the same seed before the model is built gives every
+    rank the same weights (another seed does not). The README's "digits
+    and the small CNN: no BatchNorm, no random augmentation"."""
+
     def initial(seed: int) -> list[torch.Tensor]:
         torch.manual_seed(seed)
         return list(build_model("small_cnn", 10, 1, 8).state_dict().values())
@@ -338,6 +499,9 @@ def test_same_seed_same_initial_weights_and_the_default_run_has_no_batchnorm_or_
     assert all(torch.equal(a, b) for a, b in zip(initial(0), initial(0)))
     assert not all(torch.equal(a, b) for a, b in zip(initial(0), initial(1)))
     model = build_model(TrainConfig().model, 10, 1, 8)
-    assert TrainConfig().dataset == "digits" and not any("BatchNorm" in type(m).__name__ for m in model.modules())
+    assert TrainConfig().dataset == "digits" and not any(
+        "BatchNorm" in type(m).__name__ for m in model.modules()
+    )
     data = digits()
-    assert isinstance(data.train, torch.utils.data.TensorDataset)  # fixed tensors: no transform runs per sample
+    # fixed tensors: no transform runs per sample
+    assert isinstance(data.train, torch.utils.data.TensorDataset)

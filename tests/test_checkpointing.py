@@ -1,10 +1,11 @@
-"""05_checkpointing: exact resume (mid-epoch, after a SIGKILLed worker under torchrun --max-restarts,
-after a preemption signal), every sample read once, resume on another number of processes, per-rank RNG
-states, corrupt checkpoints, weights_only, refusals, export to a plain model, and a DCP round trip.
+"""05_checkpointing: exact resume (mid-epoch, after a SIGKILLed worker under
+torchrun --max-restarts, after a preemption signal), every sample read once,
+resume on another number of processes, per-rank RNG states, corrupt checkpoints,
+weights_only, refusals, export to a plain model, and a DCP round trip.
 
-The lesson has no test options: the tests watch it from outside. tests/record (a sitecustomize
-on PYTHONPATH) writes the sample indices of every training batch each rank loads; tests/inject
-SIGKILLs a worker at a chosen step.
+The lesson has no test options: the tests watch it from outside. tests/record
+(a sitecustomize on PYTHONPATH) writes the sample indices of every training
+batch each rank loads; tests/inject SIGKILLs a worker at a chosen step.
 """
 
 from __future__ import annotations
@@ -27,8 +28,18 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from tests.cifar_files import write_cifar10
-from tests.helpers import (PYTHON, REPO, clean_env, free_port, kill_group, load_script, read_summary, readme_command,
-                           run, torchrun)
+from tests.helpers import (
+    PYTHON,
+    REPO,
+    clean_env,
+    free_port,
+    kill_group,
+    load_script,
+    read_summary,
+    readme_command,
+    run,
+    torchrun,
+)
 
 SCRIPT = "05_checkpointing/train.py"
 # 2 epochs of 45 steps (digits, 2 ranks x 16), a checkpoint every 10 steps and at each epoch's end.
@@ -43,21 +54,35 @@ ckpt = load_script("05_checkpointing/checkpoint.py", "checkpoint")
 
 def record_env(output_dir: Path, **extra: str) -> dict[str, str]:
     """Environment that records every training batch's sample indices into <output_dir>/record."""
-    return clean_env(PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'record'}",
-                     DDP_TEST_RECORD_DIR=str(Path(output_dir) / "record"), **extra)
+    return clean_env(
+        PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'record'}",
+        DDP_TEST_RECORD_DIR=str(Path(output_dir) / "record"),
+        **extra,
+    )
 
 
 def batches(output_dir: Path, rank: int) -> list[tuple[int, list[int]]]:
     """(epoch, sample indices) of every training batch `rank` loaded, in order, over all runs."""
     path = Path(output_dir) / "record" / f"batches.rank{rank}.txt"
     lines = path.read_text().splitlines() if path.exists() else []
-    return [(int(epoch), [int(i) for i in indices.split(",")]) for epoch, indices in (ln.split() for ln in lines)]
+    return [
+        (int(epoch), [int(i) for i in indices.split(",")])
+        for epoch, indices in (ln.split() for ln in lines)
+    ]
 
 
 def assert_every_sample_once_per_epoch(output_dir: Path, epochs: int) -> None:
     for epoch in range(epochs):
-        seen = sorted(i for rank in (0, 1) for e, batch in batches(output_dir, rank) if e == epoch for i in batch)
-        assert seen == list(range(TRAIN_SIZE)), f"epoch {epoch}: {len(seen)} reads, {len(set(seen))} distinct"
+        seen = sorted(
+            i
+            for rank in (0, 1)
+            for e, batch in batches(output_dir, rank)
+            if e == epoch
+            for i in batch
+        )
+        assert seen == list(range(TRAIN_SIZE)), (
+            f"epoch {epoch}: {len(seen)} reads, {len(set(seen))} distinct"
+        )
 
 
 def params(output_dir: Path) -> dict:
@@ -68,17 +93,23 @@ def assert_same_params(a: Path, b: Path) -> None:
     pa, pb = params(a), params(b)
     assert pa.keys() == pb.keys()
     for k in pa:
-        assert torch.equal(pa[k], pb[k]), f"{k} differs: max |diff| {(pa[k] - pb[k]).abs().max().item()}"
+        assert torch.equal(pa[k], pb[k]), (
+            f"{k} differs: max |diff| {(pa[k] - pb[k]).abs().max().item()}"
+        )
 
 
-def wait_for_batches(output_dir: Path, rank: int, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+def wait_for_batches(
+    output_dir: Path, rank: int, n: int, proc: subprocess.Popen, timeout: float = 120
+) -> None:
     """Poll the record until `rank` has loaded `n` training batches."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if len(batches(output_dir, rank)) >= n:
             return
         if proc.poll() is not None:
-            pytest.fail(f"run ended (code {proc.returncode}) before batch {n}:\n{proc.communicate()}")
+            pytest.fail(
+                f"run ended (code {proc.returncode}) before batch {n}:\n{proc.communicate()}"
+            )
         time.sleep(0.01)
     kill_group(proc)
     pytest.fail(f"batch {n} not reached in {timeout}s")
@@ -90,25 +121,48 @@ def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reference")
     torchrun(SCRIPT, *ARGS, "--output-dir", str(out), env=record_env(out), timeout=180)
     summary = read_summary(out)
-    assert summary["steps"] == TOTAL_STEPS and summary["resumed_from_step"] == 0 and summary["replicas_identical"]
+    assert (
+        summary["steps"] == TOTAL_STEPS
+        and summary["resumed_from_step"] == 0
+        and summary["replicas_identical"]
+    )
     assert len(batches(out, 0)) == len(batches(out, 1)) == TOTAL_STEPS
     assert_every_sample_once_per_epoch(out, 2)
-    # --keep-last 3 by default: the newest three of the saves every 10 steps and at each epoch's end.
+    # --keep-last 3 by default: the newest three of the
+    # saves every 10 steps and at each epoch's end.
     assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == [
-        ckpt.checkpoint_name(s) for s in (90, 80, 70)]
+        ckpt.checkpoint_name(s) for s in (90, 80, 70)
+    ]
     return out
 
 
-def test_stop_mid_epoch_and_resume_reads_every_sample_once_and_is_bitwise_identical(reference, tmp_path):
-    first = torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), "--max-steps", "57", env=record_env(tmp_path),
-                     timeout=180)
-    assert f"saved {tmp_path / 'checkpoints' / 'ckpt-00000057.pt'}" in first.stdout  # 12 steps into epoch 2
-    second = torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), env=record_env(tmp_path), timeout=180)
-    assert f"resumed from {tmp_path / 'checkpoints' / 'ckpt-00000057.pt'}: step 57, epoch 2" in second.stdout
+def test_stop_mid_epoch_and_resume_reads_every_sample_once_and_is_bitwise_identical(
+    reference, tmp_path
+):
+    first = torchrun(
+        SCRIPT,
+        *ARGS,
+        "--output-dir",
+        str(tmp_path),
+        "--max-steps",
+        "57",
+        env=record_env(tmp_path),
+        timeout=180,
+    )
+    # 12 steps into epoch 2
+    assert f"saved {tmp_path / 'checkpoints' / 'ckpt-00000057.pt'}" in first.stdout
+    second = torchrun(
+        SCRIPT, *ARGS, "--output-dir", str(tmp_path), env=record_env(tmp_path), timeout=180
+    )
+    assert (
+        f"resumed from {tmp_path / 'checkpoints' / 'ckpt-00000057.pt'}: step 57, epoch 2"
+        in second.stdout
+    )
     summary, ref = read_summary(tmp_path), read_summary(reference)
     assert summary["resumed_from_step"] == 57 and summary["steps"] == TOTAL_STEPS
     assert_same_params(reference, tmp_path)
-    assert summary["final_train_loss"] == ref["final_train_loss"]  # the epoch's loss sums were restored too
+    # the epoch's loss sums were restored too
+    assert summary["final_train_loss"] == ref["final_train_loss"]
     # The two runs together loaded every sample exactly once per epoch, in the uninterrupted order.
     assert_every_sample_once_per_epoch(tmp_path, 2)
     for rank in (0, 1):
@@ -116,20 +170,39 @@ def test_stop_mid_epoch_and_resume_reads_every_sample_once_and_is_bitwise_identi
 
 
 def test_sigkilled_worker_is_restarted_by_torchrun_and_resumes(reference, tmp_path):
-    """tests/inject SIGKILLs rank 1 right after its 57th optimizer step; torchrun restarts the group,
-    which resumes from step 50 (the restarted rank 1 counts from 0 again: 40 steps, no second kill)."""
-    env = clean_env(PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}", DDP_TEST_FAIL_AT_STEP="57",
-                    DDP_TEST_FAIL_RANK="1", DDP_TEST_FAIL_MODE="kill",
-                    # torch 2.14: with the rendezvous store shared across restarts, the restarted workers
-                    # can read the dead workers' addresses (pytorch/pytorch#135712, #167288).
-                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    result = torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), env=env, timeout=240,
-                      launcher_args=("--max-restarts=1", "--monitor-interval=0.2"))
+    """tests/inject SIGKILLs rank 1 right after its 57th optimizer step;
+    torchrun restarts the group, which resumes from step 50 (the
+    restarted rank 1 counts from 0 again: 40 steps, no second kill)."""
+    env = clean_env(
+        PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}",
+        DDP_TEST_FAIL_AT_STEP="57",
+        DDP_TEST_FAIL_RANK="1",
+        DDP_TEST_FAIL_MODE="kill",
+        # torch 2.14: with the rendezvous store shared
+        # across restarts, the restarted workers
+        # can read the dead workers' addresses (pytorch/pytorch#135712, #167288).
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
+    result = torchrun(
+        SCRIPT,
+        *ARGS,
+        "--output-dir",
+        str(tmp_path),
+        env=env,
+        timeout=240,
+        launcher_args=("--max-restarts=1", "--monitor-interval=0.2"),
+    )
     assert result.stderr.count("injecting SIGKILL at step 57 on rank 1") == 1
-    # torchrun restarted the group (whichever rank it saw fail first: the killed one, or its peer that
+    # torchrun restarted the group (whichever rank it
+    # saw fail first: the killed one, or its peer that
     # lost the connection), and the new attempt resumed from the last checkpoint.
-    assert re.search(r"failed \(exitcode: -?\d+\) local_rank: [01]", result.stderr), result.stderr[-3000:]
-    assert f"resumed from {tmp_path / 'checkpoints' / 'ckpt-00000050.pt'}: step 50, epoch 2" in result.stdout
+    assert re.search(r"failed \(exitcode: -?\d+\) local_rank: [01]", result.stderr), result.stderr[
+        -3000:
+    ]
+    assert (
+        f"resumed from {tmp_path / 'checkpoints' / 'ckpt-00000050.pt'}: step 50, epoch 2"
+        in result.stdout
+    )
     assert read_summary(tmp_path)["resumed_from_step"] == 50
     assert_same_params(reference, tmp_path)
 
@@ -139,11 +212,26 @@ def _launch_env_ranks(output_dir: Path) -> list[subprocess.Popen]:
     port = str(free_port())
     procs = []
     for rank in (0, 1):
-        env = record_env(output_dir, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                         MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([PYTHON, str(REPO / SCRIPT), *ARGS, "--output-dir", str(output_dir)],
-                                      cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      process_group=0 if rank == 0 else procs[0].pid))
+        env = record_env(
+            output_dir,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        procs.append(
+            subprocess.Popen(
+                [PYTHON, str(REPO / SCRIPT), *ARGS, "--output-dir", str(output_dir)],
+                cwd=REPO,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                process_group=0 if rank == 0 else procs[0].pid,
+            )
+        )
     return procs
 
 
@@ -164,15 +252,24 @@ def test_preemption_signal_saves_and_exits_with_requeue_code(reference, tmp_path
     state = ckpt.load(latest)  # complete, loadable with weights_only=True
     stopped = state["step"]
     assert 5 <= stopped < TOTAL_STEPS and latest.name == ckpt.checkpoint_name(stopped)
-    assert f"{target.split('-')[1]}: checkpoint at step {stopped} saved; exiting with code 75" in outputs[0][0]
+    assert (
+        f"{target.split('-')[1]}: checkpoint at step {stopped} saved; exiting with code 75"
+        in outputs[0][0]
+    )
     assert len(state["ranks"]) == 2
     # Rank 0 left the note the job files requeue on.
-    assert (tmp_path / "checkpoints" / "REQUEUE").read_text() == f"{target.split('-')[1]} at step {stopped}\n"
+    assert (
+        tmp_path / "checkpoints" / "REQUEUE"
+    ).read_text() == f"{target.split('-')[1]} at step {stopped}\n"
     # Both ranks stopped after the same step: each loaded exactly `stopped` training batches.
     assert len(batches(tmp_path, 0)) == len(batches(tmp_path, 1)) == stopped
-    if target == "group-SIGTERM":  # the requeued job resumes from it and ends like the uninterrupted run
-        torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), env=record_env(tmp_path), timeout=180)
-        assert not (tmp_path / "checkpoints" / "REQUEUE").exists()  # each new run deletes it at start
+    # the requeued job resumes from it and ends like the uninterrupted run
+    if target == "group-SIGTERM":
+        torchrun(
+            SCRIPT, *ARGS, "--output-dir", str(tmp_path), env=record_env(tmp_path), timeout=180
+        )
+        # each new run deletes it at start
+        assert not (tmp_path / "checkpoints" / "REQUEUE").exists()
         assert read_summary(tmp_path)["resumed_from_step"] == stopped
         assert_same_params(reference, tmp_path)
         for rank in (0, 1):
@@ -180,12 +277,28 @@ def test_preemption_signal_saves_and_exits_with_requeue_code(reference, tmp_path
 
 
 def test_sigterm_to_torchrun_reaches_the_workers_which_save(tmp_path):
-    """`kill -TERM <torchrun pid>`: torchrun passes SIGTERM on to its workers, which save and exit 75;
-    torchrun itself exits with 1, so a job script must remember that it sent the signal."""
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", REPO / SCRIPT, *ARGS,
-           "--output-dir", tmp_path]
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=record_env(tmp_path), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    """`kill -TERM <torchrun pid>`: torchrun passes SIGTERM on to its workers, which save and exit
+    75; torchrun itself exits with 1, so a job script must remember that it sent the signal."""
+    cmd = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        REPO / SCRIPT,
+        *ARGS,
+        "--output-dir",
+        tmp_path,
+    ]
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=REPO,
+        env=record_env(tmp_path),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         wait_for_batches(tmp_path, 0, 5, proc)
         proc.send_signal(signal.SIGTERM)  # torchrun only
@@ -216,7 +329,10 @@ def test_truncated_latest_checkpoint_falls_back_to_the_previous_one(reference, t
 def test_finished_run_started_again_does_nothing(reference, tmp_path):
     shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
     result = torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), timeout=120)
-    assert f"nothing to do: {tmp_path / 'checkpoints' / 'ckpt-00000090.pt'} is the end of this run" in result.stdout
+    assert (
+        f"nothing to do: {tmp_path / 'checkpoints' / 'ckpt-00000090.pt'} is the end of this run"
+        in result.stdout
+    )
     assert not (tmp_path / "summary.json").exists()
 
 
@@ -226,153 +342,238 @@ def _error_lines(result) -> list[str]:
 
 def test_resume_with_another_batch_size_is_refused(reference, tmp_path):
     shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
-    result = torchrun(SCRIPT, *ARGS, "--batch-size", "8", "--output-dir", str(tmp_path), check=False, timeout=120)
+    result = torchrun(
+        SCRIPT, *ARGS, "--batch-size", "8", "--output-dir", str(tmp_path), check=False, timeout=120
+    )
     assert result.returncode != 0
     lines = _error_lines(result)
     assert len(lines) == 1, result.output[-3000:]
-    assert lines[0] == (f"error: {tmp_path / 'checkpoints' / 'ckpt-00000090.pt'} was written with batch size 16 per "
-                        "rank; a resume needs the same (now 8), or start afresh with another --checkpoint-dir")
+    assert lines[0] == (
+        f"error: {tmp_path / 'checkpoints' / 'ckpt-00000090.pt'} was written with batch size "
+        "16 per "
+        "rank; a resume needs the same (now 8), or start afresh with another --checkpoint-dir"
+    )
     assert "exitcode  : 2" in result.stderr  # torchrun's summary: the bad-input exit code
 
 
 def test_no_resume_with_existing_checkpoints_is_refused(reference, tmp_path):
     shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
     before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    result = torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), "--no-resume", check=False, timeout=120)
+    result = torchrun(
+        SCRIPT, *ARGS, "--output-dir", str(tmp_path), "--no-resume", check=False, timeout=120
+    )
     lines = _error_lines(result)
     assert result.returncode != 0 and len(lines) == 1, result.output[-3000:]
-    assert lines[0] == (f"error: --no-resume but {tmp_path / 'checkpoints'} holds checkpoints of an earlier run: "
-                        "remove them or pass another --checkpoint-dir")
+    assert lines[0] == (
+        f"error: --no-resume but {tmp_path / 'checkpoints'} holds checkpoints of an earlier run: "
+        "remove them or pass another --checkpoint-dir"
+    )
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
 
 
-# --- resume on another number of processes: W=2 stopped mid-epoch, resumed on 1 and on 3 ----------------
+# --- resume on another number of processes: W=2 stopped
+# mid-epoch, resumed on 1 and on 3 ----------------
 
-STOP_STEP = 12  # 12 steps into epoch 1 (index 0): the two ranks have read 12 x 16 x 2 samples together
+# 12 steps into epoch 1 (index 0): the two ranks have read 12 x 16 x 2 samples together
+STOP_STEP = 12
 CONSUMED = STOP_STEP * 16 * 2
 # Steps of the whole run: 12, then the rest of epoch 1 (1054 samples) and epoch 2 on the new ranks.
-RESHARDED_STEPS = {1: 12 + math.ceil(1054 / 16) + math.ceil(1438 / 16),                  # 12 + 66 + 90
-                   3: 12 + math.ceil(math.ceil(1054 / 3) / 16) + math.ceil(math.ceil(1438 / 3) / 16)}  # 12 + 22 + 30
+# 12 + 66 + 90
+RESHARDED_STEPS = {
+    1: 12 + math.ceil(1054 / 16) + math.ceil(1438 / 16),
+    # 12 + 22 + 30
+    3: 12 + math.ceil(math.ceil(1054 / 3) / 16) + math.ceil(math.ceil(1438 / 3) / 16),
+}
 
 
 def epoch_reads(output_dir: Path, epoch: int, world_size: int) -> Counter:
-    """How often each sample index was loaded in `epoch`, over all ranks of the runs recorded in output_dir."""
-    return Counter(i for rank in range(world_size) for e, batch in batches(output_dir, rank) if e == epoch
-                   for i in batch)
+    """How often each sample index was loaded in `epoch`,
+    over all ranks of the runs recorded in output_dir."""
+    return Counter(
+        i
+        for rank in range(world_size)
+        for e, batch in batches(output_dir, rank)
+        if e == epoch
+        for i in batch
+    )
 
 
 def epoch_order(reference: Path, epoch: int) -> list[int]:
     """The epoch's global order as the uninterrupted 2-rank run read it: position p is rank p % 2's
     (p // 2)-th sample (no padding: 1438 is even)."""
-    per_rank = [[i for e, batch in batches(reference, rank) if e == epoch for i in batch] for rank in (0, 1)]
+    per_rank = [
+        [i for e, batch in batches(reference, rank) if e == epoch for i in batch] for rank in (0, 1)
+    ]
     return [i for pair in zip(*per_rank) for i in pair]
 
 
 def read_once_problems(reads: Counter, repeats: list[int]) -> str:
-    """'' when every training sample was read exactly once, except those in `repeats`, read twice."""
+    """'' when every training sample was read exactly
+    once, except those in `repeats`, read twice."""
     expected = Counter(range(TRAIN_SIZE)) + Counter(repeats)
     missing, extra = expected - reads, reads - expected
-    return f"never read: {sum(missing.values())}, read too often: {sum(extra.values())}" if missing or extra else ""
+    return (
+        f"never read: {sum(missing.values())}, read too often: {sum(extra.values())}"
+        if missing or extra
+        else ""
+    )
 
 
 @pytest.fixture(scope="module")
 def stopped_mid_epoch(tmp_path_factory) -> Path:
     """Two ranks that stopped after step 12 (--max-steps), with its checkpoint."""
     out = tmp_path_factory.mktemp("stopped_mid_epoch")
-    result = torchrun(SCRIPT, *ARGS, "--output-dir", str(out), "--max-steps", str(STOP_STEP), env=record_env(out),
-                      timeout=180)
+    result = torchrun(
+        SCRIPT,
+        *ARGS,
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        str(STOP_STEP),
+        env=record_env(out),
+        timeout=180,
+    )
     assert f"saved {out / 'checkpoints' / ckpt.checkpoint_name(STOP_STEP)}" in result.stdout
     return out
 
 
 def test_resumable_sampler_splits_like_distributed_sampler_and_skips_like_before(monkeypatch):
-    """On the same world size, ResumableSampler is DistributedSampler (consumed = 0) and, mid-epoch, is its
-    share minus the first k x batch samples (the per-rank skip it replaced), padding included."""
-    monkeypatch.setitem(sys.modules, "checkpoint", ckpt)  # train.py imports its neighbour by that name
+    """On the same world size, ResumableSampler is DistributedSampler
+    (consumed = 0) and, mid-epoch, is its share minus the first k x
+    batch samples (the per-rank skip it replaced), padding included."""
+    # train.py imports its neighbour by that name
+    monkeypatch.setitem(sys.modules, "checkpoint", ckpt)
     lesson = load_script(SCRIPT, "checkpointing_train")
     for size, world, batch in ((1438, 2, 16), (1438, 3, 16), (101, 4, 8), (7, 3, 2)):
         for epoch in (0, 3):
             for rank in range(world):
-                plain = DistributedSampler(range(size), num_replicas=world, rank=rank, shuffle=True, seed=5)
-                resumable = lesson.ResumableSampler(range(size), num_replicas=world, rank=rank, shuffle=True, seed=5)
+                plain = DistributedSampler(
+                    range(size), num_replicas=world, rank=rank, shuffle=True, seed=5
+                )
+                resumable = lesson.ResumableSampler(
+                    range(size), num_replicas=world, rank=rank, shuffle=True, seed=5
+                )
                 plain.set_epoch(epoch)
                 resumable.set_epoch(epoch)
                 share = list(plain)
                 assert list(resumable) == share and len(resumable) == len(share)
                 for steps in range(1, math.ceil(len(share) / batch)):  # every mid-epoch stop
                     resumable.consumed = steps * batch * world
-                    assert list(resumable) == share[steps * batch:] and len(resumable) == len(share) - steps * batch
+                    assert (
+                        list(resumable) == share[steps * batch :]
+                        and len(resumable) == len(share) - steps * batch
+                    )
 
 
 @pytest.mark.parametrize("new_world", [1, 3])
-def test_resume_on_another_number_of_processes_reads_the_rest_of_the_epoch(reference, stopped_mid_epoch, tmp_path,
-                                                                          new_world):
+def test_resume_on_another_number_of_processes_reads_the_rest_of_the_epoch(
+    reference, stopped_mid_epoch, tmp_path, new_world
+):
     shutil.copytree(stopped_mid_epoch / "checkpoints", tmp_path / "checkpoints")
     saved = ckpt.load(tmp_path / "checkpoints" / ckpt.checkpoint_name(STOP_STEP))
     assert (saved["epoch"], saved["consumed"], saved["world_size"]) == (0, CONSUMED, 2)
-    # Give the saved ranks recognisable torch RNG states (training on digits draws no random numbers, so
+    # Give the saved ranks recognisable torch RNG states
+    # (training on digits draws no random numbers, so
     # every later checkpoint must still hold them).
     marked = [torch.Generator().manual_seed(1000 + rank).get_state() for rank in (0, 1)]
     saved["ranks"] = [{**saved["ranks"][rank], "torch": marked[rank]} for rank in (0, 1)]
     ckpt.save(saved, tmp_path / "checkpoints", STOP_STEP, keep=3)
-    result = torchrun(SCRIPT, *ARGS, "--keep-last", "20", "--output-dir", str(tmp_path), nproc=new_world,
-                      env=record_env(tmp_path), timeout=240)
-    assert (f"resumed from {tmp_path / 'checkpoints' / ckpt.checkpoint_name(STOP_STEP)}: step 12, epoch 1; "
-            f"world size 2 -> {new_world}: global batch 32 -> {16 * new_world} (16 per rank), "
-            "learning rate not rescaled") in result.stdout
+    result = torchrun(
+        SCRIPT,
+        *ARGS,
+        "--keep-last",
+        "20",
+        "--output-dir",
+        str(tmp_path),
+        nproc=new_world,
+        env=record_env(tmp_path),
+        timeout=240,
+    )
+    assert (
+        f"resumed from {tmp_path / 'checkpoints' / ckpt.checkpoint_name(STOP_STEP)}: step 12, "
+        "epoch 1; "
+        f"world size 2 -> {new_world}: global batch 32 -> {16 * new_world} (16 per rank), "
+        "learning rate not rescaled"
+    ) in result.stdout
     summary = read_summary(tmp_path)
     assert summary["world_size"] == new_world and summary["resumed_from_step"] == STOP_STEP
     assert summary["steps"] == RESHARDED_STEPS[new_world] and summary["epochs"] == 2
     assert summary["replicas_identical"]
     params_now, params_uninterrupted = params(tmp_path), params(reference)
-    assert any(not torch.equal(params_now[k], params_uninterrupted[k]) for k in params_now)  # not bitwise
+    # not bitwise
+    assert any(not torch.equal(params_now[k], params_uninterrupted[k]) for k in params_now)
 
-    # The interrupted epoch: the first run read the first 384 samples of the epoch's order; the resumed run
-    # read the rest, padded to a multiple of the new world size with the order's first samples (2 on 3 ranks).
+    # The interrupted epoch: the first run read the first
+    # 384 samples of the epoch's order; the resumed run
+    # read the rest, padded to a multiple of the new world
+    # size with the order's first samples (2 on 3 ranks).
     order = epoch_order(reference, 0)
     first = epoch_reads(stopped_mid_epoch, 0, 2)
     assert first == Counter(order[:CONSUMED])
-    padding = order[:-(TRAIN_SIZE - CONSUMED) % new_world]
+    padding = order[: -(TRAIN_SIZE - CONSUMED) % new_world]
     assert len(padding) == {1: 0, 3: 2}[new_world]
     assert read_once_problems(first + epoch_reads(tmp_path, 0, new_world), padding) == ""
     # Control: the per-rank skip this replaced (each new rank drops its first 12 x 16 samples) loses
     # 192 samples on 3 ranks and reads 192 twice on 1.
-    padded = order + order[:-TRAIN_SIZE % new_world]
-    per_rank_skip = Counter(i for rank in range(new_world) for i in padded[rank::new_world][STOP_STEP * 16:])
-    assert read_once_problems(first + per_rank_skip, padding) == {
-        1: "never read: 0, read too often: 192", 3: "never read: 192, read too often: 0"}[new_world]
+    padded = order + order[: -TRAIN_SIZE % new_world]
+    per_rank_skip = Counter(
+        i for rank in range(new_world) for i in padded[rank::new_world][STOP_STEP * 16 :]
+    )
+    assert (
+        read_once_problems(first + per_rank_skip, padding)
+        == {1: "never read: 0, read too often: 192", 3: "never read: 192, read too often: 0"}[
+            new_world
+        ]
+    )
 
-    # The next epoch is a plain epoch on the new ranks: DistributedSampler's split, every sample read.
+    # The next epoch is a plain epoch on the new ranks:
+    # DistributedSampler's split, every sample read.
     for rank in range(new_world):
-        plain = DistributedSampler(range(TRAIN_SIZE), num_replicas=new_world, rank=rank, shuffle=True, seed=0)
+        plain = DistributedSampler(
+            range(TRAIN_SIZE), num_replicas=new_world, rank=rank, shuffle=True, seed=0
+        )
         plain.set_epoch(1)
         assert [i for e, batch in batches(tmp_path, rank) if e == 1 for i in batch] == list(plain)
-    next_padding = epoch_order(reference, 1)[:-TRAIN_SIZE % new_world]  # DistributedSampler's own
+    next_padding = epoch_order(reference, 1)[: -TRAIN_SIZE % new_world]  # DistributedSampler's own
     assert read_once_problems(epoch_reads(tmp_path, 1, new_world), next_padding) == ""
 
-    # The learning rate goes on from where it was (not rescaled) and the cosine ends at the new last step.
+    # The learning rate goes on from where it was (not
+    # rescaled) and the cosine ends at the new last step.
     saved_lr, total = saved["optimizer"]["param_groups"][0]["lr"], summary["steps"]
 
     def cosine(step: int) -> float:
         return 1 + math.cos(math.pi * step / total)
 
-    checkpoints = [state for state in map(ckpt.load, ckpt.list_checkpoints(tmp_path / "checkpoints"))
-                   if state["step"] > STOP_STEP]  # every save of the resumed run (--keep-last 20)
+    checkpoints = [
+        state
+        for state in map(ckpt.load, ckpt.list_checkpoints(tmp_path / "checkpoints"))
+        if state["step"] > STOP_STEP
+    ]  # every save of the resumed run (--keep-last 20)
     assert checkpoints[0]["step"] == total and checkpoints[0]["scheduler"]["T_max"] == total
     for state in checkpoints:  # the cosine to the new end, scaled to go on from the saved LR
         expected = saved_lr * cosine(state["step"]) / cosine(STOP_STEP)
-        assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(expected, rel=1e-9, abs=1e-15)
+        assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(
+            expected, rel=1e-9, abs=1e-15
+        )
     assert checkpoints[0]["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0, abs=1e-15)
-    # The epoch's loss sums went on from both saved ranks: the end-of-epoch checkpoint counts every read.
-    epoch_end = next(state for state in checkpoints if state["epoch"] == 1 and state["consumed"] == 0)
-    assert sum(rank["loss_sum"][1].item() for rank in epoch_end["ranks"]) == TRAIN_SIZE + len(padding)
+    # The epoch's loss sums went on from both saved ranks:
+    # the end-of-epoch checkpoint counts every read.
+    epoch_end = next(
+        state for state in checkpoints if state["epoch"] == 1 and state["consumed"] == 0
+    )
+    assert sum(rank["loss_sum"][1].item() for rank in epoch_end["ranks"]) == TRAIN_SIZE + len(
+        padding
+    )
     # RNG: the saved ranks' own states on the ranks both runs have; a new rank has its seed + rank.
     for state in checkpoints:
         assert len(state["ranks"]) == new_world
         for rank, rng in enumerate(state["ranks"]):
-            expected = marked[rank] if rank < 2 else torch.Generator().manual_seed(0 + rank).get_state()
+            expected = (
+                marked[rank] if rank < 2 else torch.Generator().manual_seed(0 + rank).get_state()
+            )
             assert torch.equal(rng["torch"], expected), (state["step"], rank)
-    # Control: the saved schedule (90 steps long) stepped to the new last step would not end at 0; on 1 rank
+    # Control: the saved schedule (90 steps long) stepped
+    # to the new last step would not end at 0; on 1 rank
     # it reaches 0 at step 90 and climbs again.
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=saved_lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1)
@@ -384,7 +585,10 @@ def test_resume_on_another_number_of_processes_reads_the_rest_of_the_epoch(refer
         lr_after[step] = optimizer.param_groups[0]["lr"]
     assert scheduler.T_max == TOTAL_STEPS and lr_after[total] > 1e-3
     if total > TOTAL_STEPS:
-        assert lr_after[TOTAL_STEPS] == pytest.approx(0, abs=1e-12) and lr_after[total] > lr_after[TOTAL_STEPS + 1]
+        assert (
+            lr_after[TOTAL_STEPS] == pytest.approx(0, abs=1e-12)
+            and lr_after[total] > lr_after[TOTAL_STEPS + 1]
+        )
 
 
 # --- per-rank RNG states: CIFAR-10-format files, whose RandomCrop/RandomHorizontalFlip draw from
@@ -398,21 +602,40 @@ def cifar(tmp_path_factory) -> tuple[Path, tuple[str, ...]]:
     """Fake CIFAR-10 files and the uninterrupted 3-epoch run on them."""
     data_dir = tmp_path_factory.mktemp("cifar_data")
     write_cifar10(data_dir / "cifar10", per_batch=20, test_size=30)
-    args = ("--dataset", "cifar10", "--data-dir", str(data_dir), "--epochs", "3", "--batch-size", "8",
-            "--log-every", "100")
+    args = (
+        "--dataset",
+        "cifar10",
+        "--data-dir",
+        str(data_dir),
+        "--epochs",
+        "3",
+        "--batch-size",
+        "8",
+        "--log-every",
+        "100",
+    )
     out = tmp_path_factory.mktemp("cifar_reference")
     cifar_run(args, out)
     assert read_summary(out)["steps"] == 3 * CIFAR_STEPS_PER_EPOCH
     # --save-every-steps 0 (the default): a checkpoint at the end of each epoch only.
     assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == [
-        ckpt.checkpoint_name(s * CIFAR_STEPS_PER_EPOCH) for s in (3, 2, 1)]
+        ckpt.checkpoint_name(s * CIFAR_STEPS_PER_EPOCH) for s in (3, 2, 1)
+    ]
     return out, args
 
 
 def cifar_run(args: tuple[str, ...], output_dir: Path, *extra: str):
     # tests/perf_cifar.py runs the script with torchvision's MD5 check of the files off.
-    return torchrun("tests/perf_cifar.py", "run", SCRIPT, *args, "--output-dir", str(output_dir), *extra,
-                    timeout=180)
+    return torchrun(
+        "tests/perf_cifar.py",
+        "run",
+        SCRIPT,
+        *args,
+        "--output-dir",
+        str(output_dir),
+        *extra,
+        timeout=180,
+    )
 
 
 def test_every_ranks_rng_state_is_restored(cifar, tmp_path):
@@ -423,8 +646,12 @@ def test_every_ranks_rng_state_is_restored(cifar, tmp_path):
     # The ranks draw different augmentations, so their saved RNG states differ.
     assert not torch.equal(mid["ranks"][0]["torch"], mid["ranks"][1]["torch"])
     control = tmp_path / "rank0_rng_everywhere"
-    ckpt.save({**mid, "ranks": [mid["ranks"][0], {**mid["ranks"][1], "torch": mid["ranks"][0]["torch"]}]},
-              control / "checkpoints", 10, keep=3)
+    ckpt.save(
+        {**mid, "ranks": [mid["ranks"][0], {**mid["ranks"][1], "torch": mid["ranks"][0]["torch"]}]},
+        control / "checkpoints",
+        10,
+        keep=3,
+    )
 
     result = cifar_run(args, run_dir)
     assert "resumed from" in result.stdout and read_summary(run_dir)["resumed_from_step"] == 10
@@ -438,9 +665,19 @@ def test_every_ranks_rng_state_is_restored(cifar, tmp_path):
 
 # --- checkpoint.py on its own ---------------------------------------------------------------------
 
+
 def _checkpoint_like(step: int) -> dict:
-    return {"model": {"w": torch.full((4,), float(step))}, "optimizer": {}, "scheduler": {}, "step": step,
-            "epoch": 0, "consumed": step, "ranks": [], "world_size": 1, "batch_size": 1}
+    return {
+        "model": {"w": torch.full((4,), float(step))},
+        "optimizer": {},
+        "scheduler": {},
+        "step": step,
+        "epoch": 0,
+        "consumed": step,
+        "ranks": [],
+        "world_size": 1,
+        "batch_size": 1,
+    }
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
@@ -456,10 +693,18 @@ def test_corrupt_latest_is_reported_in_one_line_and_previous_used(tmp_path, dama
     messages = []
     path, state = ckpt.find_resumable(tmp_path, log=messages.append)
     assert path.name == "ckpt-00000020.pt" and state["step"] == 20
-    assert len(messages) == 1 and "\n" not in messages[0] and "ckpt-00000030.pt is unusable" in messages[0]
-    # The README's line: warning: checkpoint .../ckpt-00000090.pt is unusable (...); trying the previous one
-    assert re.fullmatch(rf"warning: checkpoint {re.escape(str(latest))} is unusable \(.+\); trying the previous one",
-                        messages[0]), messages[0]
+    assert (
+        len(messages) == 1
+        and "\n" not in messages[0]
+        and "ckpt-00000030.pt is unusable" in messages[0]
+    )
+    # The README's line: warning: checkpoint .../ckpt-00000090.pt
+    # is unusable (...); trying the previous one
+    assert re.fullmatch(
+        rf"warning: checkpoint {re.escape(str(latest))} is unusable \(.+\); trying the "
+        r"previous one",
+        messages[0],
+    ), messages[0]
     assert latest.exists()  # nothing is deleted
 
 
@@ -467,7 +712,9 @@ def test_keep_last_k_and_latest_pointer(tmp_path):
     for step in range(1, 8):
         ckpt.save(_checkpoint_like(step), tmp_path, step, keep=3)
         assert ckpt.read_latest(tmp_path).name == ckpt.checkpoint_name(step)
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [ckpt.checkpoint_name(s) for s in (7, 6, 5)]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [
+        ckpt.checkpoint_name(s) for s in (7, 6, 5)
+    ]
 
 
 SAVE_LOOP = """
@@ -477,8 +724,9 @@ import checkpoint as ckpt
 start = ckpt.load(ckpt.read_latest({out!r}))["step"] + 1 if ckpt.read_latest({out!r}) else 1
 print("ready", flush=True)
 for step in range(start, start + 1000):
-    state = {{"model": {{"w": torch.full((8_000_000,), float(step))}}, "optimizer": {{}}, "scheduler": {{}},
-             "step": step, "epoch": 0, "consumed": step, "ranks": [], "world_size": 1, "batch_size": 1}}
+    state = {{"model": {{"w": torch.full((8_000_000,), float(step))}}, "optimizer": {{}},
+             "scheduler": {{}}, "step": step, "epoch": 0, "consumed": step, "ranks": [],
+             "world_size": 1, "batch_size": 1}}
     ckpt.save(state, {out!r}, step, keep=2)
 """
 
@@ -488,14 +736,17 @@ def test_kill_during_save_never_leaves_latest_pointing_at_a_partial_file(tmp_pat
     code = SAVE_LOOP.format(folder=str(REPO / "05_checkpointing"), out=str(tmp_path))
     partial = set()  # temporary files left by a kill in the middle of a write
     for _ in range(3):
-        proc = subprocess.Popen([PYTHON, "-c", code], env=clean_env(), stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [PYTHON, "-c", code], env=clean_env(), stdout=subprocess.PIPE, text=True
+        )
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(random.uniform(0.3, 1.5))
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         partial |= {p.name for p in tmp_path.iterdir() if ".tmp-" in p.name}
         latest = ckpt.read_latest(tmp_path)
-        if latest is None:  # killed before the first save completed: then there is no complete file either
+        # killed before the first save completed: then there is no complete file either
+        if latest is None:
             assert ckpt.list_checkpoints(tmp_path) == []
             continue
         state = ckpt.load(latest)  # complete
@@ -503,10 +754,13 @@ def test_kill_during_save_never_leaves_latest_pointing_at_a_partial_file(tmp_pat
         # `latest` names the newest complete file, or the one before it when the kill fell between
         # the rename of the new file and the update of the pointer.
         newest = ckpt.list_checkpoints(tmp_path)[0]
-        assert latest == newest or (newest.name == ckpt.checkpoint_name(state["step"] + 1)
-                                    and ckpt.load(newest)["step"] == state["step"] + 1)
+        assert latest == newest or (
+            newest.name == ckpt.checkpoint_name(state["step"] + 1)
+            and ckpt.load(newest)["step"] == state["step"] + 1
+        )
     assert ckpt.read_latest(tmp_path) is not None, "no save completed in three attempts"
-    ckpt.save(_checkpoint_like(10_000), tmp_path, 10_000, keep=2)  # the next save removes the leftovers
+    # the next save removes the leftovers
+    ckpt.save(_checkpoint_like(10_000), tmp_path, 10_000, keep=2)
     assert not any(".tmp-" in p.name for p in tmp_path.iterdir())
     print(f"kills that hit a write in progress: {len(partial)}/3")
 
@@ -535,7 +789,9 @@ def test_weights_only_refuses_a_checkpoint_with_a_pickled_object(tmp_path):
     assert marker.exists()
 
 
-# --- export_model.py and dcp_example.py -------------------------------------------------------------
+# --- export_model.py and dcp_example.py
+# -------------------------------------------------------------
+
 
 def _digits_test_outputs(state_dict: dict) -> torch.Tensor:
     sys.path.insert(0, str(REPO))
@@ -552,7 +808,11 @@ def _digits_test_outputs(state_dict: dict) -> torch.Tensor:
 
 def test_exported_state_dict_loads_into_a_plain_model(reference, tmp_path):
     exported = tmp_path / "model.pt"
-    run([PYTHON, REPO / "05_checkpointing/export_model.py", reference / "checkpoints", exported], 60, check=True)
+    run(
+        [PYTHON, REPO / "05_checkpointing/export_model.py", reference / "checkpoints", exported],
+        60,
+        check=True,
+    )
     sd = torch.load(exported, weights_only=True)
     assert not any(k.startswith("module.") for k in sd)
     outputs = _digits_test_outputs(sd)
@@ -569,107 +829,186 @@ def test_exported_state_dict_loads_into_a_plain_model(reference, tmp_path):
     torch.save(prefixed, tmp_path / "old.pt")
     torch.save(prefixed["model"], tmp_path / "old_bare.pt")
     for source in ("old.pt", "old_bare.pt"):
-        run([PYTHON, REPO / "05_checkpointing/export_model.py", tmp_path / source, tmp_path / f"x_{source}"], 60,
-            check=True)
-        assert torch.equal(_digits_test_outputs(torch.load(tmp_path / f"x_{source}", weights_only=True)), outputs)
+        run(
+            [
+                PYTHON,
+                REPO / "05_checkpointing/export_model.py",
+                tmp_path / source,
+                tmp_path / f"x_{source}",
+            ],
+            60,
+            check=True,
+        )
+        assert torch.equal(
+            _digits_test_outputs(torch.load(tmp_path / f"x_{source}", weights_only=True)), outputs
+        )
 
 
 def test_export_from_a_folder_without_checkpoints_is_one_error_line(tmp_path):
-    result = run([PYTHON, REPO / "05_checkpointing/export_model.py", tmp_path, tmp_path / "model.pt"], 60)
-    assert result.returncode == 2 and _error_lines(result) == [f"error: no usable checkpoint in {tmp_path}"]
+    result = run(
+        [PYTHON, REPO / "05_checkpointing/export_model.py", tmp_path, tmp_path / "model.pt"], 60
+    )
+    assert result.returncode == 2 and _error_lines(result) == [
+        f"error: no usable checkpoint in {tmp_path}"
+    ]
 
 
 DCP_SAVE = "torchrun --standalone --nproc_per_node=2 05_checkpointing/dcp_example.py --mode save"
 DCP_LOAD = "torchrun --standalone --nproc_per_node=1 05_checkpointing/dcp_example.py --mode load"
-DCP_TO_TORCH = "python -m torch.distributed.checkpoint.format_utils dcp_to_torch runs/dcp/checkpoint model.pt"
+DCP_TO_TORCH = (
+    "python -m torch.distributed.checkpoint.format_utils dcp_to_torch runs/dcp/checkpoint model.pt"
+)
 
 
 def test_dcp_save_on_two_ranks_loads_on_one(tmp_path):
-    """05's README commands as written (with --output-dir): 2 ranks save, 1 rank loads, then torch's own
-    converter makes a plain torch.save file of it, run from the folder the README's relative paths name."""
+    """05's README commands as written (with --output-dir): 2 ranks save, 1
+    rank loads, then torch's own converter makes a plain torch.save file
+    of it, run from the folder the README's relative paths name."""
     work = tmp_path
     tmp_path = work / "runs" / "dcp"  # the README's runs/dcp, under a folder of this test's own
-    saved = run(readme_command("05_checkpointing/README.md", DCP_SAVE) + ["--output-dir", str(tmp_path)],
-                timeout=240, check=True)
-    assert f"saved {tmp_path / 'checkpoint'} from 2 rank(s) after 10 steps" in saved.stdout  # --max-steps 10
+    saved = run(
+        readme_command("05_checkpointing/README.md", DCP_SAVE) + ["--output-dir", str(tmp_path)],
+        timeout=240,
+        check=True,
+    )
+    # --max-steps 10
+    assert f"saved {tmp_path / 'checkpoint'} from 2 rank(s) after 10 steps" in saved.stdout
     assert (tmp_path / "checkpoint" / ".metadata").is_file()
-    # Both ranks wrote a file, and together the state once (deduplicated), though both hold all of it.
+    # Both ranks wrote a file, and together the state
+    # once (deduplicated), though both hold all of it.
     files = sorted((tmp_path / "checkpoint").glob("*.distcp"))
     reference_state = torch.load(tmp_path / "reference.pt", weights_only=True)
     one_copy = sum(t.numel() * t.element_size() for t in reference_state["model"].values()) + sum(
         s["momentum_buffer"].numel() * s["momentum_buffer"].element_size()
-        for s in reference_state["optim"]["state"].values())
+        for s in reference_state["optim"]["state"].values()
+    )
     assert len(files) == 2 and all(f.stat().st_size > 0 for f in files)
     assert one_copy <= sum(f.stat().st_size for f in files) < 1.1 * one_copy  # not 2 copies
-    loaded = run(readme_command("05_checkpointing/README.md", DCP_LOAD) + ["--output-dir", str(tmp_path)],
-                 timeout=240, check=True)
-    assert (f"loaded {tmp_path / 'checkpoint'} into 1 rank(s): parameters equal True, momentum buffers equal True"
-            in loaded.stdout)
+    loaded = run(
+        readme_command("05_checkpointing/README.md", DCP_LOAD) + ["--output-dir", str(tmp_path)],
+        timeout=240,
+        check=True,
+    )
+    assert (
+        f"loaded {tmp_path / 'checkpoint'} into 1 rank(s): parameters equal True, momentum "
+        "buffers equal True" in loaded.stdout
+    )
     summary = read_summary(tmp_path)
     assert summary["world_size"] == 1 and summary["params_equal"] and summary["momentum_equal"]
     assert summary["momentum_buffers"] == 8
     # dcp_to_torch: one file holding the same model weights as the reference run's.
-    run(readme_command("05_checkpointing/README.md", DCP_TO_TORCH), timeout=240, cwd=work, check=True)
+    run(
+        readme_command("05_checkpointing/README.md", DCP_TO_TORCH),
+        timeout=240,
+        cwd=work,
+        check=True,
+    )
     converted = torch.load(work / "model.pt", weights_only=True)
     assert converted["model"].keys() == reference_state["model"].keys()
     assert all(torch.equal(converted["model"][k], v) for k, v in reference_state["model"].items())
 
 
-# --- the README's statements, on the runs above, the lesson's source and the installed torch ------------
+# --- the README's statements, on the runs above, the
+# lesson's source and the installed torch ------------
 
 README = REPO / "05_checkpointing" / "README.md"
 
 
 def _summary_fields(script: str) -> set[str]:
-    """The keyword arguments of the script's write_summary(...) call: the fields of its summary.json."""
+    """The keyword arguments of the script's write_summary(...)
+    call: the fields of its summary.json."""
     tree = ast.parse((REPO / script).read_text())
-    [call] = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "write_summary"]
+    [call] = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "write_summary"
+    ]
     return {kw.arg for kw in call.keywords}
 
 
 def test_readme_sample_and_summary_are_the_reference_runs(reference):
-    """The README's sample (2 epochs, batch 16 on 2 ranks; the save and log intervals do not change the
-    arithmetic) ends with the reference run's figures; summary.json is 01's plus resumed_from_step."""
+    """The README's sample (2 epochs, batch 16 on 2 ranks; the save and
+    log intervals do not change the arithmetic) ends with the reference
+    run's figures; summary.json is 01's plus resumed_from_step."""
     text = README.read_text()
-    ends = re.findall(r"train loss (\d\.\d{4}), eval loss (\d\.\d{4}), eval accuracy (\d\.\d{4})", text)
+    ends = re.findall(
+        r"train loss (\d\.\d{4}), eval loss (\d\.\d{4}), eval accuracy (\d\.\d{4})", text
+    )
     summary = read_summary(reference)
     figures = tuple(f"{summary[k]:.4f}" for k in ("final_train_loss", "eval_loss", "eval_accuracy"))
     assert ends and set(ends) == {figures}, (ends, figures)
-    assert f"train {TRAIN_SIZE} ({TRAIN_SIZE // 2} per rank), test {summary['eval_samples']}" in text
+    assert (
+        f"train {TRAIN_SIZE} ({TRAIN_SIZE // 2} per rank), test {summary['eval_samples']}" in text
+    )
     assert f"({summary['eval_samples']} images)" in text
-    assert _summary_fields(SCRIPT) - _summary_fields("01_basic_ddp/train.py") == {"resumed_from_step"}
+    assert _summary_fields(SCRIPT) - _summary_fields("01_basic_ddp/train.py") == {
+        "resumed_from_step"
+    }
     assert _summary_fields("01_basic_ddp/train.py") <= _summary_fields(SCRIPT) <= summary.keys()
 
 
 def _plain_values(value, where="state") -> list[str]:
-    """Where `value` holds anything but tensors, numbers, booleans, None, strings, lists and dicts."""
+    """Where `value` holds anything but tensors, numbers,
+    booleans, None, strings, lists and dicts."""
     if isinstance(value, dict):
-        return [p for k, v in value.items() for p in _plain_values(k, where) + _plain_values(v, f"{where}[{k!r}]")]
+        return [
+            p
+            for k, v in value.items()
+            for p in _plain_values(k, where) + _plain_values(v, f"{where}[{k!r}]")
+        ]
     if isinstance(value, list):
         return [p for i, v in enumerate(value) for p in _plain_values(v, f"{where}[{i}]")]
-    return [] if value is None or isinstance(value, (torch.Tensor, int, float, str)) else [f"{where}: {type(value)}"]
+    return (
+        []
+        if value is None or isinstance(value, (torch.Tensor, int, float, str))
+        else [f"{where}: {type(value)}"]
+    )
 
 
 def test_a_checkpoint_holds_what_the_readme_table_lists(reference):
     state = ckpt.load(ckpt.read_latest(reference / "checkpoints"))
-    assert set(state) == {"model", "optimizer", "scheduler", "step", "epoch", "consumed", "ranks", "world_size",
-                          "batch_size", "model_args"}
-    assert state["model"] and not any(k.startswith("module.") for k in state["model"])  # from model.module
-    assert all("momentum_buffer" in s for s in state["optimizer"]["state"].values())  # SGD's momentum
+    assert set(state) == {
+        "model",
+        "optimizer",
+        "scheduler",
+        "step",
+        "epoch",
+        "consumed",
+        "ranks",
+        "world_size",
+        "batch_size",
+        "model_args",
+    }
+    # from model.module
+    assert state["model"] and not any(k.startswith("module.") for k in state["model"])
+    # SGD's momentum
+    assert all("momentum_buffer" in s for s in state["optimizer"]["state"].values())
     # The cosine schedule, stepped every optimizer step over the whole run.
-    assert state["scheduler"]["T_max"] == TOTAL_STEPS and state["scheduler"]["last_epoch"] == state["step"]
-    assert (state["step"], state["epoch"], state["consumed"], state["world_size"], state["batch_size"]) == (
-        TOTAL_STEPS, 2, 0, 2, 16)
-    for rank in state["ranks"]:  # torch CPU, Python, NumPy (and CUDA on GPUs), and the epoch's loss sums
+    assert (
+        state["scheduler"]["T_max"] == TOTAL_STEPS
+        and state["scheduler"]["last_epoch"] == state["step"]
+    )
+    assert (
+        state["step"],
+        state["epoch"],
+        state["consumed"],
+        state["world_size"],
+        state["batch_size"],
+    ) == (TOTAL_STEPS, 2, 0, 2, 16)
+    # torch CPU, Python, NumPy (and CUDA on GPUs), and the epoch's loss sums
+    for rank in state["ranks"]:
         assert {"torch", "python", "numpy", "loss_sum"} <= rank.keys()
         assert all(rank[k].dtype == torch.uint8 for k in ("torch", "python", "numpy"))
-    assert not torch.equal(state["ranks"][0]["torch"], state["ranks"][1]["torch"])  # seeded seed + rank
+    # seeded seed + rank
+    assert not torch.equal(state["ranks"][0]["torch"], state["ranks"][1]["torch"])
     assert _plain_values(state) == []  # what weights_only=True accepts
-    assert _plain_values({"x": Path("p")}) == ["state['x']: <class 'pathlib.PosixPath'>"]  # the walk can fail
+    # the walk can fail
+    assert _plain_values({"x": Path("p")}) == ["state['x']: <class 'pathlib.PosixPath'>"]
 
 
 def test_without_optimizer_or_scheduler_state_a_resume_takes_another_path():
     """The README's table: momentum and the LR schedule restart from zero without their states."""
+
     def run_steps(model, optimizer, scheduler, steps):
         for _ in range(steps):
             optimizer.zero_grad()
@@ -707,10 +1046,15 @@ def test_distributed_sampler_is_a_randperm_of_seed_plus_epoch_read_with_stride_w
     """What the README says DistributedSampler does, which ResumableSampler relies on."""
     for size, world in ((1438, 2), (1438, 3), (7, 4)):
         for epoch in (0, 5):
-            order = torch.randperm(size, generator=torch.Generator().manual_seed(3 + epoch)).tolist()
-            padded = order + order[:-size % world] if size % world else order  # the first samples again
+            order = torch.randperm(
+                size, generator=torch.Generator().manual_seed(3 + epoch)
+            ).tolist()
+            # the first samples again
+            padded = order + order[: -size % world] if size % world else order
             for rank in range(world):
-                sampler = DistributedSampler(range(size), num_replicas=world, rank=rank, shuffle=True, seed=3)
+                sampler = DistributedSampler(
+                    range(size), num_replicas=world, rank=rank, shuffle=True, seed=3
+                )
                 sampler.set_epoch(epoch)
                 assert list(sampler) == padded[rank::world]
 
@@ -728,17 +1072,30 @@ def test_a_dataloader_draws_a_seed_from_the_global_rng_unless_given_its_generato
 def test_lesson_source_does_what_the_readme_says():
     source = (REPO / SCRIPT).read_text()
     # Each rank's own seed comes after the model is built and wrapped, as in 01.
-    assert source.index("model = DDP(model") < source.index("torch.manual_seed(cfg.seed + launch.rank)")
+    assert source.index("model = DDP(model") < source.index(
+        "torch.manual_seed(cfg.seed + launch.rank)"
+    )
     assert "generator.manual_seed(cfg.seed + launch.rank + epoch * launch.world_size)" in source
-    # Besides 01's collectives: one all-reduce per step (the stop flag), gather_object + barrier per save,
+
+    # Besides 01's collectives: one all-reduce per step
+    # (the stop flag), gather_object + barrier per save,
     # and rank 0's choice of checkpoint broadcast at start-up.
     def collectives(path):
-        return Counter(re.findall(r"\bdist\.(all_reduce|gather_object|barrier|broadcast_object_list|all_gather"
-                                  r"\w*|broadcast)\(", (REPO / path).read_text()))
+        return Counter(
+            re.findall(
+                r"\bdist\.(all_reduce|gather_object|barrier|broadcast_object_list|all_gather"
+                r"\w*|broadcast)\(",
+                (REPO / path).read_text(),
+            )
+        )
+
     assert collectives(SCRIPT) - collectives("01_basic_ddp/train.py") == Counter(
-        all_reduce=1, gather_object=1, barrier=1, broadcast_object_list=1)
+        all_reduce=1, gather_object=1, barrier=1, broadcast_object_list=1
+    )
     lesson = ast.parse(source)
-    per_step = next(n for n in ast.walk(lesson) if isinstance(n, ast.FunctionDef) and n.name == "requested")
+    per_step = next(
+        n for n in ast.walk(lesson) if isinstance(n, ast.FunctionDef) and n.name == "requested"
+    )
     assert "dist.all_reduce(flag, op=dist.ReduceOp.MAX)" in ast.unparse(per_step)
 
 
@@ -750,10 +1107,12 @@ def test_requeue_code_and_torch_facts_the_readme_names():
     # torch 2.14: the variable that keeps restarted workers off the old rendezvous store.
     rendezvous = (torch_dir / "distributed/elastic/rendezvous/dynamic_rendezvous.py").read_text()
     assert 'os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")' in rendezvous
-    # torchrun forwards only the signals it is told to handle; SIGUSR1 is not among the default ones.
+    # torchrun forwards only the signals it is told to
+    # handle; SIGUSR1 is not among the default ones.
     run_py = (torch_dir / "distributed/run.py").read_text()
     assert '"--signals-to-handle"' in run_py and 'default="SIGTERM,SIGINT,SIGHUP,SIGQUIT"' in run_py
     import torch.distributed.checkpoint as dcp
+
     assert callable(dcp.async_save)
 
 
@@ -769,7 +1128,8 @@ def test_checkpoint_py_is_file_io_only_and_a_failed_write_leaves_only_a_tmp_file
     with pytest.raises(KeyboardInterrupt):
         ckpt.atomic_write(target, crash)
     assert [p.name for p in tmp_path.iterdir()] == [f".ckpt-00000040.pt.tmp-{os.getpid()}"]
-    assert ckpt.list_checkpoints(tmp_path) == [] and ckpt.read_latest(tmp_path) is None  # never read
+    # never read
+    assert ckpt.list_checkpoints(tmp_path) == [] and ckpt.read_latest(tmp_path) is None
     ckpt.save(_checkpoint_like(50), tmp_path, 50, keep=3)  # the next save removes it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000050.pt", "latest"]
     assert (tmp_path / "latest").read_text() == "ckpt-00000050.pt\n"  # a one-line text file
@@ -777,7 +1137,8 @@ def test_checkpoint_py_is_file_io_only_and_a_failed_write_leaves_only_a_tmp_file
 
 @pytest.mark.parametrize("case", ["missing file", "garbage file", "weights that do not fit"])
 def test_export_bad_input_is_one_error_line_and_exit_code_2(case, tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "checkpoint", ckpt)  # export_model.py imports its neighbour by that name
+    # export_model.py imports its neighbour by that name
+    monkeypatch.setitem(sys.modules, "checkpoint", ckpt)
     export = load_script("05_checkpointing/export_model.py", "export_model")
     source = tmp_path / "in.pt"
     if case == "garbage file":
@@ -787,5 +1148,7 @@ def test_export_bad_input_is_one_error_line_and_exit_code_2(case, tmp_path, caps
     with pytest.raises(SystemExit) as exc:
         export.main([str(source), str(tmp_path / "out.pt")])
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(f"error: {source}"), err
+    assert (
+        exc.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(f"error: {source}")
+    ), err
     assert not (tmp_path / "out.pt").exists()

@@ -1,4 +1,5 @@
-"""Data sets: the embedded digits split, CIFAR-10 through torchvision's real loader, clear errors."""
+"""Data sets: the embedded digits split, CIFAR-10
+through torchvision's real loader, clear errors."""
 
 import hashlib
 import pickle
@@ -17,7 +18,8 @@ from tests.helpers import PYTHON, REPO, read_summary, run
 def test_digits_is_a_fixed_disjoint_split_of_all_1797_images():
     a, b = digits(), digits()
     assert (len(a.train), len(a.test)) == (1438, 359)
-    assert torch.equal(a.train.tensors[0], b.train.tensors[0])  # same split every time, on every rank
+    # same split every time, on every rank
+    assert torch.equal(a.train.tensors[0], b.train.tensors[0])
     train_rows = {tuple(x.flatten().tolist()) for x in a.train.tensors[0]}
     test_rows = [tuple(x.flatten().tolist()) for x in a.test.tensors[0]]
     # The digits set has a few duplicate scans; apart from those the split is disjoint.
@@ -52,7 +54,9 @@ def test_missing_data_names_the_prepare_command(tmp_path, name):
     with pytest.raises(DataError) as err:
         build_datasets(name, tmp_path / "nowhere")
     message = str(err.value)
-    assert "\n" not in message and f"python -m common.prepare --dataset {name} --data-dir" in message
+    assert (
+        "\n" not in message and f"python -m common.prepare --dataset {name} --data-dir" in message
+    )
 
 
 def test_imagefolder_tree(tmp_path):
@@ -62,7 +66,9 @@ def test_imagefolder_tree(tmp_path):
             folder = tmp_path / split / cls
             folder.mkdir(parents=True)
             for i in range(n):
-                Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+                Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(
+                    folder / f"{i}.png"
+                )
     data = build_datasets("imagefolder", tmp_path, image_size=32)
     assert (len(data.train), len(data.test), data.num_classes) == (6, 4, 2)
     assert data.train[0][0].shape == (3, 32, 32) and data.test[0][0].shape == (3, 32, 32)
@@ -79,17 +85,22 @@ def test_fake_data_is_deterministic_and_sized():
     assert torch.equal(a.test[5][0], b.test[5][0]) and not torch.equal(a.train[0][0], a.test[0][0])
 
 
-# Recorded from scikit-learn 1.9.1's load_digits() (images as uint8, row by row, then the 1,797 labels as uint8),
-# which read the same file before it shipped here; the tests below hold the shipped file to it without scikit-learn.
+# Recorded from scikit-learn 1.9.1's load_digits() (images
+# as uint8, row by row, then the 1,797 labels as uint8),
+# which read the same file before it shipped here; the tests
+# below hold the shipped file to it without scikit-learn.
 DIGITS_SHA256 = "87ff0c9e40dc7e2c0e34e7257799c2e3f3aec1a016363bb11cad869ec428a826"
-# Recorded with torch 2.14.1 from digits() when it still read scikit-learn's copy: the train and test tensors' bytes.
+# Recorded with torch 2.14.1 from digits() when it still read
+# scikit-learn's copy: the train and test tensors' bytes.
 SPLIT_SHA256 = "dade5ef4ba9e5aff360a66e7767868259503a153d28a93c8f9d4827f44fbb67c"
-UCI_TEST_CLASS_COUNTS = [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]  # optdigits.tes, UCI's description
+# optdigits.tes, UCI's description
+UCI_TEST_CLASS_COUNTS = [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
 
 
 def digits_sha256(images, labels) -> str:
-    return hashlib.sha256(np.asarray(images, dtype=np.uint8).tobytes()
-                          + np.asarray(labels, dtype=np.uint8).tobytes()).hexdigest()
+    return hashlib.sha256(
+        np.asarray(images, dtype=np.uint8).tobytes() + np.asarray(labels, dtype=np.uint8).tobytes()
+    ).hexdigest()
 
 
 def test_the_shipped_digits_are_uci_s_test_set_as_recorded():
@@ -123,12 +134,28 @@ def test_digits_md_names_the_file_its_digest_source_and_licence():
 
 
 def test_digits_load_and_train_without_scikit_learn(tmp_path):
-    """In a process where scikit-learn (and scipy) cannot be imported, the digits load and a run trains."""
-    block = ("import runpy, sys; sys.modules['sklearn'] = sys.modules['scipy'] = None\n"
-             "try:\n    import sklearn\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit('not blocked')\n"
-             "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
-    result = run([PYTHON, "-c", block, REPO / "01_basic_ddp" / "train_single.py", "--epochs", "1",
-                  "--output-dir", tmp_path], timeout=180, check=True)
+    """In a process where scikit-learn (and scipy) cannot
+    be imported, the digits load and a run trains."""
+    block = (
+        "import runpy, sys; sys.modules['sklearn'] = sys.modules['scipy'] = None\n"
+        "try:\n    import sklearn\nexcept ImportError:\n    pass\nelse:\n    raise "
+        "SystemExit('not blocked')\n"
+        "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    result = run(
+        [
+            PYTHON,
+            "-c",
+            block,
+            REPO / "01_basic_ddp" / "train_single.py",
+            "--epochs",
+            "1",
+            "--output-dir",
+            tmp_path,
+        ],
+        timeout=180,
+        check=True,
+    )
     assert "not blocked" not in result.output
     summary = read_summary(tmp_path)
     assert summary["epochs"] == 1 and summary["eval_accuracy"] > 0.5
@@ -143,5 +170,9 @@ def test_digits_equal_scikit_learns_load_digits_where_installed():
     from pathlib import Path
 
     import sklearn.datasets
-    assert DIGITS_FILE.read_bytes() == (Path(sklearn.datasets.__file__).parent / "data" / "digits.csv.gz").read_bytes()
+
+    assert (
+        DIGITS_FILE.read_bytes()
+        == (Path(sklearn.datasets.__file__).parent / "data" / "digits.csv.gz").read_bytes()
+    )
     assert digits_sha256(raw.images, raw.target) == DIGITS_SHA256

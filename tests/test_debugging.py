@@ -21,7 +21,17 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
-from tests.helpers import PYTHON, REPO, clean_env, kill_group, load_script, read_summary, root_cause, run, torchrun
+from tests.helpers import (
+    PYTHON,
+    REPO,
+    clean_env,
+    kill_group,
+    load_script,
+    read_summary,
+    root_cause,
+    run,
+    torchrun,
+)
 
 DEMO = "debugging/demo_bugs.py"
 GUIDE = REPO / "debugging" / "README.md"
@@ -30,7 +40,9 @@ GUIDE = REPO / "debugging" / "README.md"
 def test_demo_runs_clean_without_a_bug(tmp_path):
     result = torchrun(DEMO, "--output-dir", str(tmp_path), timeout=120)
     assert "step 4 mean loss" in result.stdout and "done: no bug" in result.stdout
-    steps = re.findall(r"^step (\d) mean loss \d+\.\d{4} accuracy [01]\.\d{3}$", result.stdout, re.M)
+    steps = re.findall(
+        r"^step (\d) mean loss \d+\.\d{4} accuracy [01]\.\d{3}$", result.stdout, re.M
+    )
     assert steps == ["1", "2", "3", "4"], result.stdout
     summary = read_summary(tmp_path)
     assert summary["world_size"] == 2 and summary["replicas_identical"]
@@ -39,75 +51,154 @@ def test_demo_runs_clean_without_a_bug(tmp_path):
 def test_demo_mismatched_collective_gloo_aborts_on_the_size_mismatch(tmp_path):
     """Without debugging aids: rank 1's all-reduce of 2 doubles meets rank 0's of 1 float, and gloo
     aborts the receiving process (SIGABRT) with its own message."""
-    result = torchrun(DEMO, "--bug", "mismatched_collective", "--output-dir", str(tmp_path), check=False,
-                      timeout=120)
+    result = torchrun(
+        DEMO,
+        "--bug",
+        "mismatched_collective",
+        "--output-dir",
+        str(tmp_path),
+        check=False,
+        timeout=120,
+    )
     out = result.output
     assert result.returncode != 0
-    assert "Received data size doesn't match expected size. Is there a distributed collective mismatch" in out, \
-        out[-3000:]
-    # The receiving process aborts (SIGABRT). torchrun's summary usually says so, but an abort can leave
-    # that rank's error file half written, and torchrun then fails reading it: check the abort itself.
-    assert "terminate called after throwing an instance of 'gloo::EnforceNotMet'" in out, out[-3000:]
-    # torchrun names that rank's exit code -6 (its log line and its summary), unless it failed reading the
+    assert (
+        "Received data size doesn't match expected size. Is there a distributed collective mismatch"
+        in out
+    ), out[-3000:]
+    # The receiving process aborts (SIGABRT). torchrun's
+    # summary usually says so, but an abort can leave
+    # that rank's error file half written, and torchrun
+    # then fails reading it: check the abort itself.
+    assert "terminate called after throwing an instance of 'gloo::EnforceNotMet'" in out, out[
+        -3000:
+    ]
+    # torchrun names that rank's exit code -6 (its log
+    # line and its summary), unless it failed reading the
     # half-written error file, which it then says.
-    assert re.search(r"exitcode(: |  : )-6\b", out) or "Failed to parse reply file" in out, out[-3000:]
+    assert re.search(r"exitcode(: |  : )-6\b", out) or "Failed to parse reply file" in out, out[
+        -3000:
+    ]
 
 
 def test_demo_mismatched_collective_named_by_debug_detail(tmp_path):
-    # TORCH_SHOW_CPP_STACKTRACES adds the C++ stack to the error c10d raises (addr2line off: symbolizing is slow).
-    env = clean_env(TORCH_DISTRIBUTED_DEBUG="DETAIL", TORCH_SHOW_CPP_STACKTRACES="1", TORCH_DISABLE_ADDR2LINE="1")
-    result = torchrun(DEMO, "--bug", "mismatched_collective", "--output-dir", str(tmp_path), env=env,
-                      check=False, timeout=120)
+    # TORCH_SHOW_CPP_STACKTRACES adds the C++ stack to the
+    # error c10d raises (addr2line off: symbolizing is slow).
+    env = clean_env(
+        TORCH_DISTRIBUTED_DEBUG="DETAIL",
+        TORCH_SHOW_CPP_STACKTRACES="1",
+        TORCH_DISABLE_ADDR2LINE="1",
+    )
+    result = torchrun(
+        DEMO,
+        "--bug",
+        "mismatched_collective",
+        "--output-dir",
+        str(tmp_path),
+        env=env,
+        check=False,
+        timeout=120,
+    )
     out = result.output
     assert result.returncode != 0
     # The skipped all-reduce (shape [1], on rank 0 only) meets rank 1's next one (shape [2]) at the
     # same sequence number; the check runs on both ranks, either may report first.
-    pattern = (r"Detected mismatch between collectives on ranks\. Rank (\d) is running collective: "
-               r"CollectiveFingerPrint\(SequenceNumber=(\d+), OpType=ALLREDUCE, TensorShape=\[(\d)\], "
-               r"TensorDtypes=(\w+).*?"
-               r"but Rank (\d) is running collective: CollectiveFingerPrint\(SequenceNumber=\2, "
-               r"OpType=ALLREDUCE, TensorShape=\[(\d)\], TensorDtypes=(\w+)")
+    pattern = (
+        r"Detected mismatch between collectives on ranks\. Rank (\d) is running collective: "
+        r"CollectiveFingerPrint\(SequenceNumber=(\d+), OpType=ALLREDUCE, TensorShape=\[(\d)\], "
+        r"TensorDtypes=(\w+).*?"
+        r"but Rank (\d) is running collective: CollectiveFingerPrint\(SequenceNumber=\2, "
+        r"OpType=ALLREDUCE, TensorShape=\[(\d)\], TensorDtypes=(\w+)"
+    )
     m = re.search(pattern, out)
     assert m, out[-3000:]
     # rank 0's loss (one float), rank 1's counts (two doubles)
-    assert {int(m[1]): (m[3], m[4]), int(m[5]): (m[6], m[7])} == {0: ("1", "Float"), 1: ("2", "Double")}
+    assert {int(m[1]): (m[3], m[4]), int(m[5]): (m[6], m[7])} == {
+        0: ("1", "Float"),
+        1: ("2", "Double"),
+    }
     assert re.search(r"^\[rank\d\]: RuntimeError: Detected mismatch between collectives", out, re.M)
     # @record put the exception into torchrun's summary.
     assert "Detected mismatch between collectives on ranks" in root_cause(out)
-    assert re.search(r"^\[rank\d\]: Exception raised from \w+ at \S+/c10d/ProcessGroupWrapper\.cpp:\d+ \(most recent "
-                     r"call first\):$", out, re.M), out[-3000:]
+    assert re.search(
+        r"^\[rank\d\]: Exception raised from \w+ at \S+/c10d/ProcessGroupWrapper\.cpp:\d+ "
+        r"\(most recent "
+        r"call first\):$",
+        out,
+        re.M,
+    ), out[-3000:]
 
 
 def test_demo_unused_parameter_error_and_both_fixes(tmp_path):
-    result = torchrun(DEMO, "--bug", "unused_parameter", "--output-dir", str(tmp_path / "bug"), check=False,
-                      timeout=120)
+    result = torchrun(
+        DEMO,
+        "--bug",
+        "unused_parameter",
+        "--output-dir",
+        str(tmp_path / "bug"),
+        check=False,
+        timeout=120,
+    )
     out = result.output
     assert result.returncode != 0
-    assert "step 1 mean loss" in out and "step 2 mean loss" not in out  # DDP notices at the next forward
-    assert re.search(r"^\[rank\d\]: RuntimeError: Expected to have finished reduction in the prior iteration "
-                     r"before starting a new one\. This error indicates that your module has parameters that were "
-                     r"not used in producing loss\.", out, re.M), out[-3000:]
+    # DDP notices at the next forward
+    assert "step 1 mean loss" in out and "step 2 mean loss" not in out
+    assert re.search(
+        r"^\[rank\d\]: RuntimeError: Expected to have finished reduction in the prior iteration "
+        r"before starting a new one\. This error indicates that your module has parameters "
+        r"that were "
+        r"not used in producing loss\.",
+        out,
+        re.M,
+    ), out[-3000:]
     # raised by the forward of step 2 (the traceback's last frame in the script)
-    assert re.search(r"^\[rank\d\]:\s+logits = model\(x, use_aux=use_aux\)$", out, re.M), out[-3000:]
+    assert re.search(r"^\[rank\d\]:\s+logits = model\(x, use_aux=use_aux\)$", out, re.M), out[
+        -3000:
+    ]
     # DDP names the aux head's weight and bias (parameters 4 and 5), on each rank that reports.
-    assert re.search(r"^\[rank\d\]: Parameter indices which did not receive grad for rank \d: 4 5$", out, re.M)
+    assert re.search(
+        r"^\[rank\d\]: Parameter indices which did not receive grad for rank \d: 4 5$", out, re.M
+    )
     root = root_cause(out)
-    assert "Expected to have finished reduction" in root and re.search(r"did not receive grad for rank \d: 4 5", root)
-    # Negative control for the variables other runs set: without TORCH_SHOW_CPP_STACKTRACES this c10d error
+    assert "Expected to have finished reduction" in root and re.search(
+        r"did not receive grad for rank \d: 4 5", root
+    )
+    # Negative control for the variables other runs set:
+    # without TORCH_SHOW_CPP_STACKTRACES this c10d error
     # has no C++ stack, and without TORCH_CPP_LOG_LEVEL=INFO c10d logs no store connections.
-    assert "Exception raised from" not in out and "[c10d] The client socket has connected to" not in out
+    assert (
+        "Exception raised from" not in out
+        and "[c10d] The client socket has connected to" not in out
+    )
     for fix in ("find_unused", "use_all"):
-        fixed = torchrun(DEMO, "--bug", "unused_parameter", "--fix", fix, "--output-dir", str(tmp_path / fix),
-                         timeout=120)
+        fixed = torchrun(
+            DEMO,
+            "--bug",
+            "unused_parameter",
+            "--fix",
+            fix,
+            "--output-dir",
+            str(tmp_path / fix),
+            timeout=120,
+        )
         assert "step 4 mean loss" in fixed.stdout and "done: no bug" in fixed.stdout
         assert read_summary(tmp_path / fix)["replicas_identical"]
 
 
-def _run_timed(cmd: list, marker: str, timeout: float, env: dict[str, str]) -> tuple[int, str, float]:
+def _run_timed(
+    cmd: list, marker: str, timeout: float, env: dict[str, str]
+) -> tuple[int, str, float]:
     """Run `cmd` (own process group, stdout and stderr merged); return its exit code, its output and
     the seconds from the first line containing `marker` to its exit."""
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     lines, seen = [], []
 
     def read():
@@ -123,7 +214,10 @@ def _run_timed(cmd: list, marker: str, timeout: float, env: dict[str, str]) -> t
     except subprocess.TimeoutExpired:
         kill_group(proc)
         proc.wait()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n{''.join(lines)[-4000:]}", pytrace=False)
+        pytest.fail(
+            f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n{''.join(lines)[-4000:]}",
+            pytrace=False,
+        )
     ended = time.monotonic()
     reader.join(timeout=10)
     out = "".join(lines)
@@ -132,25 +226,48 @@ def _run_timed(cmd: list, marker: str, timeout: float, env: dict[str, str]) -> t
 
 
 def test_demo_rank0_only_barrier_ends_at_the_timeout_with_both_waits_shown(tmp_path):
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", REPO / DEMO,
-           "--bug", "rank0_barrier", "--timeout-s", "5", "--output-dir", tmp_path]
+    cmd = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        REPO / DEMO,
+        "--bug",
+        "rank0_barrier",
+        "--timeout-s",
+        "5",
+        "--output-dir",
+        tmp_path,
+    ]
     env = clean_env(TORCH_CPP_LOG_LEVEL="INFO", TORCH_SHOW_CPP_STACKTRACES="1")
     code, out, after_bug = _run_timed(cmd, "rank 0 writes a checkpoint", timeout=120, env=env)
     assert code != 0
-    # TORCH_CPP_LOG_LEVEL=INFO: c10d logs its store connections. TORCH_SHOW_CPP_STACKTRACES adds no C++ stack
+    # TORCH_CPP_LOG_LEVEL=INFO: c10d logs its store
+    # connections. TORCH_SHOW_CPP_STACKTRACES adds no C++ stack
     # to gloo's own timeout (it does to the errors c10d raises: the DETAIL test above).
     assert "[c10d] The client socket has connected to" in out, out[-3000:]
     assert "Exception raised from" not in out, out[-3000:]
     # gloo raised on both ranks after 5 s (not its default 30 min); torchrun stopped the job.
     assert 5 <= after_bug < 30, f"{after_bug:.1f} s from the bug to the end of the job"
-    # Whichever rank times out first raises gloo's timeout; the other raises the same or, when the first
+    # Whichever rank times out first raises gloo's timeout;
+    # the other raises the same or, when the first
     # one's exit closed the connection before its own timeout fired, "Connection closed by peer".
-    timed_out = [rank for rank in (0, 1)
-                 if re.search(rf"^\[rank{rank}\]: RuntimeError: \[.*/gloo/transport/tcp/unbound_buffer\.cc:78\] "
-                              r"Timed out waiting 5000ms for recv operation to complete$", out, re.M)]
+    timed_out = [
+        rank
+        for rank in (0, 1)
+        if re.search(
+            rf"^\[rank{rank}\]: RuntimeError: \[.*/gloo/transport/tcp/unbound_buffer\.cc:78\] "
+            r"Timed out waiting 5000ms for recv operation to complete$",
+            out,
+            re.M,
+        )
+    ]
     assert timed_out, out[-3000:]
     for rank in {0, 1} - set(timed_out):
-        assert re.search(rf"^\[rank{rank}\]: RuntimeError: .*Connection closed by peer", out, re.M), out[-3000:]
+        assert re.search(
+            rf"^\[rank{rank}\]: RuntimeError: .*Connection closed by peer", out, re.M
+        ), out[-3000:]
     # Each rank's traceback shows the line it waited in: two DIFFERENT collectives.
     rank0 = "\n".join(line for line in out.splitlines() if line.startswith("[rank0]:"))
     rank1 = "\n".join(line for line in out.splitlines() if line.startswith("[rank1]:"))
@@ -160,7 +277,8 @@ def test_demo_rank0_only_barrier_ends_at_the_timeout_with_both_waits_shown(tmp_p
     assert "Timed out waiting 5000ms" in root or "Connection closed by peer" in root, root
 
 
-# --- the unused-parameter error and its fixes, in this process (a group of one rank) ------------------------
+# --- the unused-parameter error and its fixes, in this
+# process (a group of one rank) ------------------------
 
 demo = load_script(DEMO, "demo_bugs")
 
@@ -179,16 +297,24 @@ def _error_within_three_steps(model, use_aux: bool = False) -> tuple[int, str, s
 
 
 def test_unused_parameter_fails_at_the_next_forward_and_each_fix_runs(one_rank_group):
-    """debugging/README.md: the reducer waits for a gradient that never comes and says so at the next forward,
-    on each rank by itself (here there is no other rank); the aux head is parameters 4 and 5."""
+    """debugging/README.md: the reducer waits for a gradient that never
+    comes and says so at the next forward, on each rank by itself (here
+    there is no other rank); the aux head is parameters 4 and 5."""
     torch.manual_seed(0)
     step, where, message = _error_within_three_steps(DDP(demo.TwoHeads()))
     assert (step, where) == (2, "forward"), message
-    assert message.startswith("Expected to have finished reduction in the prior iteration before starting a new one")
+    assert message.startswith(
+        "Expected to have finished reduction in the prior iteration before starting a new one"
+    )
     assert "Parameter indices which did not receive grad for rank 0: 4 5" in message
-    assert "Parameters which did not receive grad" not in message  # names only with TORCH_DISTRIBUTED_DEBUG
-    assert [name for name, _ in demo.TwoHeads().named_parameters()][4:] == ["aux_head.weight", "aux_head.bias"]
-    # The README's fixes: find_unused_parameters, every parameter in the loss, requires_grad_(False) on what is
+    # names only with TORCH_DISTRIBUTED_DEBUG
+    assert "Parameters which did not receive grad" not in message
+    assert [name for name, _ in demo.TwoHeads().named_parameters()][4:] == [
+        "aux_head.weight",
+        "aux_head.bias",
+    ]
+    # The README's fixes: find_unused_parameters, every
+    # parameter in the loss, requires_grad_(False) on what is
     # not trained, and static_graph=True for a graph that is the same every step.
     frozen = demo.TwoHeads()
     frozen.aux_head.requires_grad_(False)
@@ -199,7 +325,9 @@ def test_unused_parameter_fails_at_the_next_forward_and_each_fix_runs(one_rank_g
 
 
 @pytest.mark.parametrize("level", ["INFO", "DETAIL"])
-def test_torch_distributed_debug_adds_the_parameter_names_to_the_indices(one_rank_group, monkeypatch, level):
+def test_torch_distributed_debug_adds_the_parameter_names_to_the_indices(
+    one_rank_group, monkeypatch, level
+):
     previous = dist.get_debug_level()
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", level)
     dist.set_debug_level_from_env()
@@ -207,24 +335,39 @@ def test_torch_distributed_debug_adds_the_parameter_names_to_the_indices(one_ran
         _, _, message = _error_within_three_steps(DDP(demo.TwoHeads()))
     finally:
         dist.set_debug_level(previous)
-    assert "Parameters which did not receive grad for rank 0: aux_head.bias, aux_head.weight" in message
+    assert (
+        "Parameters which did not receive grad for rank 0: aux_head.bias, aux_head.weight"
+        in message
+    )
     assert "Parameter indices which did not receive grad for rank 0: 4 5" in message
 
 
 def test_the_torch_documentation_the_guide_cites():
-    """Read from the installed torch (2.14.1): find_unused_parameters walks the graph from forward's outputs,
-    after every forward (in _post_forward); torch.load puts tensors back on the device they were saved from."""
+    """Read from the installed torch (2.14.1): find_unused_parameters walks the
+    graph from forward's outputs, after every forward (in _post_forward);
+    torch.load puts tensors back on the device they were saved from."""
     ddp_docs = " ".join(DDP.__doc__.split())
-    assert ("find_unused_parameters (bool): Traverse the autograd graph from all tensors contained in the return "
-            "value of the wrapped module's ``forward`` function. Parameters that don't receive gradients as part "
-            "of this graph are preemptively marked as being ready to be reduced.") in ddp_docs
-    assert re.search(r"if self\.find_unused_parameters and not self\.static_graph:\n(\s+#.*\n)*"
-                     r"\s+self\.reducer\.prepare_for_backward\(list\(_find_tensors\(output\)\)\)",
-                     inspect.getsource(DDP._post_forward))
+    assert (
+        "find_unused_parameters (bool): Traverse the autograd graph from all tensors "
+        "contained in the return "
+        "value of the wrapped module's ``forward`` function. Parameters that don't receive "
+        "gradients as part "
+        "of this graph are preemptively marked as being ready to be reduced."
+    ) in ddp_docs
+    assert re.search(
+        r"if self\.find_unused_parameters and not self\.static_graph:\n(\s+#.*\n)*"
+        r"\s+self\.reducer\.prepare_for_backward\(list\(_find_tensors\(output\)\)\)",
+        inspect.getsource(DDP._post_forward),
+    )
     load_docs = " ".join(torch.load.__doc__.split())
-    assert "They are first deserialized on the CPU and are then moved to the device they were saved from." in load_docs
-    assert "storages can be dynamically remapped to an alternative set of devices using the :attr:`map_location`" \
-        in load_docs
+    assert (
+        "They are first deserialized on the CPU and are then moved to the device they were "
+        "saved from." in load_docs
+    )
+    assert (
+        "storages can be dynamically remapped to an alternative set of devices using the "
+        ":attr:`map_location`" in load_docs
+    )
 
 
 def test_demo_bugs_default_process_group_timeout_is_10_s():
@@ -260,34 +403,53 @@ os._exit(0)  # this very shutdown is what can abort
 """
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names in /proc/self/task")
+@pytest.mark.skipif(
+    not Path("/proc/self/task").is_dir(), reason="reads thread names in /proc/self/task"
+)
 def test_a_ddp_model_keeps_gloos_threads_past_destroy_process_group():
-    """Why the scripts end with os._exit(0): in a fresh process, as a script runs, after destroy_process_group(),
-    `del model` and gc.collect() the threads gloo started are gone without DDP, and still there with it."""
+    """Why the scripts end with os._exit(0): in a fresh process, as a script
+    runs, after destroy_process_group(), `del model` and gc.collect() the
+    threads gloo started are gone without DDP, and still there with it."""
     result = run([PYTHON, "-c", THREADS_LEFT_AFTER_DESTROY], timeout=180, check=True)
     left = json.loads(result.stdout.split("LEFT ")[-1])
     started, still_there = left["group only"]
-    assert started > 0 and still_there == 0, left  # negative control: the group alone leaves no thread behind
+    # negative control: the group alone leaves no thread behind
+    assert started > 0 and still_there == 0, left
     started, still_there = left["ddp"]
     assert started > 0 and still_there == started, left
-    # So every script that wraps a model in DDP skips the interpreter's shutdown after a finished run.
-    scripts = [p for pattern in ("0*/*.py", "benchmark/*.py", "debugging/*.py") for p in sorted(REPO.glob(pattern))
-               if "DDP(" in p.read_text() and "dist.init_process_group(" in p.read_text()]
+    # So every script that wraps a model in DDP skips
+    # the interpreter's shutdown after a finished run.
+    scripts = [
+        p
+        for pattern in ("0*/*.py", "benchmark/*.py", "debugging/*.py")
+        for p in sorted(REPO.glob(pattern))
+        if "DDP(" in p.read_text() and "dist.init_process_group(" in p.read_text()
+    ]
     assert len(scripts) >= 10
     for path in scripts:
-        assert path.read_text().rstrip().endswith("sys.stdout.flush()  # then skip interpreter shutdown: with gloo "
-                                                  "it can abort a finished run (debugging/README.md)\n    os._exit(0)"), path
+        assert (
+            path.read_text()
+            .rstrip()
+            .endswith(
+                "sys.stdout.flush()  # then skip interpreter shutdown: with gloo "
+                "it can abort a finished run (debugging/README.md)\n    os._exit(0)"
+            )
+        ), path
 
 
 def test_every_gpu_example_sets_its_device_right_before_the_process_group():
     """debugging/README.md, "GPU 0 memory on every process"; gloo-only scripts use no GPU."""
     checked = 0
-    for path in sorted(p for pattern in ("0*/*.py", "benchmark/*.py", "debugging/*.py") for p in REPO.glob(pattern)):
+    for path in sorted(
+        p for pattern in ("0*/*.py", "benchmark/*.py", "debugging/*.py") for p in REPO.glob(pattern)
+    ):
         lines = path.read_text().splitlines()
         for number, line in enumerate(lines):
             if "dist.init_process_group(" in line and 'init_process_group("gloo"' not in line:
-                assert any("torch.cuda.set_device(device)" in earlier for earlier in lines[number - 3:number]), \
-                    f"{path.relative_to(REPO)}:{number + 1}"
+                assert any(
+                    "torch.cuda.set_device(device)" in earlier
+                    for earlier in lines[number - 3 : number]
+                ), f"{path.relative_to(REPO)}:{number + 1}"
                 checked += 1
     assert checked >= 15
 
@@ -297,11 +459,14 @@ def test_sampler_seeds_must_match_across_ranks_and_set_epoch_reshuffles():
     n, world = 12, 2
 
     def shards(seeds):
-        return [list(DistributedSampler(range(n), num_replicas=world, rank=rank, seed=seed))
-                for rank, seed in enumerate(seeds)]
+        return [
+            list(DistributedSampler(range(n), num_replicas=world, rank=rank, seed=seed))
+            for rank, seed in enumerate(seeds)
+        ]
 
     same = shards([0, 0])
-    assert sorted(same[0] + same[1]) == list(range(n))  # one seed: disjoint shards, every sample once
+    # one seed: disjoint shards, every sample once
+    assert sorted(same[0] + same[1]) == list(range(n))
     different = shards([0, 1])
     assert set(different[0]) & set(different[1])  # per-rank seeds: the shards overlap ...
     assert len(set(different[0] + different[1])) < n  # ... and some samples are missed
@@ -313,7 +478,9 @@ def test_sampler_seeds_must_match_across_ranks_and_set_epoch_reshuffles():
 
 
 def test_dropout_draws_from_the_per_rank_seed():
-    """debugging/README.md: after torch.manual_seed(seed + rank) dropout draws different masks on different ranks."""
+    """debugging/README.md: after torch.manual_seed(seed + rank)
+    dropout draws different masks on different ranks."""
+
     def mask(seed):
         torch.manual_seed(seed)
         return torch.nn.functional.dropout(torch.ones(64), p=0.5)
@@ -324,19 +491,42 @@ def test_dropout_draws_from_the_per_rank_seed():
 
 def test_rank_signal_needs_no_torch_and_no_process_group():
     source = (REPO / "debugging" / "rank_signal.py").read_text()
-    imported = {alias.name.split(".")[0] for node in ast.walk(ast.parse(source))
-                if isinstance(node, (ast.Import, ast.ImportFrom))
-                for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])}
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in (
+            node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")]
+        )
+    }
     assert imported and "torch" not in imported, imported
 
 
 # --- static check: rank-0-only blocks call no collective ----------------------------------------
 
 _DIST_COLLECTIVES = {
-    "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "all_to_all",
-    "all_to_all_single", "barrier", "monitored_barrier", "broadcast", "broadcast_object_list",
-    "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "gather_object", "scatter",
-    "scatter_object_list", "send", "recv", "isend", "irecv", "new_group",
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "new_group",
 }
 
 
@@ -353,7 +543,9 @@ def _documented_collectives(paths: list[Path]) -> set[str]:
 
 def _rank_test(test: ast.expr) -> bool:
     text = ast.unparse(test)
-    return "is_main" in text or bool(re.search(r"rank\b\)?\s*(==|!=|>|<|>=|<=)\s*\d|\d\s*(==|!=)\s*\S*rank", text))
+    return "is_main" in text or bool(
+        re.search(r"rank\b\)?\s*(==|!=|>|<|>=|<=)\s*\d|\d\s*(==|!=)\s*\S*rank", text)
+    )
 
 
 def _collective_calls(nodes: list[ast.stmt], collectives: set[str]) -> list[str]:
@@ -362,9 +554,17 @@ def _collective_calls(nodes: list[ast.stmt], collectives: set[str]) -> list[str]
         for node in ast.walk(stmt):
             if isinstance(node, ast.Call):
                 f = node.func
-                name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+                name = (
+                    f.attr
+                    if isinstance(f, ast.Attribute)
+                    else f.id
+                    if isinstance(f, ast.Name)
+                    else ""
+                )
                 owner = ast.unparse(f.value) if isinstance(f, ast.Attribute) else ""
-                if (name in _DIST_COLLECTIVES and owner in ("dist", "torch.distributed")) or name in collectives:
+                if (
+                    name in _DIST_COLLECTIVES and owner in ("dist", "torch.distributed")
+                ) or name in collectives:
                     calls.append(name)
     return calls
 
@@ -400,34 +600,53 @@ def test_static_check_finds_the_deliberate_bugs_of_the_demo(tmp_path):
     assert any("['all_reduce']" in p for p in problems), problems  # --bug mismatched_collective
     # A script's own collective helper (docstring "Collective: ...") counts too.
     script = tmp_path / "probe.py"
-    script.write_text('def helper():\n    """Collective: sums."""\n\n\nif rank == 0:\n    helper()\n')
+    script.write_text(
+        'def helper():\n    """Collective: sums."""\n\n\nif rank == 0:\n    helper()\n'
+    )
     assert rank_only_collectives(script) == [f"{script}:5: ['helper']"]
 
 
 def evaluation_problems(source: str) -> list[str]:
-    """What keeps `evaluate` from being safe on uneven shards: it must get the plain module (DDP's forward
-    may run collectives) and all-reduce once, after its loop, not per batch."""
+    """What keeps `evaluate` from being safe on uneven shards: it must get the plain module
+    (DDP's forward may run collectives) and all-reduce once, after its loop, not per batch."""
     tree = ast.parse(source)
     problems = []
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "evaluate"]
+    calls = [
+        n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "evaluate"
+    ]
     if not calls or any(not ast.unparse(c.args[0]).endswith(".module") for c in calls):
         problems.append("evaluate is not called with model.module")
-    function = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "evaluate")
-    in_loops = [c for loop in ast.walk(function) if isinstance(loop, ast.For) for c in ast.walk(loop)
-                if isinstance(c, ast.Call) and ast.unparse(c.func).endswith("all_reduce")]
-    every = [c for c in ast.walk(function) if isinstance(c, ast.Call) and ast.unparse(c.func).endswith("all_reduce")]
+    function = next(
+        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "evaluate"
+    )
+    in_loops = [
+        c
+        for loop in ast.walk(function)
+        if isinstance(loop, ast.For)
+        for c in ast.walk(loop)
+        if isinstance(c, ast.Call) and ast.unparse(c.func).endswith("all_reduce")
+    ]
+    every = [
+        c
+        for c in ast.walk(function)
+        if isinstance(c, ast.Call) and ast.unparse(c.func).endswith("all_reduce")
+    ]
     if len(every) != 1 or in_loops:
-        problems.append(f"evaluate all-reduces {len(every)} time(s) in its body, {len(in_loops)} inside a loop")
+        problems.append(
+            f"evaluate all-reduces {len(every)} time(s) in its body, {len(in_loops)} inside a loop"
+        )
     return problems
 
 
 def test_basic_ddp_evaluates_the_plain_module_and_all_reduces_once():
-    """debugging/README.md, "Hang at the end of an epoch": evaluate model.module and all-reduce sums and
-    counts once at the end, as 01_basic_ddp does."""
+    """debugging/README.md, "Hang at the end of an epoch": evaluate model.module
+    and all-reduce sums and counts once at the end, as 01_basic_ddp does."""
     source = (REPO / "01_basic_ddp" / "train.py").read_text()
     assert evaluation_problems(source) == []
     # The check itself: evaluating through the wrapper, or all-reducing per batch, is reported.
     assert evaluation_problems(source.replace("evaluate(model.module,", "evaluate(model,")) != []
-    per_batch = source.replace("    dist.all_reduce(totals)  # sum over ranks",
-                               "    for _ in range(1):\n        dist.all_reduce(totals)")
+    per_batch = source.replace(
+        "    dist.all_reduce(totals)  # sum over ranks",
+        "    for _ in range(1):\n        dist.all_reduce(totals)",
+    )
     assert per_batch != source and evaluation_problems(per_batch) != []

@@ -1,6 +1,7 @@
 """The READMEs agree with the code and with each other where they quote it.
 
-- Every traceback frame a README quotes (`File ".../x.py", line N, in f` and the source line under it)
+- Every traceback frame a README quotes (`File ".../x.py", line N, in f` and the source line under
+  it)
   points at that line of the file, inside that function: a sample output goes stale when the script
   moves, and this test then fails.
 - The tolerance the READMEs give for "N ranks equal one process on the global batch" is the one
@@ -20,8 +21,10 @@ from tests.helpers import REPO
 from tests.test_basic_ddp import assert_same_params
 
 DOCS = sorted(p for p in REPO.rglob("*.md") if ".git" not in p.parts)
-FRAME = re.compile(r'File "(?:\.\.\./)?(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>[\w<>]+)\n'
-                   r'(?:\[rank\d+\]:)?[ \t]*(?P<source>[^\n]+)')
+FRAME = re.compile(
+    r'File "(?:\.\.\./)?(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>[\w<>]+)\n'
+    r"(?:\[rank\d+\]:)?[ \t]*(?P<source>[^\n]+)"
+)
 SITE_PACKAGES = Path(torch.__file__).resolve().parents[1]
 
 
@@ -29,25 +32,37 @@ def enclosing_function(source: str, line: int) -> str:
     """The innermost def containing `line`, or <module>."""
     name, start = "<module>", 0
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno <= line <= node.end_lineno:
+        if (
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.lineno <= line <= node.end_lineno
+        ):
             if node.lineno >= start:
                 name, start = node.name, node.lineno
     return name
 
 
 def frame_problems(text: str) -> list[str]:
-    """What is wrong with each quoted frame in `text` (a file of this repository, or of site-packages)."""
+    """What is wrong with each quoted frame in `text` (a
+    file of this repository, or of site-packages)."""
     problems = []
     for frame in FRAME.finditer(text):
         path, line = frame["path"], int(frame["line"])
-        file = next((root / path for root in (REPO, SITE_PACKAGES) if (root / path).is_file()), None)
+        file = next(
+            (root / path for root in (REPO, SITE_PACKAGES) if (root / path).is_file()), None
+        )
         if file is None:
             problems.append(f"{path}: no such file")
             continue
         source = file.read_text()
-        actual = source.splitlines()[line - 1].strip() if line <= len(source.splitlines()) else "<past the end>"
+        actual = (
+            source.splitlines()[line - 1].strip()
+            if line <= len(source.splitlines())
+            else "<past the end>"
+        )
         if actual != frame["source"].strip():
-            problems.append(f"{path}, line {line}: quoted {frame['source'].strip()!r}, the file has {actual!r}")
+            problems.append(
+                f"{path}, line {line}: quoted {frame['source'].strip()!r}, the file has {actual!r}"
+            )
         if enclosing_function(source, line) != frame["function"]:
             problems.append(f"{path}, line {line}: not in {frame['function']}()")
     return problems
@@ -56,33 +71,56 @@ def frame_problems(text: str) -> list[str]:
 def test_quoted_traceback_frames_point_at_the_quoted_lines():
     quotes = {doc: doc.read_text() for doc in DOCS if FRAME.search(doc.read_text())}
     assert REPO / "debugging" / "README.md" in quotes  # the timeout sample quotes 01's train.py
-    problems = [f"{doc.relative_to(REPO)}: {p}" for doc, text in quotes.items() for p in frame_problems(text)]
+    problems = [
+        f"{doc.relative_to(REPO)}: {p}"
+        for doc, text in quotes.items()
+        for p in frame_problems(text)
+    ]
     assert problems == []
     # The check itself: a frame one line off, or in another function, is reported.
     lesson = (REPO / "01_basic_ddp" / "train.py").read_text().splitlines()
-    number = next(i for i, text in enumerate(lesson, 1) if text.strip().startswith("loss.backward()"))
-    off_by_one = f'File ".../01_basic_ddp/train.py", line {number + 1}, in train\n    {lesson[number - 1].strip()}'
-    wrong_function = f'File ".../01_basic_ddp/train.py", line {number}, in main\n    {lesson[number - 1].strip()}'
+    number = next(
+        i for i, text in enumerate(lesson, 1) if text.strip().startswith("loss.backward()")
+    )
+    off_by_one = (
+        f'File ".../01_basic_ddp/train.py", line {number + 1}, in train\n    '
+        f"{lesson[number - 1].strip()}"
+    )
+    wrong_function = (
+        f'File ".../01_basic_ddp/train.py", line {number}, in main\n    '
+        f"{lesson[number - 1].strip()}"
+    )
     assert len(frame_problems(off_by_one)) == 1 and len(frame_problems(wrong_function)) == 1
 
 
-PY_SPY_FRAME = re.compile(r"^    (?P<function>[\w.<>]+) \((?P<path>[\w/.]+\.py):(?P<line>\d+)\)$", re.M)
+PY_SPY_FRAME = re.compile(
+    r"^    (?P<function>[\w.<>]+) \((?P<path>[\w/.]+\.py):(?P<line>\d+)\)$", re.M
+)
 
 
 def py_spy_frames(block: str) -> list[tuple[str, Path | None, int]]:
-    """(function, file, line) of each frame in a py-spy dump quoted by a README; a bare file name is looked
-    for beside the script the dump's `Process N: python -u <script>` line names, then in tests/inject."""
+    """(function, file, line) of each frame in a py-spy dump quoted by a
+    README; a bare file name is looked for beside the script the dump's
+    `Process N: python -u <script>` line names, then in tests/inject."""
     script = re.search(r"^Process \d+: \S+ -u (\S+\.py)", block, re.M)
-    folders = [REPO, SITE_PACKAGES] + ([(REPO / script[1]).parent] if script else []) + [REPO / "tests" / "inject"]
+    folders = (
+        [REPO, SITE_PACKAGES]
+        + ([(REPO / script[1]).parent] if script else [])
+        + [REPO / "tests" / "inject"]
+    )
     frames = []
     for frame in PY_SPY_FRAME.finditer(block):
-        file = next((folder / frame["path"] for folder in folders if (folder / frame["path"]).is_file()), None)
+        file = next(
+            (folder / frame["path"] for folder in folders if (folder / frame["path"]).is_file()),
+            None,
+        )
         frames.append((frame["function"], file, int(frame["line"])))
     return frames
 
 
 def py_spy_problems(block: str) -> list[str]:
-    """A frame whose line is not inside the function py-spy names (`Class.method`, `f.<locals>.g`: the last part)."""
+    """A frame whose line is not inside the function py-spy
+    names (`Class.method`, `f.<locals>.g`: the last part)."""
     problems = []
     for function, file, line in py_spy_frames(block):
         if file is None or enclosing_function(file.read_text(), line) != function.split(".")[-1]:
@@ -92,16 +130,29 @@ def py_spy_problems(block: str) -> list[str]:
 
 def test_quoted_py_spy_dump_points_at_the_waiting_lines():
     guide = (REPO / "debugging" / "README.md").read_text()
-    block = next(b for b in guide.split("```") if "py-spy" not in b and re.search(r"^Process \d+:", b, re.M))
+    block = next(
+        b for b in guide.split("```") if "py-spy" not in b and re.search(r"^Process \d+:", b, re.M)
+    )
     assert py_spy_problems(block) == []
-    waits = [file.read_text().splitlines()[number - 1].strip() for _, file, number in py_spy_frames(block)
-             if file.name in ("train.py", "sitecustomize.py")]
-    # Rank 0 waits in backward's all-reduce; rank 1 in the test injection's hang, called from optimizer.step();
+    waits = [
+        file.read_text().splitlines()[number - 1].strip()
+        for _, file, number in py_spy_frames(block)
+        if file.name in ("train.py", "sitecustomize.py")
+    ]
+    # Rank 0 waits in backward's all-reduce; rank 1 in the
+    # test injection's hang, called from optimizer.step();
     # both under main()'s call of train().
-    assert [w.split("  #")[0] for w in waits] == ["loss.backward()", "train(cfg, launch)", "time.sleep(3600)",
-                                                  "optimizer.step()", "train(cfg, launch)"], waits
+    assert [w.split("  #")[0] for w in waits] == [
+        "loss.backward()",
+        "train(cfg, launch)",
+        "time.sleep(3600)",
+        "optimizer.step()",
+        "train(cfg, launch)",
+    ], waits
     # The check itself: a frame one line off is reported.
-    assert py_spy_problems("Process 1: python -u 01_basic_ddp/train.py\n    main (train.py:1)\n") != []
+    assert (
+        py_spy_problems("Process 1: python -u 01_basic_ddp/train.py\n    main (train.py:1)\n") != []
+    )
 
 
 def test_the_global_batch_tolerance_in_the_readmes_is_the_tested_one():
@@ -109,9 +160,14 @@ def test_the_global_batch_tolerance_in_the_readmes_is_the_tested_one():
     quoted = f"{rtol:.0e}".replace("e-0", "e-")  # 1e-05 -> 1e-5, as the READMEs write it
     assert quoted == "1e-5"
     readme = " ".join((REPO / "README.md").read_text().split())
-    assert f"the tests check this to a relative tolerance of {quoted} for a model without BatchNorm" in readme
+    assert (
+        f"the tests check this to a relative tolerance of {quoted} for a model without BatchNorm"
+        in readme
+    )
     basic = " ".join((REPO / "01_basic_ddp" / "README.md").read_text().split())
     assert f"as 1 process with batch 32 on the same samples (relative tolerance {quoted})" in basic
     guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
-    claim = re.search(r"DDP with the same global batch should match one process to (\D*\d+e-\d+)", guide)
+    claim = re.search(
+        r"DDP with the same global batch should match one process to (\D*\d+e-\d+)", guide
+    )
     assert claim and claim[1] == f"a relative {quoted}", claim and claim[0]

@@ -31,29 +31,51 @@ def _injected_at(output: str) -> float:
 
 
 def _fail_env(mode: str, step: int = 3, rank: int = 1, **extra: str) -> dict[str, str]:
-    return clean_env(PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}", DDP_TEST_FAIL_AT_STEP=str(step),
-                     DDP_TEST_FAIL_RANK=str(rank), DDP_TEST_FAIL_MODE=mode, **extra)
+    return clean_env(
+        PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}",
+        DDP_TEST_FAIL_AT_STEP=str(step),
+        DDP_TEST_FAIL_RANK=str(rank),
+        DDP_TEST_FAIL_MODE=mode,
+        **extra,
+    )
 
 
 @pytest.mark.parametrize("script", FAILURE_SCRIPTS)
 def test_rank_raising_mid_training_ends_job_fast_and_torchrun_names_it(script, tmp_path):
-    result = torchrun(script, *FAST, "--output-dir", str(tmp_path), env=_fail_env("raise"), check=False, timeout=180)
+    result = torchrun(
+        script,
+        *FAST,
+        "--output-dir",
+        str(tmp_path),
+        env=_fail_env("raise"),
+        check=False,
+        timeout=180,
+    )
     ended = time.time()
     out = result.output
     assert result.returncode == 1  # torchrun's own exit code
     assert ended - _injected_at(out) < 30, "the job did not end within 30 s of the failure"
-    # The failing rank's traceback, printed once by the rank itself ([rankN]: on each line, from torch).
-    assert out.count("[rank1]: RuntimeError: injected failure at step 3 on rank 1") == 1, out[-3000:]
-    # The other rank lost its peer (gloo's "Connection closed/reset by peer") or torchrun stopped it first.
-    assert re.search(r"^\[rank0\]: RuntimeError: .*Connection (closed|reset) by peer", out, re.M) or re.search(
-        r"rank\s+: 0 \(local_rank: 0\)\n\s+exitcode\s+: -15 \(pid: \d+\)\s+\(SIGTERM\)", out), out[-3000:]
-    # @record wrote rank 1's exception into torchrun's error file: its summary names it as the root cause.
+    # The failing rank's traceback, printed once by the
+    # rank itself ([rankN]: on each line, from torch).
+    assert out.count("[rank1]: RuntimeError: injected failure at step 3 on rank 1") == 1, out[
+        -3000:
+    ]
+    # The other rank lost its peer (gloo's "Connection
+    # closed/reset by peer") or torchrun stopped it first.
+    assert re.search(
+        r"^\[rank0\]: RuntimeError: .*Connection (closed|reset) by peer", out, re.M
+    ) or re.search(
+        r"rank\s+: 0 \(local_rank: 0\)\n\s+exitcode\s+: -15 \(pid: \d+\)\s+\(SIGTERM\)", out
+    ), out[-3000:]
+    # @record wrote rank 1's exception into torchrun's
+    # error file: its summary names it as the root cause.
     root = root_cause(out)
     assert re.search(r"rank\s+: 1 \(local_rank: 1\)\n\s+exitcode\s+: 1 \(pid: \d+\)", root), root
     assert "RuntimeError: injected failure at step 3 on rank 1" in root, root
-    # torchrun's own traceback (unprefixed, ending in ChildFailedError) is torch's code only, not the script's.
+    # torchrun's own traceback (unprefixed, ending in
+    # ChildFailedError) is torch's code only, not the script's.
     own = out.split("torch.distributed.elastic.multiprocessing.errors.ChildFailedError:")[0]
-    own = own[own.rindex("\nTraceback (most recent call last):"):]
+    own = own[own.rindex("\nTraceback (most recent call last):") :]
     frames = re.findall(r'File "([^"]+)"', own)
     assert frames and all(f == "<frozen runpy>" or "/torch/distributed/" in f for f in frames), own
     assert "train.py" not in own, own
@@ -65,51 +87,95 @@ def test_without_record_the_summary_has_no_traceback(tmp_path):
     source = (REPO / SCRIPTS[0]).read_text()
     assert source.count("@record") == 1
     copy = tmp_path / "train_without_record.py"
-    copy.write_text(source.replace("@record", "", 1).replace(
-        "Path(__file__).resolve().parents[1]", repr(str(REPO))))
-    result = torchrun(copy, *FAST, "--output-dir", str(tmp_path / "out"), env=_fail_env("raise"), check=False,
-                      timeout=180)
+    copy.write_text(
+        source.replace("@record", "", 1).replace(
+            "Path(__file__).resolve().parents[1]", repr(str(REPO))
+        )
+    )
+    result = torchrun(
+        copy,
+        *FAST,
+        "--output-dir",
+        str(tmp_path / "out"),
+        env=_fail_env("raise"),
+        check=False,
+        timeout=180,
+    )
     root = root_cause(result.output)
     assert "error_file: <N/A>" in root and "injected failure" not in root, root
     assert re.search(r"exitcode  : 1 \(pid: \d+\)", root), root
     # torchrun's stand-in for the missing traceback (debugging/README.md quotes it).
-    assert "traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html" in root, root
+    assert (
+        "traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+        in root
+    ), root
 
 
 @pytest.mark.parametrize("script", FAILURE_SCRIPTS)
 def test_rank_killed_with_sigkill_ends_job_without_restarts(script, tmp_path):
-    result = torchrun(script, *FAST, "--output-dir", str(tmp_path), env=_fail_env("kill"),
-                      check=False, timeout=180, launcher_args=("--max-restarts=0",))
+    result = torchrun(
+        script,
+        *FAST,
+        "--output-dir",
+        str(tmp_path),
+        env=_fail_env("kill"),
+        check=False,
+        timeout=180,
+        launcher_args=("--max-restarts=0",),
+    )
     ended = time.time()
     out = result.output
     assert result.returncode == 1
     assert ended - _injected_at(out) < 30, "the job did not end within 30 s of the kill"
-    # The literal lines debugging/README.md keys on: a killed rank writes no error file, so no traceback.
+    # The literal lines debugging/README.md keys on: a
+    # killed rank writes no error file, so no traceback.
     assert "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in out
     summary = out.split("ChildFailedError")[-1]
-    m = re.search(r"exitcode  : -9 \(pid: (\d+)\)  \(SIGKILL\)\n  error_file: <N/A>\n"
-                  r"  traceback : Signal 9 \(SIGKILL\) received by PID (\d+)", summary)
+    m = re.search(
+        r"exitcode  : -9 \(pid: (\d+)\)  \(SIGKILL\)\n  error_file: <N/A>\n"
+        r"  traceback : Signal 9 \(SIGKILL\) received by PID (\d+)",
+        summary,
+    )
     assert m and m[1] == m[2], out[-3000:]
-    # Root Cause is the earliest whole-second time; the killed rank's is when torchrun collected it, so the
-    # survivor's consequence (its peer's connection gone) can take that place (debugging/README.md says so).
+    # Root Cause is the earliest whole-second time; the
+    # killed rank's is when torchrun collected it, so the
+    # survivor's consequence (its peer's connection gone)
+    # can take that place (debugging/README.md says so).
     root = root_cause(out)
     assert re.search(r"exitcode\s+: -9 .*\(SIGKILL\)", root) or re.search(
-        r"Connection (reset|closed) by peer", root), root
-    assert out.count("injecting SIGKILL at") == 1, out[-3000:]  # a restarted worker would inject again
+        r"Connection (reset|closed) by peer", root
+    ), root
+    # a restarted worker would inject again
+    assert out.count("injecting SIGKILL at") == 1, out[-3000:]
 
 
 def test_hung_rank_ends_the_job_at_the_timeout(tmp_path):
     """Rank 1 stops calling collectives; rank 0 waits in DDP's all-reduce until --timeout-s, then
     gloo raises and torchrun stops the job. The root cause names the timeout and where it waited."""
-    result = torchrun(SCRIPTS[0], *FAST, "--timeout-s", "5", "--output-dir", str(tmp_path),
-                      env=_fail_env("hang", step=2), check=False, timeout=180)
+    result = torchrun(
+        SCRIPTS[0],
+        *FAST,
+        "--timeout-s",
+        "5",
+        "--output-dir",
+        str(tmp_path),
+        env=_fail_env("hang", step=2),
+        check=False,
+        timeout=180,
+    )
     ended = time.time()
     out = result.output
     assert result.returncode == 1
     assert 5 <= ended - _injected_at(out) < 30
-    # gloo's message, as debugging/README.md quotes it (the source file and line are gloo's of torch 2.14.1).
-    assert re.search(r"^\[rank0\]: RuntimeError: \[\S+/gloo/transport/tcp/unbound_buffer\.cc:78\] Timed out waiting "
-                     r"5000ms for recv operation to complete$", out, re.M), out[-3000:]
+    # gloo's message, as debugging/README.md quotes it (the
+    # source file and line are gloo's of torch 2.14.1).
+    assert re.search(
+        r"^\[rank0\]: RuntimeError: \[\S+/gloo/transport/tcp/unbound_buffer\.cc:78\] Timed "
+        r"out waiting "
+        r"5000ms for recv operation to complete$",
+        out,
+        re.M,
+    ), out[-3000:]
     root = root_cause(out)
     assert re.search(r"rank\s+: 0 \(local_rank: 0\)\n\s+exitcode\s+: 1 \(pid: \d+\)", root), root
     assert "Timed out waiting 5000ms" in root, root
@@ -117,16 +183,26 @@ def test_hung_rank_ends_the_job_at_the_timeout(tmp_path):
 
 
 def test_rank_missing_at_start_waits_at_the_rendezvous_silently(tmp_path):
-    """Hang at start: rank 0 of a promised world of 2, alone. It prints nothing of its own and waits for
-    the missing rank in the rendezvous until --timeout-s, then says how many joined."""
+    """Hang at start: rank 0 of a promised world of 2, alone. It prints nothing of its own and waits
+    for the missing rank in the rendezvous until --timeout-s, then says how many joined."""
     env = clean_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     start = time.perf_counter()
-    result = run([PYTHON, REPO / SCRIPTS[0], "--timeout-s", "1", "--output-dir", tmp_path], timeout=120, env=env)
+    result = run(
+        [PYTHON, REPO / SCRIPTS[0], "--timeout-s", "1", "--output-dir", tmp_path],
+        timeout=120,
+        env=env,
+    )
     assert result.returncode == 1 and time.perf_counter() - start >= 1
     assert result.stdout == ""  # no banner: the rendezvous comes first
-    assert re.search(r"^torch\.distributed\.DistStoreError: Timed out after \d+ seconds waiting for clients\. "
-                     r"1/2 clients joined\.$", result.stderr, re.M), result.stderr[-3000:]
-    assert "waiting for clients. 1/2 clients joined." in (REPO / "debugging" / "README.md").read_text()
+    assert re.search(
+        r"^torch\.distributed\.DistStoreError: Timed out after \d+ seconds waiting for clients\. "
+        r"1/2 clients joined\.$",
+        result.stderr,
+        re.M,
+    ), result.stderr[-3000:]
+    assert (
+        "waiting for clients. 1/2 clients joined." in (REPO / "debugging" / "README.md").read_text()
+    )
 
 
 @pytest.mark.parametrize("flavour", ["openmpi", "mpich"])
@@ -135,20 +211,37 @@ def test_rank_raising_under_mpiexec_ends_the_job(tmp_path, flavour):
 
     tool = {"openmpi": "mpiexec.openmpi", "mpich": "mpiexec.mpich"}[flavour]
     need_tools(tool)
-    inject = dict(PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}", DDP_TEST_FAIL_AT_STEP="3",
-                  DDP_TEST_FAIL_RANK="1", DDP_TEST_FAIL_MODE="raise", MASTER_PORT=str(free_port()))
+    inject = dict(
+        PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}",
+        DDP_TEST_FAIL_AT_STEP="3",
+        DDP_TEST_FAIL_RANK="1",
+        DDP_TEST_FAIL_MODE="raise",
+        MASTER_PORT=str(free_port()),
+    )
     if flavour == "openmpi":
         env = openmpi_env(**inject)
-        cmd = [tool, "-n", "2", *[a for name in inject for a in ("-x", name)], "-x", "OMP_NUM_THREADS"]
+        cmd = [
+            tool,
+            "-n",
+            "2",
+            *[a for name in inject for a in ("-x", name)],
+            "-x",
+            "OMP_NUM_THREADS",
+        ]
     else:
         env, cmd = clean_env(**inject), [tool, "-n", "2"]
-    result = run([*cmd, PYTHON, REPO / SCRIPTS[0], *FAST, "--output-dir", tmp_path], timeout=150, env=env)
+    result = run(
+        [*cmd, PYTHON, REPO / SCRIPTS[0], *FAST, "--output-dir", tmp_path], timeout=150, env=env
+    )
     ended = time.time()
     assert result.returncode != 0
     assert ended - _injected_at(result.output) < 30
-    # The [rankN]: prefix is torch's (init_process_group installs an exception hook), so it is there under any
+    # The [rankN]: prefix is torch's (init_process_group
+    # installs an exception hook), so it is there under any
     # launcher; torchrun's closing summary is not.
-    assert "[rank1]: RuntimeError: injected failure at step 3 on rank 1" in result.output, result.output[-3000:]
+    assert "[rank1]: RuntimeError: injected failure at step 3 on rank 1" in result.output, (
+        result.output[-3000:]
+    )
     assert "Root Cause" not in result.output and "ChildFailedError" not in result.output
     import inspect
 
@@ -159,14 +252,20 @@ def test_rank_raising_under_mpiexec_ends_the_job(tmp_path, flavour):
 
 def try_statements(path) -> list[int]:
     """Lines of the `try` statements in a Python file."""
-    return [node.lineno for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Try)]
+    return [
+        node.lineno for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Try)
+    ]
 
 
 def test_training_scripts_catch_no_exception():
-    """What a failing run shows is torch's and the launcher's: no lesson's train.py catches an exception."""
+    """What a failing run shows is torch's and the launcher's:
+    no lesson's train.py catches an exception."""
     assert "01_basic_ddp/train.py" in SCRIPTS and len(SCRIPTS) >= 5
-    assert {script: try_statements(REPO / script) for script in SCRIPTS} == {script: [] for script in SCRIPTS}
-    assert try_statements(REPO / "05_checkpointing" / "checkpoint.py")  # the check finds a try where there is one
+    assert {script: try_statements(REPO / script) for script in SCRIPTS} == {
+        script: [] for script in SCRIPTS
+    }
+    # the check finds a try where there is one
+    assert try_statements(REPO / "05_checkpointing" / "checkpoint.py")
 
 
 def test_timeout_defaults_are_60_s_and_10_s_in_the_demos():
@@ -180,24 +279,51 @@ def test_timeout_defaults_are_60_s_and_10_s_in_the_demos():
     assert "(default 60 s here, 10 s in the demos;" in guide
 
 
-# Bad input: (id, extra args, extra environment, words the one line must contain: the key or file, and the fix).
+# Bad input: (id, extra args, extra environment, words the
+# one line must contain: the key or file, and the fix).
 # {tmp} is replaced by the test's temporary folder.
 BAD_INPUT = [
     ("negative_batch", ["--batch-size", "-4"], {}, ["batch_size", ">= 1", "-4"]),
-    ("unknown_yaml_key", ["--config", "{tmp}/bad.yaml"], {},
-     ["unknown config key 'batch_sise'", "valid keys: ", "batch_size"]),
+    (
+        "unknown_yaml_key",
+        ["--config", "{tmp}/bad.yaml"],
+        {},
+        ["unknown config key 'batch_sise'", "valid keys: ", "batch_size"],
+    ),
     ("wrong_type", ["--lr", "fast"], {}, ["'lr'", "float", "fast"]),
-    ("world_larger_than_data", [], {"RANK": "0", "WORLD_SIZE": "5000"},
-     ["world size 5000", "training set", "use fewer processes"]),
-    ("missing_data_dir", ["--dataset", "cifar10", "--data-dir", "{tmp}/no_such_dir"], {},
-     ["no_such_dir", "does not exist", "python -m common.prepare --dataset cifar10", "--download"]),
-    ("rank_not_below_world", [], {"RANK": "3", "WORLD_SIZE": "2"}, ["rank 3", "world size 2", "must be 0..1"]),
+    (
+        "world_larger_than_data",
+        [],
+        {"RANK": "0", "WORLD_SIZE": "5000"},
+        ["world size 5000", "training set", "use fewer processes"],
+    ),
+    (
+        "missing_data_dir",
+        ["--dataset", "cifar10", "--data-dir", "{tmp}/no_such_dir"],
+        {},
+        [
+            "no_such_dir",
+            "does not exist",
+            "python -m common.prepare --dataset cifar10",
+            "--download",
+        ],
+    ),
+    (
+        "rank_not_below_world",
+        [],
+        {"RANK": "3", "WORLD_SIZE": "2"},
+        ["rank 3", "world size 2", "must be 0..1"],
+    ),
 ]
 # The cases that depend on a script's own config class and data set run against every lesson; the
 # others are common/ code that runs before anything script-specific: 01 and 05 stand for all.
 SCRIPT_SPECIFIC_CASES = ("unknown_yaml_key", "world_larger_than_data", "missing_data_dir")
-BAD_INPUT_RUNS = [pytest.param(script, case, id=f"{case[0]}-{script}") for script in SCRIPTS for case in BAD_INPUT
-                  if script in FAILURE_SCRIPTS or case[0] in SCRIPT_SPECIFIC_CASES]
+BAD_INPUT_RUNS = [
+    pytest.param(script, case, id=f"{case[0]}-{script}")
+    for script in SCRIPTS
+    for case in BAD_INPUT
+    if script in FAILURE_SCRIPTS or case[0] in SCRIPT_SPECIFIC_CASES
+]
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +343,9 @@ def test_bad_input_is_one_line_and_exit_code_2(script, case, tmp_path, python_st
     out.mkdir()
     (out / "earlier.txt").write_text("kept")  # nothing written before is lost
     start = time.perf_counter()
-    result = run([PYTHON, REPO / script, *args, "--output-dir", str(out)], timeout=120, env=clean_env(**env))
+    result = run(
+        [PYTHON, REPO / script, *args, "--output-dir", str(out)], timeout=120, env=clean_env(**env)
+    )
     elapsed = time.perf_counter() - start
     assert result.returncode == 2, result.output[-3000:]
     assert result.stdout == ""
@@ -225,28 +353,36 @@ def test_bad_input_is_one_line_and_exit_code_2(script, case, tmp_path, python_st
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     for word in words:
         assert word.replace("{tmp}", str(tmp_path)) in lines[0]
-    assert [p.name for p in out.iterdir()] == ["earlier.txt"] and (out / "earlier.txt").read_text() == "kept"
+    assert [p.name for p in out.iterdir()] == ["earlier.txt"] and (
+        out / "earlier.txt"
+    ).read_text() == "kept"
     assert elapsed - python_start_s < 10  # before any process group: no waiting for other ranks
 
 
 @pytest.mark.parametrize("script", FAILURE_SCRIPTS)
 def test_bad_input_under_torchrun_is_said_exactly_once(script, tmp_path):
-    result = torchrun(script, "--batch-size", "-4", "--output-dir", str(tmp_path), check=False, timeout=120)
+    result = torchrun(
+        script, "--batch-size", "-4", "--output-dir", str(tmp_path), check=False, timeout=120
+    )
     out = result.output
     assert result.returncode != 0
-    assert out.count("batch_size") == 1, out[-3000:]  # once, by rank 0; the other rank exits quietly
+    # once, by rank 0; the other rank exits quietly
+    assert out.count("batch_size") == 1, out[-3000:]
     assert re.search(r"^error: config key 'batch_size' must be >= 1, got -4$", out, re.M)
     assert re.search(r"exitcode\s+: 2", out)
-    assert not re.search(r"^\[rank\d\]: Traceback", out, re.M)  # no traceback from the ranks (torchrun's own is all)
+    # no traceback from the ranks (torchrun's own is all)
+    assert not re.search(r"^\[rank\d\]: Traceback", out, re.M)
 
 
 def test_node_specific_bad_input_is_said_by_each_nodes_first_rank(tmp_path):
-    """A data folder missing on a node is said by that node's local rank 0, not only by global rank 0
-    (which may be on a node where the folder exists); a config error only by global rank 0."""
+    """A data folder missing on a node is said by that node's local rank 0, not only by global rank
+    0 (which may be on a node where the folder exists); a config error only by global rank 0."""
     missing = ["--dataset", "cifar10", "--data-dir", str(tmp_path / "none")]
     said = {}
     for rank, local_rank in ((0, 0), (2, 0), (3, 1)):
-        env = clean_env(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE="4", LOCAL_WORLD_SIZE="2")
+        env = clean_env(
+            RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE="4", LOCAL_WORLD_SIZE="2"
+        )
         data = run([PYTHON, REPO / SCRIPTS[0], *missing], timeout=120, env=env)
         config = run([PYTHON, REPO / SCRIPTS[0], "--lr", "fast"], timeout=120, env=env)
         assert data.returncode == config.returncode == 2

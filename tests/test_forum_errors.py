@@ -1,9 +1,10 @@
 """The failures people paste into forums, each produced for real with the text debugging/README.md
 quotes, and each fix shown to work: a rank killed by a signal (torchrun's exit codes), "address
-already in use", "unrecognized arguments: --local-rank", mp.spawn of a worker defined in __main__,
-and two forward passes before one backward ("modified by an inplace operation").
+already in use", "unrecognized arguments: --local-rank", mp.spawn of a worker defined in
+__main__, and two forward passes before one backward ("modified by an inplace operation").
 
-(torchrun's summary with and without @record, and a rank killed with SIGKILL: tests/test_failures.py.)
+(torchrun's summary with and without @record, and a
+rank killed with SIGKILL: tests/test_failures.py.)
 """
 
 from __future__ import annotations
@@ -19,8 +20,17 @@ import time
 
 import pytest
 
-from tests.helpers import (PYTHON, REPO, clean_env, free_port, kill_group, read_summary, readme_command, root_cause,
-                           run)
+from tests.helpers import (
+    PYTHON,
+    REPO,
+    clean_env,
+    free_port,
+    kill_group,
+    read_summary,
+    readme_command,
+    root_cause,
+    run,
+)
 from tests.launcher_tools import need_root, need_tools
 
 from common.launcher import master_port
@@ -29,7 +39,8 @@ TRAIN = "01_basic_ddp/train.py"
 SHORT = ("--max-steps", "1", "--epochs", "1", "--batch-size", "16")
 
 
-# --- torchrun's summary: exit codes of ranks killed by a signal ----------------------------------------
+# --- torchrun's summary: exit codes of ranks killed
+# by a signal ----------------------------------------
 
 DEBUG_README = "debugging/README.md"
 RANK_ABORT = "torchrun --standalone --nproc_per_node=2 debugging/rank_signal.py --how abort"
@@ -42,31 +53,55 @@ def test_rank_aborted_is_exitcode_minus_6_sigabrt():
     assert "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in out
     # torchrun's own traceback (the same every time), then its summary: one entry per failed rank.
     assert "in launch_agent\n" in out and "raise ChildFailedError(" in out
-    assert re.search(r"debugging/rank_signal\.py FAILED\n-+\nFailures:\n\[\d\]:\n(.*\n){6}-+\n"
-                     r"Root Cause \(first observed failure\):\n\[\d\]:\n", out), out[-3000:]
+    assert re.search(
+        r"debugging/rank_signal\.py FAILED\n-+\nFailures:\n\[\d\]:\n(.*\n){6}-+\n"
+        r"Root Cause \(first observed failure\):\n\[\d\]:\n",
+        out,
+    ), out[-3000:]
     root = root_cause(out)
-    m = re.search(r"rank      : 1 \(local_rank: 1\)\n  exitcode  : -6 \(pid: (\d+)\)  \(SIGABRT\)\n"
-                  r"  error_file: <N/A>\n  traceback : Signal 6 \(SIGABRT\) received by PID (\d+)", root)
+    m = re.search(
+        r"rank      : 1 \(local_rank: 1\)\n  exitcode  : -6 \(pid: (\d+)\)  \(SIGABRT\)\n"
+        r"  error_file: <N/A>\n  traceback : Signal 6 \(SIGABRT\) received by PID (\d+)",
+        root,
+    )
     assert m and m[1] == m[2], root
-    # The rank that was only waiting was stopped by torchrun: listed under Failures, not as the cause.
+    # The rank that was only waiting was stopped by
+    # torchrun: listed under Failures, not as the cause.
     failures = out.split("Root Cause")[0].split("Failures:")[-1]
-    assert re.search(r"rank      : 0 \(local_rank: 0\)\n  exitcode  : -15 \(pid: \d+\)  \(SIGTERM\)", failures)
+    assert re.search(
+        r"rank      : 0 \(local_rank: 0\)\n  exitcode  : -15 \(pid: \d+\)  \(SIGTERM\)", failures
+    )
 
 
 def test_torchrun_summary_times_are_whole_seconds_and_root_cause_is_the_earliest(tmp_path):
-    """debugging/README.md: a rank killed by a signal writes no error file, so its time is when torchrun collected
-    it (whole seconds); Root Cause is the failure with the earliest time, even an error file's earlier second."""
+    """debugging/README.md: a rank killed by a signal writes no error file, so
+    its time is when torchrun collected it (whole seconds); Root Cause is the
+    failure with the earliest time, even an error file's earlier second."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     start = int(time.time())
-    killed = ProcessFailure(local_rank=1, pid=12145, exitcode=-7, error_file=str(tmp_path / "none.json"))
+    killed = ProcessFailure(
+        local_rank=1, pid=12145, exitcode=-7, error_file=str(tmp_path / "none.json")
+    )
     assert start <= killed.timestamp <= time.time() and isinstance(killed.timestamp, int)
     assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d:\d\d:\d\d", killed.timestamp_isoformat())
-    assert (killed.error_file, killed.message) == ("<N/A>", "Signal 7 (SIGBUS) received by PID 12145")
-    # A survivor whose error file (written by @record) says it raised a second earlier is named Root Cause.
+    assert (killed.error_file, killed.message) == (
+        "<N/A>",
+        "Signal 7 (SIGBUS) received by PID 12145",
+    )
+    # A survivor whose error file (written by @record)
+    # says it raised a second earlier is named Root Cause.
     error_file = tmp_path / "error.json"
-    error_file.write_text(json.dumps({"message": {"message": "RuntimeError: Connection reset by peer",
-                                                  "extraInfo": {"py_callstack": "...", "timestamp": str(start - 1)}}}))
+    error_file.write_text(
+        json.dumps(
+            {
+                "message": {
+                    "message": "RuntimeError: Connection reset by peer",
+                    "extraInfo": {"py_callstack": "...", "timestamp": str(start - 1)},
+                }
+            }
+        )
+    )
     survivor = ProcessFailure(local_rank=0, pid=12144, exitcode=1, error_file=str(error_file))
     assert ChildFailedError("x.py", {1: killed, 0: survivor}).get_first_failure()[0] == 0
     survivor.timestamp = killed.timestamp + 1  # control: the later failure is not the root cause
@@ -83,35 +118,51 @@ for (batch,) in DataLoader(data, batch_size=64, num_workers=1):
 
 
 def test_small_dev_shm_sigbus_is_exitcode_minus_7_and_dataloader_says_no_space(tmp_path):
-    """A 1 MiB /dev/shm in a private mount namespace, as a container with a small --shm-size has: a rank
-    writing 4 MiB of POSIX shared memory dies with SIGBUS; torch's DataLoader reports the same shortage
-    as an error instead (torch reserves its shared memory up front)."""
+    """A 1 MiB /dev/shm in a private mount namespace, as a container with a small --shm-size has:
+    a rank writing 4 MiB of POSIX shared memory dies with SIGBUS; torch's DataLoader reports
+    the same shortage as an error instead (torch reserves its shared memory up front)."""
     need_root("a private /dev/shm (unshare -m, mount)")
     need_tools("unshare", "mount")
-    inner = (f"exec 2>&1; mount -t tmpfs -o size=1m tmpfs /dev/shm || exit 97; "
-             f"{PYTHON} -m torch.distributed.run --standalone --nproc_per_node=2 debugging/rank_signal.py "
-             f"--how shm --shm-mb 4; echo '--- DataLoader'; {PYTHON} -c {shlex.quote(DATALOADER)}")
+    inner = (
+        f"exec 2>&1; mount -t tmpfs -o size=1m tmpfs /dev/shm || exit 97; "
+        f"{PYTHON} -m torch.distributed.run --standalone --nproc_per_node=2 "
+        "debugging/rank_signal.py "
+        f"--how shm --shm-mb 4; echo '--- DataLoader'; {PYTHON} -c {shlex.quote(DATALOADER)}"
+    )
     result = run(["unshare", "-m", "sh", "-c", inner], timeout=180)
     assert result.returncode != 97, result.output[-3000:]
     torchrun_part, dataloader_part = result.stdout.split("--- DataLoader")
     root = root_cause(torchrun_part)
-    m = re.search(r"rank      : 1 \(local_rank: 1\)\n  exitcode  : -7 \(pid: (\d+)\)  \(SIGBUS\)\n"
-                  r"  error_file: <N/A>\n  traceback : Signal 7 \(SIGBUS\) received by PID (\d+)", root)
+    m = re.search(
+        r"rank      : 1 \(local_rank: 1\)\n  exitcode  : -7 \(pid: (\d+)\)  \(SIGBUS\)\n"
+        r"  error_file: <N/A>\n  traceback : Signal 7 \(SIGBUS\) received by PID (\d+)",
+        root,
+    )
     assert m and m[1] == m[2], result.output[-3000:]
     assert "got a batch" not in dataloader_part
-    assert "Caught RuntimeError in DataLoader worker process 0" in dataloader_part, dataloader_part[-3000:]
-    assert re.search(r"RuntimeError: unable to allocate shared memory\(shm\) for file </torch_[\w]+>: "
-                     r"No space left on device \(28\)", dataloader_part), dataloader_part[-3000:]
+    assert "Caught RuntimeError in DataLoader worker process 0" in dataloader_part, dataloader_part[
+        -3000:
+    ]
+    assert re.search(
+        r"RuntimeError: unable to allocate shared memory\(shm\) for file </torch_[\w]+>: "
+        r"No space left on device \(28\)",
+        dataloader_part,
+    ), dataloader_part[-3000:]
     # Negative control: the same rank with this machine's own /dev/shm writes its 4 MiB and exits 0.
-    fine = run([PYTHON, REPO / "debugging/rank_signal.py", "--how", "shm", "--shm-mb", "4"], timeout=60)
+    fine = run(
+        [PYTHON, REPO / "debugging/rank_signal.py", "--how", "shm", "--shm-mb", "4"], timeout=60
+    )
     assert fine.returncode == 0 and "wrote 4 MiB to /dev/shm/" in fine.stdout, fine.output
 
 
-# --- "address already in use": two jobs, one port -------------------------------------------------------
+# --- "address already in use": two jobs, one port
+# -------------------------------------------------------
+
 
 def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore: TIME_WAIT does not count
+        # as TCPStore: TIME_WAIT does not count
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
             return True
@@ -134,47 +185,89 @@ def test_second_job_on_the_same_port_fails_with_address_already_in_use(tmp_path)
     # Ids PORT_SPAN (15000) apart derive the same port: the residual collision the README states.
     assert master_port({"SLURM_JOB_ID": str(job + 15000)}) == port
     # The first job: rank 0 of two holds the store on the derived port and waits for rank 1.
-    first = subprocess.Popen([PYTHON, REPO / TRAIN, *SHORT, "--timeout-s", "300", "--output-dir", tmp_path / "first"],
-                             cwd=REPO, env=clean_env(RANK="0", WORLD_SIZE="2", SLURM_JOB_ID=str(job)), text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    first = subprocess.Popen(
+        [PYTHON, REPO / TRAIN, *SHORT, "--timeout-s", "300", "--output-dir", tmp_path / "first"],
+        cwd=REPO,
+        env=clean_env(RANK="0", WORLD_SIZE="2", SLURM_JOB_ID=str(job)),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while _bindable(port):
-            assert first.poll() is None and time.monotonic() < deadline, "the first job never listened"
+            assert first.poll() is None and time.monotonic() < deadline, (
+                "the first job never listened"
+            )
             time.sleep(0.2)
-        # A second job on the same node whose id derives the same port (TCPStore without libuv, as before
+        # A second job on the same node whose id derives
+        # the same port (TCPStore without libuv, as before
         # torch 2.4 and with USE_LIBUV=0): the capitalised "Address already in use".
-        second = run([PYTHON, REPO / TRAIN, *SHORT, "--output-dir", tmp_path / "second"], timeout=120,
-                     env=clean_env(SLURM_JOB_ID=str(job + 15000), USE_LIBUV="0"))
+        second = run(
+            [PYTHON, REPO / TRAIN, *SHORT, "--output-dir", tmp_path / "second"],
+            timeout=120,
+            env=clean_env(SLURM_JOB_ID=str(job + 15000), USE_LIBUV="0"),
+        )
         assert second.returncode != 0
-        assert re.search(r"torch\.distributed\.DistNetworkError: The server socket has failed to listen on any local "
-                         rf"network address\. The server socket has failed to bind to \S+:{port} \(errno: 98 - Address "
-                         r"already in use\)", second.stderr), second.stderr[-3000:]
+        assert re.search(
+            r"torch\.distributed\.DistNetworkError: The server socket has failed to listen on "
+            r"any local "
+            rf"network address\. The server socket has failed to bind to \S+:{port} \(errno: "
+            r"98 - Address "
+            r"already in use\)",
+            second.stderr,
+        ), second.stderr[-3000:]
         # torchrun without --standalone, told that port (--master-port): libuv's wording.
-        agent = run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={port}",
-                     REPO / TRAIN, *SHORT, "--output-dir", tmp_path / "agent"], timeout=120)
+        agent = run(
+            [
+                PYTHON,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node=1",
+                f"--master-port={port}",
+                REPO / TRAIN,
+                *SHORT,
+                "--output-dir",
+                tmp_path / "agent",
+            ],
+            timeout=120,
+        )
         assert agent.returncode != 0
-        assert ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
-                f"address. port: {port}, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use"
-                in agent.stderr), agent.stderr[-3000:]
+        assert (
+            "torch.distributed.DistNetworkError: The server socket has failed to listen on "
+            "any local network "
+            f"address. port: {port}, useIpv6: false, code: -98, name: EADDRINUSE, message: "
+            "address already in use" in agent.stderr
+        ), agent.stderr[-3000:]
         # The fix: another port. The next job id derives the next port, and that job runs.
         assert master_port({"SLURM_JOB_ID": str(job + 1)}) != port
-        fixed = run([PYTHON, REPO / TRAIN, *SHORT, "--output-dir", tmp_path / "fixed"], timeout=120,
-                    env=clean_env(SLURM_JOB_ID=str(job + 1)))
-        assert fixed.returncode == 0 and read_summary(tmp_path / "fixed")["world_size"] == 1, fixed.output[-3000:]
+        fixed = run(
+            [PYTHON, REPO / TRAIN, *SHORT, "--output-dir", tmp_path / "fixed"],
+            timeout=120,
+            env=clean_env(SLURM_JOB_ID=str(job + 1)),
+        )
+        assert fixed.returncode == 0 and read_summary(tmp_path / "fixed")["world_size"] == 1, (
+            fixed.output[-3000:]
+        )
         assert first.poll() is None  # the first job was never disturbed
     finally:
         kill_group(first)
         first.wait()
 
 
-# --- "unrecognized arguments: --local-rank=0" ------------------------------------------------------------
+# --- "unrecognized arguments: --local-rank=0"
+# ------------------------------------------------------------
 
 LAUNCH = [PYTHON, "-m", "torch.distributed.launch", "--nproc-per-node=2", "--master-port"]
-# debugging/README.md's three commands, run as written (tests/test_readme_commands.py: RunElsewhere). Neither
-# launcher is --standalone: both rendezvous on --master-port, which they also read from PET_MASTER_PORT (torch's
+# debugging/README.md's three commands, run as written
+# (tests/test_readme_commands.py: RunElsewhere). Neither
+# launcher is --standalone: both rendezvous on --master-port,
+# which they also read from PET_MASTER_PORT (torch's
 # `env` argparse action), so each run gets a free port without a flag the README does not show.
-LAUNCH_PLAIN = "python -m torch.distributed.launch --nproc-per-node=2 debugging/local_rank_args.py --plain"
+LAUNCH_PLAIN = (
+    "python -m torch.distributed.launch --nproc-per-node=2 debugging/local_rank_args.py --plain"
+)
 LAUNCH_FIXED = "python -m torch.distributed.launch --nproc-per-node=2 debugging/local_rank_args.py"
 TORCHRUN_NOT_STANDALONE = "torchrun --nproc-per-node=2 debugging/local_rank_args.py"
 
@@ -183,8 +276,13 @@ def test_torch_distributed_launch_passes_local_rank_argument(monkeypatch):
     import torch.distributed.launch as launch_module
     import torch.distributed.run as run_module
 
-    monkeypatch.setenv("PET_MASTER_PORT", "12345")  # both launchers take their --master-port default from it
-    assert run_module.parse_args(["x.py"]).master_port == launch_module.parse_args(["x.py"]).master_port == 12345
+    # both launchers take their --master-port default from it
+    monkeypatch.setenv("PET_MASTER_PORT", "12345")
+    assert (
+        run_module.parse_args(["x.py"]).master_port
+        == launch_module.parse_args(["x.py"]).master_port
+        == 12345
+    )
 
     def on_a_free_port():
         return clean_env(PET_MASTER_PORT=str(free_port()))
@@ -192,17 +290,32 @@ def test_torch_distributed_launch_passes_local_rank_argument(monkeypatch):
     plain = run(readme_command(DEBUG_README, LAUNCH_PLAIN), timeout=120, env=on_a_free_port())
     assert plain.returncode == 1  # the launcher's, for a failed rank
     # The first rank to fail ends the job: the other may be stopped before its parser prints.
-    assert any(f"local_rank_args.py: error: unrecognized arguments: --local-rank={rank}" in plain.stderr
-               for rank in (0, 1)), plain.stderr
+    assert any(
+        f"local_rank_args.py: error: unrecognized arguments: --local-rank={rank}" in plain.stderr
+        for rank in (0, 1)
+    ), plain.stderr
     assert "usage: local_rank_args.py [-h] [--epochs EPOCHS] [--plain]" in plain.stderr
     assert re.search(r"exitcode  : 2 \(pid: \d+\)", root_cause(plain.output))
     assert "FutureWarning: The module torch.distributed.launch is deprecated" in plain.stderr
-    # The parser that accepts both spellings gets the argument; under torchrun, which passes none, LOCAL_RANK.
-    fixed = run(readme_command(DEBUG_README, LAUNCH_FIXED), timeout=120, env=on_a_free_port(), check=True)
-    modern = run(readme_command(DEBUG_README, TORCHRUN_NOT_STANDALONE), timeout=120, env=on_a_free_port(), check=True)
+    # The parser that accepts both spellings gets the
+    # argument; under torchrun, which passes none, LOCAL_RANK.
+    fixed = run(
+        readme_command(DEBUG_README, LAUNCH_FIXED), timeout=120, env=on_a_free_port(), check=True
+    )
+    modern = run(
+        readme_command(DEBUG_README, TORCHRUN_NOT_STANDALONE),
+        timeout=120,
+        env=on_a_free_port(),
+        check=True,
+    )
     for rank in (0, 1):
-        assert f"rank {rank}: local rank {rank} (from the --local-rank argument, LOCAL_RANK={rank})" in fixed.stdout
-        assert f"rank {rank}: local rank {rank} (from LOCAL_RANK, LOCAL_RANK={rank})" in modern.stdout
+        assert (
+            f"rank {rank}: local rank {rank} (from the --local-rank argument, LOCAL_RANK={rank})"
+            in fixed.stdout
+        )
+        assert (
+            f"rank {rank}: local rank {rank} (from LOCAL_RANK, LOCAL_RANK={rank})" in modern.stdout
+        )
 
 
 def test_the_examples_accept_and_ignore_local_rank():
@@ -210,27 +323,37 @@ def test_the_examples_accept_and_ignore_local_rank():
 
     for spelling in ("--local-rank=1", "--local_rank=1"):
         assert parse_config(TrainConfig, [spelling, "--epochs", "2"]) == TrainConfig(epochs=2)
-    # (A real run under torch.distributed.launch: test_two_forwards_through_ddp_work_since_torch_2_12.)
+    # (A real run under torch.distributed.launch:
+    # test_two_forwards_through_ddp_work_since_torch_2_12.)
 
 
 def test_launch_appends_local_rank_unless_use_env_and_the_spelling_changed_in_2_0():
-    """Read from the installed torch (2.14.1): torch.distributed.launch appends --local-rank=N unless --use-env
-    (torchrun's use_env is always true); torch 2.0 changed the spelling from --local_rank."""
+    """Read from the installed torch (2.14.1): torch.distributed.launch
+    appends --local-rank=N unless --use-env (torchrun's use_env is
+    always true); torch 2.0 changed the spelling from --local_rank."""
     import torch.distributed.launch as launch_module
     import torch.distributed.run as run_module
 
     config_from_args = inspect.getsource(run_module.config_from_args)
-    assert re.search(r'if not use_env:\n\s+cmd_args\.append\(f"--local-rank=\{macros\.local_rank\}"\)',
-                     config_from_args)
-    assert 'if not hasattr(args, "use_env"):\n        return True' in inspect.getsource(run_module.get_use_env)
+    assert re.search(
+        r'if not use_env:\n\s+cmd_args\.append\(f"--local-rank=\{macros\.local_rank\}"\)',
+        config_from_args,
+    )
+    assert 'if not hasattr(args, "use_env"):\n        return True' in inspect.getsource(
+        run_module.get_use_env
+    )
     docs = " ".join(launch_module.__doc__.split())
-    assert ("From PyTorch 2.0.0 onwards, the dashed ``--local-rank`` is preferred over the previously used "
-            "underscored ``--local_rank``") in docs
+    assert (
+        "From PyTorch 2.0.0 onwards, the dashed ``--local-rank`` is preferred over the "
+        "previously used "
+        "underscored ``--local_rank``"
+    ) in docs
 
 
 def test_only_torchrun_across_nodes_defaults_to_port_29500():
-    """Read from the installed torch (2.14.1), run(): --standalone, and a one-node torchrun given no --master-port
-    or rendezvous endpoint, listen on a free port (localhost:0); otherwise the static rendezvous uses
+    """Read from the installed torch (2.14.1), run(): --standalone, and a
+    one-node torchrun given no --master-port or rendezvous endpoint, listen
+    on a free port (localhost:0); otherwise the static rendezvous uses
     --master-port, 29500 unless given."""
     import torch.distributed.run as run_module
 
@@ -243,7 +366,8 @@ def test_only_torchrun_across_nodes_defaults_to_port_29500():
     assert "if args.master_port is None:\n        args.master_port = 29500" in source
 
 
-# --- mp.spawn with a worker defined in __main__ (a notebook, python -c, the REPL) ------------------------
+# --- mp.spawn with a worker defined in __main__ (a
+# notebook, python -c, the REPL) ------------------------
 
 NOTEBOOK_CELL = """
 import torch.multiprocessing as mp
@@ -254,14 +378,17 @@ def worker(rank):
 mp.spawn(worker, nprocs=1)
 """
 
-# The fix: the worker in a file of its own (in a notebook: a %%writefile ddp_worker.py cell), imported.
+# The fix: the worker in a file of its own (in a
+# notebook: a %%writefile ddp_worker.py cell), imported.
 WORKER_FILE = """
 import torch
 import torch.distributed as dist
 
 
 def worker(rank, world_size, port):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
     total = torch.tensor([rank + 1.0])
     dist.all_reduce(total)
     print(f"rank {rank}: all_reduce gives {total.item():.0f}", flush=True)
@@ -277,24 +404,47 @@ mp.spawn(worker, args=(2, {port}), nprocs=2)
 
 
 def test_mp_spawn_of_a_worker_defined_in_main_fails_and_an_imported_one_runs(tmp_path):
-    # No file behind __main__ (python -c, as a notebook or the REPL): the spawned processes cannot find `worker`.
+    # No file behind __main__ (python -c, as a notebook or
+    # the REPL): the spawned processes cannot find `worker`.
     broken = run([PYTHON, "-c", NOTEBOOK_CELL], timeout=120, cwd=tmp_path)
     assert broken.returncode != 0
-    assert "AttributeError: Can't get attribute 'worker' on <module '__main__' (built-in)>" in broken.stderr
-    assert ("torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with exit code 1"
-            in broken.stderr), broken.stderr[-3000:]
+    assert (
+        "AttributeError: Can't get attribute 'worker' on <module '__main__' (built-in)>"
+        in broken.stderr
+    )
+    assert (
+        "torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with exit code 1"
+        in broken.stderr
+    ), broken.stderr[-3000:]
     assert "worker 0" not in broken.stdout
-    # A lambda (or a function nested in another) has no importable name at all: the parent cannot send it.
-    lam = run([PYTHON, "-c", "import torch.multiprocessing as mp\nmp.spawn(lambda rank: print(rank), nprocs=2)"],
-              timeout=120, cwd=tmp_path)
+    # A lambda (or a function nested in another) has no
+    # importable name at all: the parent cannot send it.
+    lam = run(
+        [
+            PYTHON,
+            "-c",
+            "import torch.multiprocessing as mp\nmp.spawn(lambda rank: print(rank), nprocs=2)",
+        ],
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert lam.returncode != 0
-    assert re.search(r"_pickle\.PicklingError: Can't pickle <function <lambda> at 0x[0-9a-f]+>: attribute lookup "
-                     r"<lambda> on __main__ failed", lam.stderr), lam.stderr[-3000:]
-    assert "ProcessExitedException" not in lam.stderr  # the parent failed before starting any process
+    assert re.search(
+        r"_pickle\.PicklingError: Can't pickle <function <lambda> at 0x[0-9a-f]+>: attribute "
+        r"lookup "
+        r"<lambda> on __main__ failed",
+        lam.stderr,
+    ), lam.stderr[-3000:]
+    # the parent failed before starting any process
+    assert "ProcessExitedException" not in lam.stderr
     # The fix, still from python -c: the same call with the worker imported from a file.
     (tmp_path / "ddp_worker.py").write_text(WORKER_FILE)
-    fixed = run([PYTHON, "-c", FIXED_CELL.format(port=free_port())], timeout=120, cwd=tmp_path,
-                env=clean_env(PYTHONPATH=str(tmp_path)))
+    fixed = run(
+        [PYTHON, "-c", FIXED_CELL.format(port=free_port())],
+        timeout=120,
+        cwd=tmp_path,
+        env=clean_env(PYTHONPATH=str(tmp_path)),
+    )
     assert fixed.returncode == 0, fixed.output[-3000:]
     for rank in (0, 1):  # (two processes print at once: only their newlines may interleave)
         assert f"rank {rank}: all_reduce gives 3" in fixed.stdout, fixed.output[-3000:]
@@ -310,25 +460,41 @@ def test_train_spawn_has_a_module_level_worker_and_spawns_in_main():
     tree = ast.parse((REPO / "01_basic_ddp" / "train_spawn.py").read_text())
     functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
     assert "worker" in functions
-    calls = [ast.unparse(node.func) for node in ast.walk(functions["main"]) if isinstance(node, ast.Call)]
+    calls = [
+        ast.unparse(node.func) for node in ast.walk(functions["main"]) if isinstance(node, ast.Call)
+    ]
     assert any(call.endswith("spawn") for call in calls), calls
 
 
-# --- two forward passes before one backward (a GAN discriminator) ---------------------------------------
+# --- two forward passes before one backward (a GAN
+# discriminator) ---------------------------------------
 
 TWO_FORWARDS = "debugging/two_forwards.py"
-# debugging/README.md's commands, run as written with --output-dir added (tests/test_readme_commands.py: RunElsewhere)
-TWO_FORWARDS_INPLACE = "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers inplace"
-TWO_FORWARDS_CONCAT = ("torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers inplace "
-                       "--forward concat")
-TWO_FORWARDS_LOCAL = "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers local"
-INPLACE_ERROR = (r"RuntimeError: one of the variables needed for gradient computation has been modified by an "
-                 r"inplace operation: \[torch\.FloatTensor \[32\]\] is at version 3; expected version 2 instead")
+# debugging/README.md's commands, run as written with --output-dir
+# added (tests/test_readme_commands.py: RunElsewhere)
+TWO_FORWARDS_INPLACE = (
+    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers inplace"
+)
+TWO_FORWARDS_CONCAT = (
+    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers inplace "
+    "--forward concat"
+)
+TWO_FORWARDS_LOCAL = (
+    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers local"
+)
+INPLACE_ERROR = (
+    r"RuntimeError: one of the variables needed for gradient computation has been modified by an "
+    r"inplace operation: \[torch\.FloatTensor \[32\]\] is at version 3; expected version 2 instead"
+)
 
 
 def test_two_forwards_with_buffers_synced_in_place_fail(tmp_path):
-    """What DDP did up to torch 2.11: the second forward's buffer sync breaks the first forward's graph."""
-    result = run(readme_command(DEBUG_README, TWO_FORWARDS_INPLACE) + ["--output-dir", str(tmp_path)], timeout=120)
+    """What DDP did up to torch 2.11: the second forward's
+    buffer sync breaks the first forward's graph."""
+    result = run(
+        readme_command(DEBUG_README, TWO_FORWARDS_INPLACE) + ["--output-dir", str(tmp_path)],
+        timeout=120,
+    )
     out = result.output
     assert result.returncode == 1  # torchrun's, for a failed rank
     assert re.search(rf"^\[rank\d\]: {INPLACE_ERROR}", out, re.M), out[-3000:]
@@ -339,28 +505,42 @@ def test_two_forwards_with_buffers_synced_in_place_fail(tmp_path):
 
 @pytest.mark.parametrize("fix", ["concat", "local"])
 def test_two_forwards_fixes_run_with_identical_replicas(tmp_path, fix):
-    command = {"concat": readme_command(DEBUG_README, TWO_FORWARDS_CONCAT),
-               "local": readme_command(DEBUG_README, TWO_FORWARDS_LOCAL)}[fix]
+    command = {
+        "concat": readme_command(DEBUG_README, TWO_FORWARDS_CONCAT),
+        "local": readme_command(DEBUG_README, TWO_FORWARDS_LOCAL),
+    }[fix]
     result = run(command + ["--output-dir", str(tmp_path)], timeout=120, check=True)
     assert "step 3 discriminator loss" in result.stdout and "done:" in result.stdout
     assert read_summary(tmp_path)["replicas_identical"]
     if fix == "local":  # broadcast_buffers=False works, and torch >= 2.13 says the name is old
-        assert "FutureWarning: `broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead." in result.stderr
+        assert (
+            "FutureWarning: `broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead."
+            in result.stderr
+        )
 
 
 def test_two_forwards_through_ddp_work_since_torch_2_12(tmp_path):
-    """DDP's own buffer sync no longer trips autograd (pytorch/pytorch#175851, torch 2.12). Launched with
-    torch.distributed.launch, which also shows that the examples' parser takes its --local-rank."""
-    result = run([*LAUNCH, str(free_port()), REPO / TWO_FORWARDS, "--output-dir", tmp_path], timeout=120, check=True)
-    assert "step 3 discriminator loss" in result.stdout and "done: separate forward(s), buffers ddp" in result.stdout
+    """DDP's own buffer sync no longer trips autograd (pytorch/pytorch#175851,
+    torch 2.12). Launched with torch.distributed.launch, which also shows
+    that the examples' parser takes its --local-rank."""
+    result = run(
+        [*LAUNCH, str(free_port()), REPO / TWO_FORWARDS, "--output-dir", tmp_path],
+        timeout=120,
+        check=True,
+    )
+    assert (
+        "step 3 discriminator loss" in result.stdout
+        and "done: separate forward(s), buffers ddp" in result.stdout
+    )
     summary = read_summary(tmp_path)
     assert summary["replicas_identical"]
     assert tuple(int(v) for v in summary["torch_version"].split(".")[:2]) >= (2, 12)
 
 
-def test_ddp_syncs_buffers_without_bumping_their_version_and_forward_sync_buffers_keeps_the_init_sync():
-    """Read from the installed torch (2.14.1): DDP's buffer sync in forward keeps the buffers' version counters
-    (the 2.12 fix, pytorch/pytorch#175851); broadcast_buffers=False also skips the sync at construction,
+def test_ddp_syncs_buffers_without_bumping_their_version_and_forward_sync_buffers_keeps_init_sync():
+    """Read from the installed torch (2.14.1): DDP's buffer sync in forward keeps
+    the buffers' version counters (the 2.12 fix, pytorch/pytorch#175851);
+    broadcast_buffers=False also skips the sync at construction,
     forward_sync_buffers=False does not (torch's own FutureWarning says so)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -368,5 +548,9 @@ def test_ddp_syncs_buffers_without_bumping_their_version_and_forward_sync_buffer
     init = inspect.getsource(DDP.__init__)
     assert '"instead. IMPORTANT: unlike `broadcast_buffers=False`, "' in init
     assert '"`forward_sync_buffers=False` still syncs buffers at "' in init
-    assert re.search(r"if forward_sync_buffers is not None:\n\s+self\.forward_sync_buffers = forward_sync_buffers\n"
-                     r"\s+init_sync_buffers = True", init)
+    assert re.search(
+        r"if forward_sync_buffers is not None:\n\s+self\.forward_sync_buffers = "
+        r"forward_sync_buffers\n"
+        r"\s+init_sync_buffers = True",
+        init,
+    )

@@ -1,8 +1,10 @@
-"""Installing next to a site's own torch, and the oldest torch the code runs with (README, "On a cluster", "Versions").
+"""Installing next to a site's own torch, and the oldest torch
+the code runs with (README, "On a cluster", "Versions").
 
-requirements-site.txt is everything but torch and torchvision, so a cluster keeps its own build; requirements.txt
-is the tested pair plus that file. The minimum torch is the newest API the code uses: every torch and torchvision
-use that tests/torch_api.py finds must be either in tests/torch_2_0_api.txt (present in torch 2.0.1 and
+requirements-site.txt is everything but torch and torchvision, so a cluster keeps its
+own build; requirements.txt is the tested pair plus that file. The minimum torch is
+the newest API the code uses: every torch and torchvision use that tests/torch_api.py
+finds must be either in tests/torch_2_0_api.txt (present in torch 2.0.1 and
 torchvision 0.15.2) or in NEWER_THAN_2_0 below, with the release it first appeared in.
 """
 
@@ -18,44 +20,101 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from tests.helpers import REPO
-from tests.torch_api import member_names, python_uses, torch_classes, torchrun_flags, torchrun_flags_used, uses_by_file
+from tests.torch_api import (
+    member_names,
+    python_uses,
+    torch_classes,
+    torchrun_flags,
+    torchrun_flags_used,
+    uses_by_file,
+)
 
 SITE = REPO / "requirements-site.txt"
 PINNED = REPO / "requirements.txt"
 TORCH_PACKAGES = {"torch", "torchvision"}
 README = (REPO / "README.md").read_text()
 
-# Uses newer than torch 2.0 -> (first release with it, how that was checked). "Checked in the wheels": the
-# Python sources of the torch wheels of each release from 2.0.1 on, read for the definition (or argument).
+# Uses newer than torch 2.0 -> (first release with it,
+# how that was checked). "Checked in the wheels": the
+# Python sources of the torch wheels of each release
+# from 2.0.1 on, read for the definition (or argument).
 NEWER_THAN_2_0 = {
     ".compile": ("2.1", "nn.Module.compile: defined in nn/modules/module.py of 2.1.2, not 2.0.1"),
-    ".register_post_accumulate_grad_hook": ("2.1", "Tensor.register_post_accumulate_grad_hook: in _tensor.py of "
-                                                   "2.1.2, not 2.0.1"),
-    "torch.distributed.DistError": ("2.2", "exported by torch/distributed/__init__.py from 2.2.2, not 2.1.2"),
-    "torch.distributed.DistStoreError": ("2.2", "exported by torch/distributed/__init__.py from 2.2.2, not 2.1.2"),
-    "torch.distributed.checkpoint.state_dict.get_state_dict": ("2.2", "defined in 2.2.2's state_dict.py, not 2.1.2"),
-    "torch.distributed.checkpoint.state_dict.set_state_dict": ("2.2", "defined in 2.2.2's state_dict.py, not 2.1.2"),
-    "torch.distributed.checkpoint.state_dict.set_state_dict(model_state_dict=)": ("2.2", "with set_state_dict"),
-    "torch.distributed.checkpoint.state_dict.set_state_dict(optim_state_dict=)": ("2.2", "with set_state_dict"),
-    "torch.distributed.checkpoint.save": ("2.2", "dcp.save: 2.2.2 (storage_writer required), not 2.1.2"),
-    "torch.distributed.checkpoint.load": ("2.2", "dcp.load: 2.2.2 (storage_reader required), not 2.1.2"),
-    "torch.distributed.checkpoint.save(checkpoint_id=)": ("2.3", "argument of dcp.save in 2.3.1, not 2.2.2"),
-    "torch.distributed.checkpoint.load(checkpoint_id=)": ("2.3", "argument of dcp.load in 2.3.1, not 2.2.2"),
-    "torch.distributed.checkpoint.format_utils": ("2.3", "format_utils.py and its dcp_to_torch command: 2.3.1, "
-                                                         "not 2.2.2"),
-    ".check": ("2.3", "Store.check in Python (TCPStore): in 2.3.1's libtorch_python, not 2.2.2; "
-                      "pytorch/pytorch#116144"),
-    "torch.amp.GradScaler": ("2.3", "torch/amp/grad_scaler.py (device 'cuda' or 'cpu'): 2.3.1, not 2.2.2; before "
-                                    "it torch.cuda.amp.GradScaler"),
+    ".register_post_accumulate_grad_hook": (
+        "2.1",
+        "Tensor.register_post_accumulate_grad_hook: in _tensor.py of 2.1.2, not 2.0.1",
+    ),
+    "torch.distributed.DistError": (
+        "2.2",
+        "exported by torch/distributed/__init__.py from 2.2.2, not 2.1.2",
+    ),
+    "torch.distributed.DistStoreError": (
+        "2.2",
+        "exported by torch/distributed/__init__.py from 2.2.2, not 2.1.2",
+    ),
+    "torch.distributed.checkpoint.state_dict.get_state_dict": (
+        "2.2",
+        "defined in 2.2.2's state_dict.py, not 2.1.2",
+    ),
+    "torch.distributed.checkpoint.state_dict.set_state_dict": (
+        "2.2",
+        "defined in 2.2.2's state_dict.py, not 2.1.2",
+    ),
+    "torch.distributed.checkpoint.state_dict.set_state_dict(model_state_dict=)": (
+        "2.2",
+        "with set_state_dict",
+    ),
+    "torch.distributed.checkpoint.state_dict.set_state_dict(optim_state_dict=)": (
+        "2.2",
+        "with set_state_dict",
+    ),
+    "torch.distributed.checkpoint.save": (
+        "2.2",
+        "dcp.save: 2.2.2 (storage_writer required), not 2.1.2",
+    ),
+    "torch.distributed.checkpoint.load": (
+        "2.2",
+        "dcp.load: 2.2.2 (storage_reader required), not 2.1.2",
+    ),
+    "torch.distributed.checkpoint.save(checkpoint_id=)": (
+        "2.3",
+        "argument of dcp.save in 2.3.1, not 2.2.2",
+    ),
+    "torch.distributed.checkpoint.load(checkpoint_id=)": (
+        "2.3",
+        "argument of dcp.load in 2.3.1, not 2.2.2",
+    ),
+    "torch.distributed.checkpoint.format_utils": (
+        "2.3",
+        "format_utils.py and its dcp_to_torch command: 2.3.1, not 2.2.2",
+    ),
+    ".check": (
+        "2.3",
+        "Store.check in Python (TCPStore): in 2.3.1's libtorch_python, not 2.2.2; "
+        "pytorch/pytorch#116144",
+    ),
+    "torch.amp.GradScaler": (
+        "2.3",
+        "torch/amp/grad_scaler.py (device 'cuda' or 'cpu'): 2.3.1, not 2.2.2; before "
+        "it torch.cuda.amp.GradScaler",
+    ),
     "torch.amp.GradScaler(enabled=)": ("2.3", "with torch.amp.GradScaler"),
-    "torch.amp.is_autocast_available": ("2.4", "torch/amp/autocast_mode.py of 2.4.1, not 2.3.1 "
-                                               "(pytorch/pytorch#124938)"),
+    "torch.amp.is_autocast_available": (
+        "2.4",
+        "torch/amp/autocast_mode.py of 2.4.1, not 2.3.1 (pytorch/pytorch#124938)",
+    ),
     "torch.distributed.flight_recorder.fr_trace": ("2.10", "in the 2.10.0 wheel, not 2.9.0"),
-    "torchrun --signals-to-handle": ("2.10", "torch/distributed/run.py of 2.10.0, not 2.9.0 "
-                                             "(pytorch/pytorch#160690)"),
+    "torchrun --signals-to-handle": (
+        "2.10",
+        "torch/distributed/run.py of 2.10.0, not 2.9.0 (pytorch/pytorch#160690)",
+    ),
 }
-# Attribute names of the code's own objects that a torch class happens to have too (found as ".name").
-NOT_TORCH = {".append": "list.append (the code calls no Store.append)", ".index": "list.index and str.index"}
+# Attribute names of the code's own objects that a
+# torch class happens to have too (found as ".name").
+NOT_TORCH = {
+    ".append": "list.append (the code calls no Store.append)",
+    ".index": "list.index and str.index",
+}
 
 
 def requirement_lines(path: Path) -> list[str]:
@@ -88,19 +147,28 @@ def installed_closure(requirements: list[str], path: list[str] | None = None) ->
         for spec in found[0].requires or []:
             dependency = Requirement(spec)
             extras = requirement.extras or {""}
-            if dependency.marker is None or any(dependency.marker.evaluate({"extra": e}) for e in extras):
+            if dependency.marker is None or any(
+                dependency.marker.evaluate({"extra": e}) for e in extras
+            ):
                 todo.append((dependency, pulled[name]))
     return pulled
 
 
 def torch_pulled_in(requirements: list[str], path: list[str] | None = None) -> list[str]:
-    named = [line for line in requirements if canonicalize_name(Requirement(line).name) in TORCH_PACKAGES]
-    pulled = [chain for name, chain in installed_closure(requirements, path).items() if name in TORCH_PACKAGES]
+    named = [
+        line for line in requirements if canonicalize_name(Requirement(line).name) in TORCH_PACKAGES
+    ]
+    pulled = [
+        chain
+        for name, chain in installed_closure(requirements, path).items()
+        if name in TORCH_PACKAGES
+    ]
     return named + pulled
 
 
 def test_the_site_requirements_neither_name_nor_pull_in_torch():
-    """`pip install -r requirements-site.txt` leaves the environment's torch and torchvision alone."""
+    """`pip install -r requirements-site.txt` leaves the
+    environment's torch and torchvision alone."""
     site = requirement_lines(SITE)
     assert site and torch_pulled_in(site) == []
     # The installed closure is real: tensorboard brings numpy, among others.
@@ -108,24 +176,34 @@ def test_the_site_requirements_neither_name_nor_pull_in_torch():
 
 
 def test_the_torch_check_fails_on_a_named_torch_or_a_dependency_that_brings_it(tmp_path):
-    """Negative controls: torch added to the site file; a package whose metadata requires torchvision."""
+    """Negative controls: torch added to the site file;
+    a package whose metadata requires torchvision."""
     edited = tmp_path / "requirements-site.txt"
     edited.write_text(SITE.read_text() + "torch>=2.3\n")
     assert torch_pulled_in(requirement_lines(edited)) == ["torch>=2.3", "torch"]
     info = tmp_path / "site" / "needs_vision-1.0.dist-info"
     info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: needs-vision\nVersion: 1.0\n"
-                                   "Requires-Dist: torchvision\n")
-    pulled = torch_pulled_in([*requirement_lines(SITE), "needs-vision"], path=[str(tmp_path / "site"), *sys.path])
-    assert "needs-vision -> torchvision" in pulled and "needs-vision -> torchvision -> torch" in pulled
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: needs-vision\nVersion: 1.0\nRequires-Dist: torchvision\n"
+    )
+    pulled = torch_pulled_in(
+        [*requirement_lines(SITE), "needs-vision"], path=[str(tmp_path / "site"), *sys.path]
+    )
+    assert (
+        "needs-vision -> torchvision" in pulled and "needs-vision -> torchvision -> torch" in pulled
+    )
 
 
 def test_requirements_txt_is_the_installed_pair_plus_the_site_file():
     """The quick start installs the pair CI tests and then exactly the site file."""
     lines = requirement_lines(PINNED)
-    pins = {canonicalize_name(Requirement(line).name): line for line in lines if canonicalize_name(Requirement(line).name)
-            in TORCH_PACKAGES}
-    installed = {name: Version(metadata.version(name)).public for name in TORCH_PACKAGES}  # 2.14.1+cpu -> 2.14.1
+    pins = {
+        canonicalize_name(Requirement(line).name): line
+        for line in lines
+        if canonicalize_name(Requirement(line).name) in TORCH_PACKAGES
+    }
+    # 2.14.1+cpu -> 2.14.1
+    installed = {name: Version(metadata.version(name)).public for name in TORCH_PACKAGES}
     assert pins == {name: f"{name}=={version}" for name, version in installed.items()}
     assert lines == [pins["torch"], pins["torchvision"], *requirement_lines(SITE)]
     assert "-r requirements.txt" in (REPO / "requirements-test.txt").read_text().splitlines()
@@ -134,26 +212,32 @@ def test_requirements_txt_is_the_installed_pair_plus_the_site_file():
 def readme_section(title: str) -> str:
     start = README.index(f"\n## {title}\n")
     end = README.find("\n## ", start + 1)
-    return README[start:end if end != -1 else None]
+    return README[start : end if end != -1 else None]
 
 
 def test_the_readme_shows_the_quick_start_and_the_cluster_install():
     quick = readme_section("Quick start")
-    assert ("```bash\npip install -r requirements.txt && torchrun --standalone --nproc_per_node=2 "
-            "01_basic_ddp/train.py\n```") in quick
+    assert (
+        "```bash\npip install -r requirements.txt && torchrun --standalone --nproc_per_node=2 "
+        "01_basic_ddp/train.py\n```"
+    ) in quick
     cluster = readme_section("On a cluster")
     block = re.search(r"```bash\n(.+?)\n```", cluster, re.S).group(1)
     assert block.splitlines()[-1] == "pip install -r requirements-site.txt"
 
 
 def test_nothing_needs_scikit_learn_any_more():
-    for path in [*REPO.glob("requirements*.txt"), *(p for d in ("common", "benchmark", "debugging") for p in
-                                                      (REPO / d).glob("*.py")), *REPO.glob("0*/*.py")]:
+    for path in [
+        *REPO.glob("requirements*.txt"),
+        *(p for d in ("common", "benchmark", "debugging") for p in (REPO / d).glob("*.py")),
+        *REPO.glob("0*/*.py"),
+    ]:
         text = path.read_text()
         assert "sklearn" not in text and "scikit" not in text, path
 
 
-# --- the minimum torch version -------------------------------------------------------------------------------
+# --- the minimum torch version
+# -------------------------------------------------------------------------------
 
 OLD_LIST = REPO / "tests" / "torch_2_0_api.txt"
 
@@ -163,27 +247,41 @@ def torch_2_0_uses() -> set[str]:
 
 
 def stated_minimum() -> tuple[str, dict[str, str]]:
-    """README, "Versions": "Minimum torch: X", and the files it names as needing more: "`path` needs Y"."""
+    """README, "Versions": "Minimum torch: X", and the
+    files it names as needing more: "`path` needs Y"."""
     versions = readme_section("Versions")
     minimum = re.search(r"\*\*Minimum torch: (\d+\.\d+)\*\*", versions).group(1)
     return minimum, dict(re.findall(r"`([\w./-]+)` needs (\d+\.\d+)", versions))
 
 
 def newest(uses: set[str]) -> str:
-    return max((NEWER_THAN_2_0[use][0] for use in uses if use in NEWER_THAN_2_0), key=Version, default="2.0")
+    return max(
+        (NEWER_THAN_2_0[use][0] for use in uses if use in NEWER_THAN_2_0),
+        key=Version,
+        default="2.0",
+    )
 
 
 def test_every_torch_use_in_the_code_has_a_known_first_release():
     known = torch_2_0_uses() | NEWER_THAN_2_0.keys() | NOT_TORCH.keys()
-    unknown = {f"{path}: {use}" for path, uses in uses_by_file().items() for use in uses if use not in known}
-    assert not unknown, ("torch APIs of unknown age (find the first release that has each, then add it to "
-                         f"NEWER_THAN_2_0 or, if torch 2.0.1 had it, to {OLD_LIST.name}): {sorted(unknown)}")
+    unknown = {
+        f"{path}: {use}"
+        for path, uses in uses_by_file().items()
+        for use in uses
+        if use not in known
+    }
+    assert not unknown, (
+        "torch APIs of unknown age (find the first release that has each, then add it to "
+        f"NEWER_THAN_2_0 or, if torch 2.0.1 had it, to {OLD_LIST.name}): {sorted(unknown)}"
+    )
 
 
 def test_the_stated_minimum_torch_is_the_newest_api_the_code_uses():
     minimum, exceptions = stated_minimum()
     by_file = {path: newest(uses) for path, uses in uses_by_file().items()}
-    assert exceptions == {path: version for path, version in by_file.items() if Version(version) > Version(minimum)}
+    assert exceptions == {
+        path: version for path, version in by_file.items() if Version(version) > Version(minimum)
+    }
     assert minimum == max((v for path, v in by_file.items() if path not in exceptions), key=Version)
     # The README names the files that set the minimum.
     setting = {path for path, version in by_file.items() if version == minimum}
@@ -192,27 +290,44 @@ def test_the_stated_minimum_torch_is_the_newest_api_the_code_uses():
 
 
 def test_the_version_check_sees_new_apis_in_code(tmp_path):
-    """Negative controls: a newer call, a method on a variable, an unknown name; a stdlib method is not torch's."""
+    """Negative controls: a newer call, a method on a variable,
+    an unknown name; a stdlib method is not torch's."""
     members = member_names(torch_classes())
-    source = ("import re\nimport torch\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
-              "ok = torch.amp.is_autocast_available('cpu')\nmodel = DDP(torch.nn.Linear(1, 1))\n"
-              "model.compile()\nPATTERN = re.compile('x')\ntorch.accelerator.current_accelerator()\n")
+    source = (
+        "import re\nimport torch\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "ok = torch.amp.is_autocast_available('cpu')\nmodel = DDP(torch.nn.Linear(1, 1))\n"
+        "model.compile()\nPATTERN = re.compile('x')\ntorch.accelerator.current_accelerator()\n"
+    )
     uses = python_uses(source, members)
-    assert {"torch.amp.is_autocast_available", ".compile", "torch.accelerator.current_accelerator",
-            "torch.nn.parallel.DistributedDataParallel"} <= uses
+    assert {
+        "torch.amp.is_autocast_available",
+        ".compile",
+        "torch.accelerator.current_accelerator",
+        "torch.nn.parallel.DistributedDataParallel",
+    } <= uses
     assert newest(uses) == "2.4" and Version(newest(uses)) > Version(stated_minimum()[0])
     assert "torch.accelerator.current_accelerator" not in torch_2_0_uses() | NEWER_THAN_2_0.keys()
-    assert "re.compile" not in uses and python_uses("import re\nre.compile('x')\n", members) == set()
+    assert (
+        "re.compile" not in uses and python_uses("import re\nre.compile('x')\n", members) == set()
+    )
 
 
 def test_torchrun_flags_count_in_commands_only():
-    """A flag in a torchrun command (or an array it expands) counts; one in a comment or after the script not."""
+    """A flag in a torchrun command (or an array it expands)
+    counts; one in a comment or after the script not."""
     known = torchrun_flags()
-    job = ('# torchrun must know --signals-to-handle\nextra+=("--local_addr=$HOST")\n'
-           '"$PYTHON" -m torch.distributed.run \\\n    --nnodes=2 --signals-to-handle=SIGUSR1 \\\n'
-           '    "$SCRIPT" --standalone  # --rdzv_id\n')
-    assert torchrun_flags_used(job, known) == {"torchrun --local_addr", "torchrun --nnodes",
-                                               "torchrun --signals-to-handle"}
+    job = (
+        '# torchrun must know --signals-to-handle\nextra+=("--local_addr=$HOST")\n'
+        '"$PYTHON" -m torch.distributed.run \\\n    --nnodes=2 --signals-to-handle=SIGUSR1 \\\n'
+        '    "$SCRIPT" --standalone  # --rdzv_id\n'
+    )
+    assert torchrun_flags_used(job, known) == {
+        "torchrun --local_addr",
+        "torchrun --nnodes",
+        "torchrun --signals-to-handle",
+    }
     assert newest(torchrun_flags_used(job, known)) == "2.10"
     assert torchrun_flags_used(job.replace("--signals-to-handle=SIGUSR1 ", ""), known) == {
-        "torchrun --local_addr", "torchrun --nnodes"}
+        "torchrun --local_addr",
+        "torchrun --nnodes",
+    }

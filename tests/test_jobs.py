@@ -13,7 +13,16 @@ import time
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, clean_env, kill_group, load_script, read_summary, run, torchrun
+from tests.helpers import (
+    PYTHON,
+    REPO,
+    clean_env,
+    kill_group,
+    load_script,
+    read_summary,
+    run,
+    torchrun,
+)
 from tests.launcher_tools import need_root, need_tools
 from tests.slurm_cluster import TOOLS as SLURM_TOOLS, SlurmCluster
 
@@ -25,8 +34,14 @@ REQUEUE_EXIT_CODE = load_script("05_checkpointing/checkpoint.py", "checkpoint").
 
 def test_job_files_exist():
     names = {p.name for p in JOBS}
-    assert {"torchrun_single_node.sh", "torchrun_multi_node.sh", *SLURM_JOBS, "pbs_mpiexec.pbs",
-            "pbs_torchrun.pbs", "prepare_data.sh"} <= names
+    assert {
+        "torchrun_single_node.sh",
+        "torchrun_multi_node.sh",
+        *SLURM_JOBS,
+        "pbs_mpiexec.pbs",
+        "pbs_torchrun.pbs",
+        "prepare_data.sh",
+    } <= names
 
 
 @pytest.mark.parametrize("job", JOBS, ids=lambda p: p.name)
@@ -42,9 +57,13 @@ def test_job_file_static(job):
     # (sbatch and qsub stop reading directives there). '##SBATCH' is a disabled line.
     seen_command = False
     for number, line in enumerate(text.splitlines(), 1):
-        assert not re.match(r"#\s+(SBATCH|PBS)\s+-", line), f"{job.name}:{number}: '# SBATCH' is ignored: {line}"
+        assert not re.match(r"#\s+(SBATCH|PBS)\s+-", line), (
+            f"{job.name}:{number}: '# SBATCH' is ignored: {line}"
+        )
         if line.startswith("#SBATCH"):
-            assert re.fullmatch(r"#SBATCH --[a-z][a-z-]*(=\S+)?", line), f"{job.name}:{number}: {line}"
+            assert re.fullmatch(r"#SBATCH --[a-z][a-z-]*(=\S+)?", line), (
+                f"{job.name}:{number}: {line}"
+            )
             assert not seen_command, f"{job.name}:{number}: directive after the first command"
         if line.startswith("#PBS"):
             assert re.fullmatch(r"#PBS -[A-Za-z] \S+", line), f"{job.name}:{number}: {line}"
@@ -64,10 +83,13 @@ def test_slurm_file_settings(name):
     assert "--kill-on-bad-exit=1" in text
     # The warning goes to the job steps (the ranks), not only to the batch shell (B:).
     assert re.search(r"^#SBATCH --signal=USR1@\d+$", text, re.M)
-    assert re.search(r"^#SBATCH --requeue$", text, re.M) and re.search(r"^#SBATCH --open-mode=append$", text, re.M)
+    assert re.search(r"^#SBATCH --requeue$", text, re.M) and re.search(
+        r"^#SBATCH --open-mode=append$", text, re.M
+    )
     assert "scontrol show hostnames" in text
     assert "$((15000 + SLURM_JOB_ID % 15000))" in text  # common.launcher derives the same port
-    assert '--cpus-per-task="${SLURM_CPUS_PER_TASK:-1}"' in text  # srun does not inherit it (Slurm 22.05-23.02)
+    # srun does not inherit it (Slurm 22.05-23.02)
+    assert '--cpus-per-task="${SLURM_CPUS_PER_TASK:-1}"' in text
     assert "SCRIPT=${SCRIPT:-05_checkpointing/train.py}" in text  # the default script can resume
     assert f"REQUEUE_EXIT_CODE={REQUEUE_EXIT_CODE}" in text
 
@@ -75,13 +97,22 @@ def test_slurm_file_settings(name):
 def test_pbs_file_settings():
     for name in ("pbs_mpiexec.pbs", "pbs_torchrun.pbs"):
         text = (REPO / "jobs" / name).read_text()
-        hours, minutes, seconds = re.search(r"^#PBS -l walltime=(\d+):(\d+):(\d+)$", text, re.M).groups()
-        assert f"WALLTIME_S=${{WALLTIME_S:-{int(hours) * 3600 + int(minutes) * 60 + int(seconds)}}}" in text, name
+        hours, minutes, seconds = re.search(
+            r"^#PBS -l walltime=(\d+):(\d+):(\d+)$", text, re.M
+        ).groups()
+        assert (
+            f"WALLTIME_S=${{WALLTIME_S:-{int(hours) * 3600 + int(minutes) * 60 + int(seconds)}}}"
+            in text
+        ), name
         assert "qrerun" not in text.split("#PBS")[-1]  # needs operator rights: resubmit instead
-        assert f"REQUEUE_EXIT_CODE={REQUEUE_EXIT_CODE}" in text and f"JOB_FILE=${{JOB_FILE:-jobs/{name}}}" in text
+        assert (
+            f"REQUEUE_EXIT_CODE={REQUEUE_EXIT_CODE}" in text
+            and f"JOB_FILE=${{JOB_FILE:-jobs/{name}}}" in text
+        )
 
 
 # -- a real two-node Slurm cluster ---------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
@@ -103,16 +134,27 @@ def slurm_jobs(cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("slurm_jobs")
     start, jobs = time.perf_counter(), {}
     for name in SLURM_JOBS:
-        env = clean_env(PYTHON=PYTHON, GPUS_PER_NODE="1", SCRIPT="06_multinode/train.py", TRAIN_ARGS=SMALL,
-                        RUN_DIR=str(out / name))
-        job_id = cluster.sbatch(["-o", str(out / f"{name}.out"), *SBATCH_SMALL, f"jobs/{name}"], env, REPO)
+        env = clean_env(
+            PYTHON=PYTHON,
+            GPUS_PER_NODE="1",
+            SCRIPT="06_multinode/train.py",
+            TRAIN_ARGS=SMALL,
+            RUN_DIR=str(out / name),
+        )
+        job_id = cluster.sbatch(
+            ["-o", str(out / f"{name}.out"), *SBATCH_SMALL, f"jobs/{name}"], env, REPO
+        )
         jobs[name] = job_id
     states = {name: cluster.wait(job_id, timeout=240) for name, job_id in jobs.items()}
     print(f"both Slurm jobs done in {time.perf_counter() - start:.1f} s")
-    return {name: (jobs[name], states[name], out / name, (out / f"{name}.out")) for name in SLURM_JOBS}
+    return {
+        name: (jobs[name], states[name], out / name, (out / f"{name}.out")) for name in SLURM_JOBS
+    }
 
 
-@pytest.mark.parametrize("name,launcher", [("slurm_srun.sbatch", "slurm"), ("slurm_torchrun.sbatch", "torchrun")])
+@pytest.mark.parametrize(
+    "name,launcher", [("slurm_srun.sbatch", "slurm"), ("slurm_torchrun.sbatch", "torchrun")]
+)
 def test_sbatch_job_completes(slurm_jobs, cluster, name, launcher):
     job_id, (state, exit_code), run_dir, log = slurm_jobs[name]
     output = log.read_text() if log.exists() else "(no job output)"
@@ -120,12 +162,16 @@ def test_sbatch_job_completes(slurm_jobs, cluster, name, launcher):
     summary = read_summary(run_dir)
     assert summary["world_size"] == 2 and summary["replicas_identical"]
     assert summary["launcher"] == launcher and summary["scheduler"] == "slurm"
-    assert [(p["rank"], p["local_rank"]) for p in summary["placement"]] == [(0, 0), (1, 0)]  # one per node
+    # one per node
+    assert [(p["rank"], p["local_rank"]) for p in summary["placement"]] == [(0, 0), (1, 0)]
     port = 15000 + int(job_id) % 15000
-    # First host from scontrol (node1), its NodeAddr as the rendezvous address, port from the job id.
+    # First host from scontrol (node1), its NodeAddr
+    # as the rendezvous address, port from the job id.
     assert f"first host node1, rendezvous 127.0.0.1:{port}" in output
     # Rank 0's placement table: ranks 0 and 1, each local rank 0 (one per node), on CPU.
-    assert re.search(r"^\s+0\s+0\s+\S+\s+cpu\s+unset\n\s+1\s+0\s+\S+\s+cpu\s+unset$", output, re.M), output
+    assert re.search(
+        r"^\s+0\s+0\s+\S+\s+cpu\s+unset\n\s+1\s+0\s+\S+\s+cpu\s+unset$", output, re.M
+    ), output
     assert "launcher " + launcher in output
     if launcher == "slurm":
         assert (summary["master_addr"], summary["master_port"]) == ("127.0.0.1", port)
@@ -133,19 +179,30 @@ def test_sbatch_job_completes(slurm_jobs, cluster, name, launcher):
 
 def test_slurm_detection_batch_shell_vs_job_step(cluster, tmp_path):
     """The batch shell has SLURM_PROCID=0 but is no rank; srun's tasks are ranks 0 and 1."""
-    probe = ("import json, os; from common.launcher import launch_info; i = launch_info(os.environ); "
-             "print(json.dumps([os.environ.get('SLURM_STEP_ID'), i.launcher, i.rank, i.world_size]))")
+    probe = (
+        "import json, os; from common.launcher import launch_info; i = launch_info(os.environ); "
+        "print(json.dumps([os.environ.get('SLURM_STEP_ID'), i.launcher, i.rank, i.world_size]))"
+    )
     (tmp_path / "probe.sh").write_text(
-        f"#!/bin/bash\n{PYTHON} -c \"{probe}\"\nsrun {PYTHON} -c \"{probe}\"\n")
-    job = cluster.sbatch(["-N2", "-n2", *SBATCH_SMALL, "-o", str(tmp_path / "out"), str(tmp_path / "probe.sh")],
-                         clean_env(), REPO)
+        f'#!/bin/bash\n{PYTHON} -c "{probe}"\nsrun {PYTHON} -c "{probe}"\n'
+    )
+    job = cluster.sbatch(
+        ["-N2", "-n2", *SBATCH_SMALL, "-o", str(tmp_path / "out"), str(tmp_path / "probe.sh")],
+        clean_env(),
+        REPO,
+    )
     assert cluster.wait(job, 120)[0] == "COMPLETED", (tmp_path / "out").read_text()
-    rows = [json.loads(line) for line in (tmp_path / "out").read_text().splitlines() if line.startswith("[")]
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "out").read_text().splitlines()
+        if line.startswith("[")
+    ]
     assert rows[0] == [None, "single", 0, 1]  # the batch shell: no SLURM_STEP_ID on this Slurm
     assert sorted(rows[1:]) == [["0", "slurm", 0, 2], ["0", "slurm", 1, 2]]
 
 
-# -- preemption and requeue: 05_checkpointing/train.py under each job file, on the two-node cluster --
+# -- preemption and requeue: 05_checkpointing/train.py
+# under each job file, on the two-node cluster --
 
 # Long enough (8 epochs of 45 steps) to be stopped mid-run; a checkpoint every 20 steps.
 PREEMPT_ARGS = "--epochs 8 --batch-size 16 --save-every-steps 20 --log-every 1000"
@@ -166,51 +223,87 @@ def assert_bitwise_equal(a, b):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The reference: the same training on 2 ranks, never stopped (OMP_NUM_THREADS=1 in both, as in the jobs)."""
+    """The reference: the same training on 2 ranks, never
+    stopped (OMP_NUM_THREADS=1 in both, as in the jobs)."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    torchrun("05_checkpointing/train.py", *PREEMPT_ARGS.split(), "--output-dir", out, nproc=2, timeout=300)
+    torchrun(
+        "05_checkpointing/train.py",
+        *PREEMPT_ARGS.split(),
+        "--output-dir",
+        out,
+        nproc=2,
+        timeout=300,
+    )
     return load_params(out / "model.pt")
 
 
 def delivery_command(name: str, delivery: str, job_id: str) -> list[str]:
-    """How Slurm delivers each: the file's own --signal (to the job steps, as at the time limit), a
-    preemption with a grace time (SIGTERM to the whole job, batch shell included), an operator's requeue."""
+    """How Slurm delivers each: the file's own --signal (to the job steps,
+    as at the time limit), a preemption with a grace time (SIGTERM to
+    the whole job, batch shell included), an operator's requeue."""
     if delivery == "signal":
-        sig = re.search(r"^#SBATCH --signal=(\w+)@\d+$", (REPO / "jobs" / name).read_text(), re.M).group(1)
+        sig = re.search(
+            r"^#SBATCH --signal=(\w+)@\d+$", (REPO / "jobs" / name).read_text(), re.M
+        ).group(1)
         return ["scancel", f"--signal={sig}", job_id]
-    return {"grace": ["scancel", "--full", "--signal=TERM", job_id], "requeue": ["scontrol", "requeue", job_id]}[delivery]
+    return {
+        "grace": ["scancel", "--full", "--signal=TERM", job_id],
+        "requeue": ["scontrol", "requeue", job_id],
+    }[delivery]
 
 
 @pytest.fixture(scope="module")
 def preempted_jobs(cluster, tmp_path_factory):
-    """Each job file x each delivery, submitted together (the cluster runs two at a time); each one gets
-    its delivery once its first checkpoint exists, and is released as soon as it is requeued."""
+    """Each job file x each delivery, submitted together (the cluster
+    runs two at a time); each one gets its delivery once its first
+    checkpoint exists, and is released as soon as it is requeued."""
     root = tmp_path_factory.mktemp("preempted")
     jobs = {}
     for name in SLURM_JOBS:
         for delivery in SLURM_DELIVERIES:
             run_dir = root / f"{name}-{delivery}"
-            env = clean_env(PYTHON=PYTHON, GPUS_PER_NODE="1", RUN_DIR=str(run_dir), TRAIN_ARGS=PREEMPT_ARGS)
+            env = clean_env(
+                PYTHON=PYTHON, GPUS_PER_NODE="1", RUN_DIR=str(run_dir), TRAIN_ARGS=PREEMPT_ARGS
+            )
             log = root / f"{name}-{delivery}.out"
             job_id = cluster.sbatch(["-o", str(log), *SBATCH_SMALL, f"jobs/{name}"], env, REPO)
-            jobs[(name, delivery)] = {"job": job_id, "run_dir": run_dir, "log": log, "delivered": False}
+            jobs[(name, delivery)] = {
+                "job": job_id,
+                "run_dir": run_dir,
+                "log": log,
+                "delivered": False,
+            }
     deadline = time.monotonic() + 900
     running = dict(jobs)
     while running and time.monotonic() < deadline:
         for key, job in list(running.items()):
             if not job["delivered"] and (job["run_dir"] / "checkpoints" / "latest").exists():
-                subprocess.run(delivery_command(*key, job["job"]), env=cluster.env(), check=True, timeout=30,
-                               capture_output=True)
+                subprocess.run(
+                    delivery_command(*key, job["job"]),
+                    env=cluster.env(),
+                    check=True,
+                    timeout=30,
+                    capture_output=True,
+                )
                 job["delivered"] = True
             state = cluster.job_state(job["job"])
             if state[0] == "PENDING" and job["delivered"]:
                 # Slurm holds a requeued job back for a while (BeginTime); release it now.
-                subprocess.run(["scontrol", "update", f"JobId={job['job']}", "StartTime=now"], env=cluster.env(),
-                               capture_output=True, timeout=30)
+                subprocess.run(
+                    ["scontrol", "update", f"JobId={job['job']}", "StartTime=now"],
+                    env=cluster.env(),
+                    capture_output=True,
+                    timeout=30,
+                )
             if state[0] in cluster.FINAL_STATES:
                 job["state"] = state
-                shown = subprocess.run(["scontrol", "show", "job", job["job"]], env=cluster.env(), text=True,
-                                       capture_output=True, timeout=30).stdout
+                shown = subprocess.run(
+                    ["scontrol", "show", "job", job["job"]],
+                    env=cluster.env(),
+                    text=True,
+                    capture_output=True,
+                    timeout=30,
+                ).stdout
                 job["restarts"] = int(re.search(r"Restarts=(\d+)", shown).group(1))
                 del running[key]
         time.sleep(0.5)
@@ -228,16 +321,23 @@ def stop_and_resume_steps(log: str) -> tuple[int | None, int]:
 
 @pytest.mark.parametrize("name", SLURM_JOBS)
 @pytest.mark.parametrize("delivery", SLURM_DELIVERIES)
-def test_preempted_job_requeues_once_and_resumes_bitwise(preempted_jobs, uninterrupted, cluster, name, delivery):
+def test_preempted_job_requeues_once_and_resumes_bitwise(
+    preempted_jobs, uninterrupted, cluster, name, delivery
+):
     job = preempted_jobs[(name, delivery)]
     log = job["log"].read_text()
     assert job["state"][0] == "COMPLETED", f"{job['state']}\n{log[-3000:]}\n{cluster.logs()}"
-    assert job["restarts"] == 1 and "(restart 0)" in log and "(restart 1)" in log, log[-3000:]  # appended log
+    # appended log
+    assert job["restarts"] == 1 and "(restart 0)" in log and "(restart 1)" in log, log[-3000:]
     saved_at, resumed_from = stop_and_resume_steps(log)
-    print(f"{name} {delivery}: saved on the signal at step {saved_at}, resumed from step {resumed_from}, "
-          f"restarts {job['restarts']}")
+    print(
+        f"{name} {delivery}: saved on the signal at step {saved_at}, resumed from step "
+        f"{resumed_from}, "
+        f"restarts {job['restarts']}"
+    )
     if delivery == "signal":
-        # Every rank saved at the next step boundary after the signal, and the job resumed right there.
+        # Every rank saved at the next step boundary after
+        # the signal, and the job resumed right there.
         sig = delivery_command(name, delivery, "")[1].split("=")[1]
         assert f"SIG{sig}: checkpoint at step {resumed_from} saved" in log, log[-3000:]
         assert saved_at == resumed_from
@@ -246,43 +346,82 @@ def test_preempted_job_requeues_once_and_resumes_bitwise(preempted_jobs, uninter
 
 def test_crashed_job_is_not_requeued(cluster, tmp_path):
     """A crash is not a preemption: the job fails and is not requeued (05 fails at step 2 here)."""
-    env = clean_env(PYTHON=PYTHON, RUN_DIR=str(tmp_path / "run"), TRAIN_ARGS=SMALL,
-                    PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}", DDP_TEST_FAIL_AT_STEP="2", DDP_TEST_FAIL_RANK="1")
-    job = cluster.sbatch(["-o", str(tmp_path / "out"), *SBATCH_SMALL, "jobs/slurm_srun.sbatch"], env, REPO)
+    env = clean_env(
+        PYTHON=PYTHON,
+        RUN_DIR=str(tmp_path / "run"),
+        TRAIN_ARGS=SMALL,
+        PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}",
+        DDP_TEST_FAIL_AT_STEP="2",
+        DDP_TEST_FAIL_RANK="1",
+    )
+    job = cluster.sbatch(
+        ["-o", str(tmp_path / "out"), *SBATCH_SMALL, "jobs/slurm_srun.sbatch"], env, REPO
+    )
     state = cluster.wait(job, 180)
     log = (tmp_path / "out").read_text()
-    assert state[0] == "FAILED" and "injected failure" in log and "requeueing" not in log, log[-3000:]
+    assert state[0] == "FAILED" and "injected failure" in log and "requeueing" not in log, log[
+        -3000:
+    ]
 
 
 def test_requeues_stop_at_max_restarts(cluster, tmp_path):
-    env = clean_env(PYTHON=PYTHON, RUN_DIR=str(tmp_path / "run"), TRAIN_ARGS=PREEMPT_ARGS, MAX_RESTARTS="0")
-    job = cluster.sbatch(["-o", str(tmp_path / "out"), *SBATCH_SMALL, "jobs/slurm_srun.sbatch"], env, REPO)
+    env = clean_env(
+        PYTHON=PYTHON, RUN_DIR=str(tmp_path / "run"), TRAIN_ARGS=PREEMPT_ARGS, MAX_RESTARTS="0"
+    )
+    job = cluster.sbatch(
+        ["-o", str(tmp_path / "out"), *SBATCH_SMALL, "jobs/slurm_srun.sbatch"], env, REPO
+    )
     deadline = time.monotonic() + 180
-    while not (tmp_path / "run" / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
+    while (
+        not (tmp_path / "run" / "checkpoints" / "latest").exists() and time.monotonic() < deadline
+    ):
         time.sleep(0.2)
-    subprocess.run(delivery_command("slurm_srun.sbatch", "signal", job), env=cluster.env(), check=True, timeout=30)
+    subprocess.run(
+        delivery_command("slurm_srun.sbatch", "signal", job),
+        env=cluster.env(),
+        check=True,
+        timeout=30,
+    )
     state = cluster.wait(job, 180)
     log = (tmp_path / "out").read_text()
     assert state[0] == "FAILED", log[-3000:]
-    assert "not requeueing job" in log and "MAX_RESTARTS=0" in log and "(restart 1)" not in log, log[-3000:]
-    assert (tmp_path / "run" / "checkpoints" / "REQUEUE").exists()  # the save happened; only the requeue is refused
+    assert "not requeueing job" in log and "MAX_RESTARTS=0" in log and "(restart 1)" not in log, (
+        log[-3000:]
+    )
+    # the save happened; only the requeue is refused
+    assert (tmp_path / "run" / "checkpoints" / "REQUEUE").exists()
 
 
 # -- PBS: the job files under bash, with PBS's variables and a real mpiexec ------------------------
+
 
 def pbs_env(tmp_path, job_id, **extra):
     """Two "nodes" in the node file, both this machine: its host name first, then localhost."""
     nodefile = tmp_path / "nodefile"
     nodefile.write_text(f"{socket.gethostname()}\nlocalhost\n")
-    return clean_env(PBS_NODEFILE=str(nodefile), PBS_JOBID=job_id, PBS_O_WORKDIR=str(REPO),
-                     MPIEXEC="mpiexec.mpich", PYTHON=PYTHON, **extra)
+    return clean_env(
+        PBS_NODEFILE=str(nodefile),
+        PBS_JOBID=job_id,
+        PBS_O_WORKDIR=str(REPO),
+        MPIEXEC="mpiexec.mpich",
+        PYTHON=PYTHON,
+        **extra,
+    )
 
 
 def test_pbs_mpiexec_job(tmp_path):
     need_tools("mpiexec.mpich")
     # MPICH's Hydra takes --ppn but not PALS's --cpu-bind depth: MPIEXEC_BIND is emptied.
-    env = pbs_env(tmp_path, "4321.pbs01", NRANKS_PER_NODE="1", MPIEXEC_BIND="", SCRIPT="06_multinode/train.py",
-                  DEADLINE_ARGS="", TRAIN_ARGS=SMALL, RUN_DIR=str(tmp_path / "run"))
+    env = pbs_env(
+        tmp_path,
+        "4321.pbs01",
+        NRANKS_PER_NODE="1",
+        MPIEXEC_BIND="",
+        SCRIPT="06_multinode/train.py",
+        DEADLINE_ARGS="",
+        TRAIN_ARGS=SMALL,
+        RUN_DIR=str(tmp_path / "run"),
+    )
     start = time.perf_counter()
     result = run(["bash", REPO / "jobs/pbs_mpiexec.pbs"], 180, env=env, check=True, cwd=tmp_path)
     summary = read_summary(tmp_path / "run")
@@ -296,46 +435,83 @@ def test_pbs_mpiexec_job(tmp_path):
 
 def test_pbs_torchrun_job(tmp_path):
     need_tools("mpiexec.mpich")
-    env = pbs_env(tmp_path, "4322.pbs01", GPUS_PER_NODE="1", SCRIPT="06_multinode/train.py", DEADLINE_ARGS="",
-                  TRAIN_ARGS=SMALL, RUN_DIR=str(tmp_path / "run"))
+    env = pbs_env(
+        tmp_path,
+        "4322.pbs01",
+        GPUS_PER_NODE="1",
+        SCRIPT="06_multinode/train.py",
+        DEADLINE_ARGS="",
+        TRAIN_ARGS=SMALL,
+        RUN_DIR=str(tmp_path / "run"),
+    )
     start = time.perf_counter()
     result = run(["bash", REPO / "jobs/pbs_torchrun.pbs"], 180, env=env, check=True, cwd=tmp_path)
     summary = read_summary(tmp_path / "run")
     assert summary["scheduler"] == "pbs" and summary["launcher"] == "torchrun"
-    assert summary["world_size"] == 2 and [(p["rank"], p["local_rank"]) for p in summary["placement"]] == [(0, 0), (1, 0)]
+    assert summary["world_size"] == 2 and [
+        (p["rank"], p["local_rank"]) for p in summary["placement"]
+    ] == [(0, 0), (1, 0)]
     assert f"rendezvous {socket.gethostname()}:{15000 + 4322}" in result.stdout
     print(f"PBS torchrun job: {time.perf_counter() - start:.1f} s")
 
 
 def pbs_chain_env(tmp_path, job_file, job_id, **extra):
-    """PBS variables, real 05 and mpiexec, and a `qsub` that records the resubmission (no PBS server
-    can be installed here): its arguments and the RUN_DIR and RESTART_COUNT it hands on (qsub -V)."""
+    """PBS variables, real 05 and mpiexec, and a `qsub` that records the
+    resubmission (no PBS server can be installed here): its arguments
+    and the RUN_DIR and RESTART_COUNT it hands on (qsub -V)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "qsub").write_text(f'#!/bin/sh\necho "$* RUN_DIR=$RUN_DIR RESTART_COUNT=$RESTART_COUNT" '
-                                  f'>> {tmp_path / "qsub.calls"}\necho 9999.pbs01\n')
+    (bin_dir / "qsub").write_text(
+        f'#!/bin/sh\necho "$* RUN_DIR=$RUN_DIR RESTART_COUNT=$RESTART_COUNT" '
+        f">> {tmp_path / 'qsub.calls'}\necho 9999.pbs01\n"
+    )
     (bin_dir / "qsub").chmod(0o755)
-    per_node = {"NRANKS_PER_NODE": "1", "MPIEXEC_BIND": ""} if "mpiexec" in job_file else {"GPUS_PER_NODE": "1"}
-    return pbs_env(tmp_path, job_id, RUN_DIR=str(tmp_path / "run"), TRAIN_ARGS=PREEMPT_ARGS,
-                   PATH=f"{bin_dir}:{clean_env()['PATH']}", **per_node, **extra)
+    per_node = (
+        {"NRANKS_PER_NODE": "1", "MPIEXEC_BIND": ""}
+        if "mpiexec" in job_file
+        else {"GPUS_PER_NODE": "1"}
+    )
+    return pbs_env(
+        tmp_path,
+        job_id,
+        RUN_DIR=str(tmp_path / "run"),
+        TRAIN_ARGS=PREEMPT_ARGS,
+        PATH=f"{bin_dir}:{clean_env()['PATH']}",
+        **per_node,
+        **extra,
+    )
 
 
 @pytest.mark.parametrize("job_file", ["pbs_mpiexec.pbs", "pbs_torchrun.pbs"])
-def test_pbs_deadline_saves_resubmits_and_the_next_job_resumes_bitwise(job_file, uninterrupted, tmp_path):
-    """PBS warns no one before the wall time: 05's --time-limit-s (WALLTIME_S - SAVE_MARGIN_S) stops it,
-    the job file submits itself again after this job (afterany), and that job resumes in the same RUN_DIR."""
+def test_pbs_deadline_saves_resubmits_and_the_next_job_resumes_bitwise(
+    job_file, uninterrupted, tmp_path
+):
+    """PBS warns no one before the wall time: 05's --time-limit-s (WALLTIME_S
+    - SAVE_MARGIN_S) stops it, the job file submits itself again after
+    this job (afterany), and that job resumes in the same RUN_DIR."""
     need_tools("mpiexec.mpich")
-    env = pbs_chain_env(tmp_path, job_file, "4323.pbs01", WALLTIME_S="9", SAVE_MARGIN_S="5")  # stop after 4 s
+    # stop after 4 s
+    env = pbs_chain_env(tmp_path, job_file, "4323.pbs01", WALLTIME_S="9", SAVE_MARGIN_S="5")
     first = run(["bash", REPO / "jobs" / job_file], 180, env=env, check=True, cwd=tmp_path)
-    saved_at = int(re.search(r"^time limit: checkpoint at step (\d+) saved", first.stdout, re.M).group(1))
+    saved_at = int(
+        re.search(r"^time limit: checkpoint at step (\d+) saved", first.stdout, re.M).group(1)
+    )
     assert (tmp_path / "qsub.calls").read_text() == (
-        f"-V -W depend=afterany:4323.pbs01 jobs/{job_file} RUN_DIR={tmp_path / 'run'} RESTART_COUNT=1\n")
+        f"-V -W depend=afterany:4323.pbs01 jobs/{job_file} RUN_DIR={tmp_path / 'run'} "
+        "RESTART_COUNT=1\n"
+    )
     # The resubmitted job, as qsub -V starts it: the same RUN_DIR, RESTART_COUNT=1, a new job id.
     env = pbs_chain_env(tmp_path, job_file, "9999.pbs01", RESTART_COUNT="1")
     second = run(["bash", REPO / "jobs" / job_file], 300, env=env, check=True, cwd=tmp_path)
-    assert re.search(rf"^resumed from \S+: step {saved_at}, ", second.stdout, re.M), second.output[-3000:]
-    assert len((tmp_path / "qsub.calls").read_text().splitlines()) == 1  # finished: no more resubmission
-    print(f"{job_file}: deadline save at step {saved_at}, resumed from step {saved_at}, restart count 1")
+    assert re.search(rf"^resumed from \S+: step {saved_at}, ", second.stdout, re.M), second.output[
+        -3000:
+    ]
+    # finished: no more resubmission
+    assert len((tmp_path / "qsub.calls").read_text().splitlines()) == 1
+    print(
+        f"{job_file}: deadline save at step {saved_at}, resumed from step {saved_at}, restart "
+        "count 1"
+    )
     assert_bitwise_equal(load_params(tmp_path / "run" / "model.pt"), uninterrupted)
 
 
@@ -344,11 +520,21 @@ def test_pbs_sigterm_to_the_whole_job_saves_and_resubmits(tmp_path):
     at the next step boundary (within kill_delay) and the job file resubmits."""
     need_tools("mpiexec.mpich")
     env = pbs_chain_env(tmp_path, "pbs_mpiexec.pbs", "4325.pbs01")
-    proc = subprocess.Popen(["bash", REPO / "jobs" / "pbs_mpiexec.pbs"], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", REPO / "jobs" / "pbs_mpiexec.pbs"],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
-        while not (tmp_path / "run" / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
+        while (
+            not (tmp_path / "run" / "checkpoints" / "latest").exists()
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
@@ -363,28 +549,48 @@ def test_pbs_crash_is_not_resubmitted_and_restarts_are_capped(tmp_path):
     need_tools("mpiexec.mpich")
     crash = tmp_path / "crash"
     crash.mkdir()
-    env = pbs_chain_env(crash, "pbs_mpiexec.pbs", "4326.pbs01", PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}",
-                        DDP_TEST_FAIL_AT_STEP="2", DDP_TEST_FAIL_RANK="1")
+    env = pbs_chain_env(
+        crash,
+        "pbs_mpiexec.pbs",
+        "4326.pbs01",
+        PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}",
+        DDP_TEST_FAIL_AT_STEP="2",
+        DDP_TEST_FAIL_RANK="1",
+    )
     result = run(["bash", REPO / "jobs/pbs_mpiexec.pbs"], 120, env=env, cwd=crash)
     assert result.returncode != 0 and "injected failure" in result.output, result.output[-3000:]
     assert not (crash / "qsub.calls").exists()
     capped = tmp_path / "capped"
     capped.mkdir()
-    env = pbs_chain_env(capped, "pbs_mpiexec.pbs", "4327.pbs01", WALLTIME_S="9", SAVE_MARGIN_S="5",
-                        RESTART_COUNT="5", MAX_RESTARTS="5")
+    env = pbs_chain_env(
+        capped,
+        "pbs_mpiexec.pbs",
+        "4327.pbs01",
+        WALLTIME_S="9",
+        SAVE_MARGIN_S="5",
+        RESTART_COUNT="5",
+        MAX_RESTARTS="5",
+    )
     result = run(["bash", REPO / "jobs/pbs_mpiexec.pbs"], 180, env=env, cwd=capped)
-    assert result.returncode == 1 and "not resubmitting: restarted 5 times already" in result.stdout, result.output
+    assert (
+        result.returncode == 1 and "not resubmitting: restarted 5 times already" in result.stdout
+    ), result.output
     assert not (capped / "qsub.calls").exists()
 
 
 def test_pbs_job_refuses_to_run_outside_pbs(tmp_path):
     env = clean_env()
     result = run(["bash", REPO / "jobs/pbs_mpiexec.pbs"], 30, env=env, cwd=tmp_path)
-    assert result.returncode != 0 and "PBS_O_WORKDIR: not set: run this file with qsub" in result.stderr
+    assert (
+        result.returncode != 0
+        and "PBS_O_WORKDIR: not set: run this file with qsub" in result.stderr
+    )
 
 
 def test_torchrun_single_node_job(tmp_path):
-    env = clean_env(PYTHON=PYTHON, GPUS_PER_NODE="2", TRAIN_ARGS=f"{SMALL} --output-dir {tmp_path / 'run'}")
+    env = clean_env(
+        PYTHON=PYTHON, GPUS_PER_NODE="2", TRAIN_ARGS=f"{SMALL} --output-dir {tmp_path / 'run'}"
+    )
     run(["bash", "jobs/torchrun_single_node.sh"], 150, env=env, check=True)
     summary = read_summary(tmp_path / "run")
     assert summary["world_size"] == 2 and summary["launcher"] == "torchrun"
@@ -397,11 +603,20 @@ def test_basic_example_runs_unchanged_under_srun(cluster, tmp_path):
     node names do not resolve (on a real cluster the first host of the node list does)."""
     out = tmp_path / "run"
     (tmp_path / "job.sh").write_text(
-        f"#!/bin/bash\nexport MASTER_ADDR=127.0.0.1\nsrun {PYTHON} 01_basic_ddp/train.py {SMALL} --output-dir {out}\n")
-    job = cluster.sbatch(["-N2", "-n2", *SBATCH_SMALL, "-o", str(tmp_path / "out"), str(tmp_path / "job.sh")],
-                         clean_env(), REPO)
+        f"#!/bin/bash\nexport MASTER_ADDR=127.0.0.1\nsrun {PYTHON} 01_basic_ddp/train.py "
+        f"{SMALL} --output-dir {out}\n"
+    )
+    job = cluster.sbatch(
+        ["-N2", "-n2", *SBATCH_SMALL, "-o", str(tmp_path / "out"), str(tmp_path / "job.sh")],
+        clean_env(),
+        REPO,
+    )
     state = cluster.wait(job, 180)
     assert state[0] == "COMPLETED", (tmp_path / "out").read_text()
     summary = read_summary(out)
-    assert (summary["launcher"], summary["world_size"], summary["replicas_identical"]) == ("slurm", 2, True)
+    assert (summary["launcher"], summary["world_size"], summary["replicas_identical"]) == (
+        "slurm",
+        2,
+        True,
+    )
     assert (tmp_path / "out").read_text().count("launcher ") == 1

@@ -6,72 +6,189 @@ import subprocess
 import pytest
 
 from common.errors import LauncherError
-from common.launcher import (ARRAY_STRIDE, DEFAULT_PORT, PORT_BASE, PORT_SPAN, launch_info, expand_hostlist,
-                             master_port)
+from common.launcher import (
+    ARRAY_STRIDE,
+    DEFAULT_PORT,
+    PORT_BASE,
+    PORT_SPAN,
+    launch_info,
+    expand_hostlist,
+    master_port,
+)
 from tests.helpers import REPO, clean_env
 
-# (id, environment, expected (launcher, rank, local_rank, world_size, local_world_size, master_addr))
+# (id, environment, expected (launcher, rank, local_rank,
+# world_size, local_world_size, master_addr))
 CASES = [
     ("single", {}, ("single", 0, 0, 1, 1, "127.0.0.1")),
-    ("torchrun", {"TORCHELASTIC_RUN_ID": "x", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
-                  "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node7", "MASTER_PORT": "29400"},
-     ("torchrun", 3, 1, 4, 2, "node7")),
-    ("torchrun inside a Slurm job: torchrun wins",
-     {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-      "MASTER_ADDR": "127.0.0.1", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
-      "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "a[1-2]"},
-     ("torchrun", 1, 1, 2, 2, "127.0.0.1")),
+    (
+        "torchrun",
+        {
+            "TORCHELASTIC_RUN_ID": "x",
+            "RANK": "3",
+            "LOCAL_RANK": "1",
+            "WORLD_SIZE": "4",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "node7",
+            "MASTER_PORT": "29400",
+        },
+        ("torchrun", 3, 1, 4, 2, "node7"),
+    ),
+    (
+        "torchrun inside a Slurm job: torchrun wins",
+        {
+            "TORCHELASTIC_RUN_ID": "x",
+            "RANK": "1",
+            "LOCAL_RANK": "1",
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "SLURM_JOB_ID": "7",
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "1",
+            "SLURM_JOB_NODELIST": "a[1-2]",
+        },
+        ("torchrun", 1, 1, 2, 2, "127.0.0.1"),
+    ),
     ("env set by hand", {"RANK": "1", "WORLD_SIZE": "2"}, ("env", 1, 1, 2, 2, "127.0.0.1")),
-    ("openmpi", {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_SIZE": "8",
-                 "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "PMIX_RANK": "5"},
-     ("openmpi", 5, 1, 8, 4, "127.0.0.1")),
-    ("mpich hydra", {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"},
-     ("mpich", 2, 0, 4, 2, "127.0.0.1")),
-    ("intel mpi", {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
-                   "I_MPI_ROOT": "/opt/intel/mpi"},
-     ("intel-mpi", 1, 1, 2, 2, "127.0.0.1")),
-    ("pals under PBS", {"PALS_RANKID": "6", "PALS_LOCAL_RANKID": "2", "PALS_LOCAL_SIZE": "4", "PMI_RANK": "6",
-                        "PMI_SIZE": "8", "PBS_JOBID": "4321.pbs01", "MASTER_ADDR": "x3001c0s13b0n0"},
-     ("pals", 6, 2, 8, 4, "x3001c0s13b0n0")),
-    ("pmix under srun --mpi=pmix", {"PMIX_RANK": "3", "SLURM_JOB_ID": "55", "SLURM_STEP_ID": "0",
-                                    "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
-                                    "SLURM_JOB_NODELIST": "gpu[01-02]"},
-     ("pmix", 3, 1, 4, 2, "gpu01")),
-    ("slurm srun", {"SLURM_JOB_ID": "123", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
-                    "SLURM_NTASKS": "8", "SLURM_NODEID": "2", "SLURM_TASKS_PER_NODE": "2(x4)",
-                    "SLURM_JOB_NODELIST": "gpu[001-004,010],login2"},
-     ("slurm", 5, 1, 8, 2, "gpu001")),
-    ("slurm srun, step task count preferred",
-     {"SLURM_JOB_ID": "123", "SLURM_STEP_ID": "1", "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
-      "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
-      "SLURM_STEP_NODELIST": "n[3,5]", "SLURM_JOB_NODELIST": "n[1-5]"},
-     ("slurm", 1, 0, 2, 1, "n3")),
-    ("slurm batch script without srun is one process",
-     {"SLURM_JOB_ID": "123", "SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "gpu[1-2]"},
-     ("single", 0, 0, 1, 1, "gpu1")),
+    (
+        "openmpi",
+        {
+            "OMPI_COMM_WORLD_RANK": "5",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_SIZE": "8",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+            "PMIX_RANK": "5",
+        },
+        ("openmpi", 5, 1, 8, 4, "127.0.0.1"),
+    ),
+    (
+        "mpich hydra",
+        {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"},
+        ("mpich", 2, 0, 4, 2, "127.0.0.1"),
+    ),
+    (
+        "intel mpi",
+        {
+            "PMI_RANK": "1",
+            "PMI_SIZE": "2",
+            "MPI_LOCALRANKID": "1",
+            "MPI_LOCALNRANKS": "2",
+            "I_MPI_ROOT": "/opt/intel/mpi",
+        },
+        ("intel-mpi", 1, 1, 2, 2, "127.0.0.1"),
+    ),
+    (
+        "pals under PBS",
+        {
+            "PALS_RANKID": "6",
+            "PALS_LOCAL_RANKID": "2",
+            "PALS_LOCAL_SIZE": "4",
+            "PMI_RANK": "6",
+            "PMI_SIZE": "8",
+            "PBS_JOBID": "4321.pbs01",
+            "MASTER_ADDR": "x3001c0s13b0n0",
+        },
+        ("pals", 6, 2, 8, 4, "x3001c0s13b0n0"),
+    ),
+    (
+        "pmix under srun --mpi=pmix",
+        {
+            "PMIX_RANK": "3",
+            "SLURM_JOB_ID": "55",
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": "3",
+            "SLURM_LOCALID": "1",
+            "SLURM_NTASKS": "4",
+            "SLURM_JOB_NODELIST": "gpu[01-02]",
+        },
+        ("pmix", 3, 1, 4, 2, "gpu01"),
+    ),
+    (
+        "slurm srun",
+        {
+            "SLURM_JOB_ID": "123",
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": "5",
+            "SLURM_LOCALID": "1",
+            "SLURM_NTASKS": "8",
+            "SLURM_NODEID": "2",
+            "SLURM_TASKS_PER_NODE": "2(x4)",
+            "SLURM_JOB_NODELIST": "gpu[001-004,010],login2",
+        },
+        ("slurm", 5, 1, 8, 2, "gpu001"),
+    ),
+    (
+        "slurm srun, step task count preferred",
+        {
+            "SLURM_JOB_ID": "123",
+            "SLURM_STEP_ID": "1",
+            "SLURM_PROCID": "1",
+            "SLURM_LOCALID": "0",
+            "SLURM_NTASKS": "8",
+            "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_NODEID": "1",
+            "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+            "SLURM_STEP_NODELIST": "n[3,5]",
+            "SLURM_JOB_NODELIST": "n[1-5]",
+        },
+        ("slurm", 1, 0, 2, 1, "n3"),
+    ),
+    (
+        "slurm batch script without srun is one process",
+        {
+            "SLURM_JOB_ID": "123",
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "8",
+            "SLURM_JOB_NODELIST": "gpu[1-2]",
+        },
+        ("single", 0, 0, 1, 1, "gpu1"),
+    ),
     ("pbs job without mpiexec", {"PBS_JOBID": "99.server"}, ("single", 0, 0, 1, 1, "127.0.0.1")),
-    ("mp.spawn keeps MASTER_ADDR", {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"},
-     ("single", 0, 0, 1, 1, "127.0.0.1")),
+    (
+        "mp.spawn keeps MASTER_ADDR",
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"},
+        ("single", 0, 0, 1, 1, "127.0.0.1"),
+    ),
 ]
 
 
 @pytest.mark.parametrize("env,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_launch_info(env, expected):
     info = launch_info(env)
-    assert (info.launcher, info.rank, info.local_rank, info.world_size, info.local_world_size,
-            info.master_addr) == expected
+    assert (
+        info.launcher,
+        info.rank,
+        info.local_rank,
+        info.world_size,
+        info.local_world_size,
+        info.master_addr,
+    ) == expected
 
 
 def test_explicit_rank_is_mp_spawn():
     info = launch_info({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4000"}, rank=1, world_size=3)
-    assert (info.launcher, info.rank, info.local_rank, info.world_size, info.master_port) == ("mp.spawn", 1, 1, 3, 4000)
+    assert (info.launcher, info.rank, info.local_rank, info.world_size, info.master_port) == (
+        "mp.spawn",
+        1,
+        1,
+        3,
+        4000,
+    )
 
 
 def test_pbs_master_is_first_line_of_nodefile(tmp_path):
     nodefile = tmp_path / "nodes"
     nodefile.write_text("x1001c0s0b0n0\nx1001c0s0b0n0\nx1002c0s0b0n0\n")
-    env = {"PBS_JOBID": "4321.pbs01", "PBS_NODEFILE": str(nodefile), "PALS_RANKID": "0",
-           "PALS_LOCAL_RANKID": "0", "PALS_LOCAL_SIZE": "2", "PMI_SIZE": "4"}
+    env = {
+        "PBS_JOBID": "4321.pbs01",
+        "PBS_NODEFILE": str(nodefile),
+        "PALS_RANKID": "0",
+        "PALS_LOCAL_RANKID": "0",
+        "PALS_LOCAL_SIZE": "2",
+        "PMI_SIZE": "4",
+    }
     info = launch_info(env)
     assert (info.launcher, info.scheduler, info.master_addr) == ("pals", "pbs", "x1001c0s0b0n0")
     assert info.master_port == PORT_BASE + 4321 % PORT_SPAN
@@ -85,32 +202,42 @@ def test_unreadable_or_empty_nodefile_is_an_error(tmp_path):
         launch_info({"PBS_JOBID": "1", "PBS_NODEFILE": str(tmp_path / "empty")})
 
 
-@pytest.mark.parametrize("env,port", [
-    ({}, DEFAULT_PORT),
-    ({"MASTER_PORT": "12345"}, 12345),
-    ({"SLURM_JOB_ID": "123456"}, PORT_BASE + 123456 % PORT_SPAN),
-    ({"SLURM_JOB_ID": "77_3"}, PORT_BASE + 77),  # array job
-    ({"PBS_JOBID": "8812.pbs-server"}, PORT_BASE + 8812),
-    ({"PBS_JOBID": "8812[3].pbs-server"}, PORT_BASE + (8812 + 3 * ARRAY_STRIDE) % PORT_SPAN),  # array subjob
-    ({"PBS_JOBID": "8812[].pbs-server"}, PORT_BASE + 8812),  # the array job itself
-])
+@pytest.mark.parametrize(
+    "env,port",
+    [
+        ({}, DEFAULT_PORT),
+        ({"MASTER_PORT": "12345"}, 12345),
+        ({"SLURM_JOB_ID": "123456"}, PORT_BASE + 123456 % PORT_SPAN),
+        ({"SLURM_JOB_ID": "77_3"}, PORT_BASE + 77),  # array job
+        ({"PBS_JOBID": "8812.pbs-server"}, PORT_BASE + 8812),
+        # array subjob
+        ({"PBS_JOBID": "8812[3].pbs-server"}, PORT_BASE + (8812 + 3 * ARRAY_STRIDE) % PORT_SPAN),
+        ({"PBS_JOBID": "8812[].pbs-server"}, PORT_BASE + 8812),  # the array job itself
+    ],
+)
 def test_master_port(env, port):
     assert master_port(env) == port
 
 
 def test_jobs_on_one_node_get_different_ports():
     assert master_port({"SLURM_JOB_ID": "1001"}) != master_port({"SLURM_JOB_ID": "1002"})
-    assert all(1024 < master_port({"SLURM_JOB_ID": str(j)}) < 32768 for j in (0, 14999, 15000, 10**9 + 7))
+    assert all(
+        1024 < master_port({"SLURM_JOB_ID": str(j)}) < 32768 for j in (0, 14999, 15000, 10**9 + 7)
+    )
     # Any PORT_SPAN consecutive job ids get PORT_SPAN different ports ...
-    assert len({master_port({"SLURM_JOB_ID": str(j)}) for j in range(123_456, 123_456 + PORT_SPAN)}) == PORT_SPAN
-    # ... but ids PORT_SPAN apart share one (a job still running after PORT_SPAN more were submitted):
+    assert (
+        len({master_port({"SLURM_JOB_ID": str(j)}) for j in range(123_456, 123_456 + PORT_SPAN)})
+        == PORT_SPAN
+    )
+    # ... but ids PORT_SPAN apart share one (a job still
+    # running after PORT_SPAN more were submitted):
     # the second fails at start with "address already in use" (tests/test_forum_errors.py).
     assert master_port({"SLURM_JOB_ID": "1234"}) == master_port({"SLURM_JOB_ID": "16234"})
 
 
 def test_pbs_array_subjobs_get_different_ports():
-    """All subjobs of an array differ (they used to share the array's port), and the first 200 stay clear of
-    the 70 jobs submitted right after the array (ids that follow it)."""
+    """All subjobs of an array differ (they used to share the array's port), and the first
+    200 stay clear of the 70 jobs submitted right after the array (ids that follow it)."""
     for job in (1234, 77_777, 14_999):
         subjobs = [master_port({"PBS_JOBID": f"{job}[{i}].pbs01"}) for i in range(PORT_SPAN)]
         assert len(set(subjobs)) == PORT_SPAN
@@ -120,101 +247,165 @@ def test_pbs_array_subjobs_get_different_ports():
 
 
 def _bash_port(job_file: str, env: dict[str, str]) -> int:
-    """Run the job file's own port lines in bash, MASTER_PORT unset, and print the port they derive."""
+    """Run the job file's own port lines in bash,
+    MASTER_PORT unset, and print the port they derive."""
     text = (REPO / "jobs" / job_file).read_text()
-    lines = [line for line in text.splitlines()
-             if re.match(r"(export )?(job_number|array_index|MASTER_PORT|RDZV_PORT)=", line)]
-    variable = "RDZV_PORT" if any(line.startswith("RDZV_PORT=") for line in lines) else "MASTER_PORT"
+    lines = [
+        line
+        for line in text.splitlines()
+        if re.match(r"(export )?(job_number|array_index|MASTER_PORT|RDZV_PORT)=", line)
+    ]
+    variable = (
+        "RDZV_PORT" if any(line.startswith("RDZV_PORT=") for line in lines) else "MASTER_PORT"
+    )
     script = "\n".join(lines + [f'echo "${variable}"'])
-    out = subprocess.run(["bash", "-c", script], env=clean_env(**env), capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["bash", "-c", script], env=clean_env(**env), capture_output=True, text=True, timeout=30
+    )
     assert out.returncode == 0 and out.stderr == "", out.stderr
     return int(out.stdout)
 
 
-@pytest.mark.parametrize("job_file,variable,ids", [
-    ("slurm_srun.sbatch", "SLURM_JOB_ID", ["1234", "16234", "987654321"]),
-    ("slurm_torchrun.sbatch", "SLURM_JOB_ID", ["1234", "16234", "987654321"]),
-    ("pbs_mpiexec.pbs", "PBS_JOBID", ["1234.pbs01", "1234[0].pbs01", "1234[5].pbs01", "99[14999].server", "8812[]"]),
-    ("pbs_torchrun.pbs", "PBS_JOBID", ["1234.pbs01", "1234[0].pbs01", "1234[5].pbs01", "99[14999].server", "8812[]"]),
-])
+@pytest.mark.parametrize(
+    "job_file,variable,ids",
+    [
+        ("slurm_srun.sbatch", "SLURM_JOB_ID", ["1234", "16234", "987654321"]),
+        ("slurm_torchrun.sbatch", "SLURM_JOB_ID", ["1234", "16234", "987654321"]),
+        (
+            "pbs_mpiexec.pbs",
+            "PBS_JOBID",
+            ["1234.pbs01", "1234[0].pbs01", "1234[5].pbs01", "99[14999].server", "8812[]"],
+        ),
+        (
+            "pbs_torchrun.pbs",
+            "PBS_JOBID",
+            ["1234.pbs01", "1234[0].pbs01", "1234[5].pbs01", "99[14999].server", "8812[]"],
+        ),
+    ],
+)
 def test_job_files_derive_the_port_as_common_launcher_does(job_file, variable, ids):
     ports = [_bash_port(job_file, {variable: job_id}) for job_id in ids]
     assert ports == [master_port({variable: job_id}) for job_id in ids]
-    assert ports[0] == ports[1] and len(set(ports)) == len(ports) - 1  # 1234 and 16234 share; so do 1234, 1234[0]
+    # 1234 and 16234 share; so do 1234, 1234[0]
+    assert ports[0] == ports[1] and len(set(ports)) == len(ports) - 1
 
 
-@pytest.mark.parametrize("env,message", [
-    ({"WORLD_SIZE": "2"}, "rank is not set"),
-    ({"RANK": "2", "WORLD_SIZE": "2"}, "outside the world size"),
-    ({"RANK": "-1", "WORLD_SIZE": "2"}, "outside the world size"),
-    ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK='one' is not an integer"),
-    ({"RANK": "0", "WORLD_SIZE": "0"}, "at least 1"),
-    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"},
-     "local rank 2"),
-    ({"OMPI_COMM_WORLD_SIZE": "4"}, "rank is not set"),
-    ({"PMI_SIZE": "2", "PMI_RANK": "2"}, "outside the world size"),
-    ({"MASTER_PORT": "70000"}, "not a TCP port"),
-    ({"MASTER_PORT": "http"}, "not an integer"),
-])
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"WORLD_SIZE": "2"}, "rank is not set"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "outside the world size"),
+        ({"RANK": "-1", "WORLD_SIZE": "2"}, "outside the world size"),
+        ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK='one' is not an integer"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "at least 1"),
+        (
+            {
+                "TORCHELASTIC_RUN_ID": "x",
+                "RANK": "0",
+                "LOCAL_RANK": "2",
+                "WORLD_SIZE": "4",
+                "LOCAL_WORLD_SIZE": "2",
+            },
+            "local rank 2",
+        ),
+        ({"OMPI_COMM_WORLD_SIZE": "4"}, "rank is not set"),
+        ({"PMI_SIZE": "2", "PMI_RANK": "2"}, "outside the world size"),
+        ({"MASTER_PORT": "70000"}, "not a TCP port"),
+        ({"MASTER_PORT": "http"}, "not an integer"),
+    ],
+)
 def test_inconsistent_environment_is_a_clear_error(env, message):
     with pytest.raises(LauncherError, match=message):
         launch_info(env)
 
 
-@pytest.mark.parametrize("hostlist,hosts", [
-    ("node1", ["node1"]),
-    ("node1,node2", ["node1", "node2"]),
-    ("gpu[001-004,010],login2", ["gpu001", "gpu002", "gpu003", "gpu004", "gpu010", "login2"]),
-    ("n[8-10]", ["n8", "n9", "n10"]),
-    ("a[1-2],b[3],c", ["a1", "a2", "b3", "c"]),
-    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
-    ("x3001c0s13b0n0", ["x3001c0s13b0n0"]),
-    ("node-[09-11].cluster", ["node-09.cluster", "node-10.cluster", "node-11.cluster"]),
-])
+@pytest.mark.parametrize(
+    "hostlist,hosts",
+    [
+        ("node1", ["node1"]),
+        ("node1,node2", ["node1", "node2"]),
+        ("gpu[001-004,010],login2", ["gpu001", "gpu002", "gpu003", "gpu004", "gpu010", "login2"]),
+        ("n[8-10]", ["n8", "n9", "n10"]),
+        ("a[1-2],b[3],c", ["a1", "a2", "b3", "c"]),
+        ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+        ("x3001c0s13b0n0", ["x3001c0s13b0n0"]),
+        ("node-[09-11].cluster", ["node-09.cluster", "node-10.cluster", "node-11.cluster"]),
+    ],
+)
 def test_expand_hostlist(hostlist, hosts):
     assert expand_hostlist(hostlist) == hosts
 
 
-@pytest.mark.parametrize("bad", ["", "gpu[1-2", "gpu1-2]", "gpu[]", "gpu[a-b]", "gpu[3-1]", "a,,b",
-                                 "gpu[1-2,]", "gpu[[1]]", ","])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "gpu[1-2",
+        "gpu1-2]",
+        "gpu[]",
+        "gpu[a-b]",
+        "gpu[3-1]",
+        "a,,b",
+        "gpu[1-2,]",
+        "gpu[[1]]",
+        ",",
+    ],
+)
 def test_malformed_hostlist_is_an_error(bad):
     with pytest.raises(LauncherError):
         expand_hostlist(bad)
 
 
-# --- which GPU is this rank's --------------------------------------------------------------------------
+# --- which GPU is this rank's
+# --------------------------------------------------------------------------
+
 
 def node_of(local_world_size: int, local_rank: int, mask: str | None = None) -> dict[str, str]:
-    """torchrun's variables for one rank of a one-node job, with an optional CUDA_VISIBLE_DEVICES."""
-    env = {"TORCHELASTIC_RUN_ID": "x", "RANK": str(local_rank), "LOCAL_RANK": str(local_rank),
-           "WORLD_SIZE": str(local_world_size), "LOCAL_WORLD_SIZE": str(local_world_size)}
+    """torchrun's variables for one rank of a one-node
+    job, with an optional CUDA_VISIBLE_DEVICES."""
+    env = {
+        "TORCHELASTIC_RUN_ID": "x",
+        "RANK": str(local_rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(local_world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+    }
     return env if mask is None else {**env, "CUDA_VISIBLE_DEVICES": mask}
 
 
-@pytest.mark.parametrize("visible,gpus", [
-    (1, [0, 0, 0, 0]),  # per-rank binding (srun --gpus-per-task=1, site scripts): each rank sees only its own
-    (4, [0, 1, 2, 3]),  # every rank sees the node's 4 GPUs: index by local rank
-    (8, [0, 1, 2, 3]),  # more GPUs than local ranks: the first four
-    (0, [0, 0, 0, 0]),  # no GPU (CPU run): the index is not used
-])
+@pytest.mark.parametrize(
+    "visible,gpus",
+    [
+        # per-rank binding (srun --gpus-per-task=1, site scripts): each rank sees only its own
+        (1, [0, 0, 0, 0]),
+        (4, [0, 1, 2, 3]),  # every rank sees the node's 4 GPUs: index by local rank
+        (8, [0, 1, 2, 3]),  # more GPUs than local ranks: the first four
+        (0, [0, 0, 0, 0]),  # no GPU (CPU run): the index is not used
+    ],
+)
 def test_gpu_of_four_local_ranks(visible, gpus):
     assert [launch_info(node_of(4, r), gpus=visible).gpu for r in range(4)] == gpus
 
 
 @pytest.mark.parametrize("visible", [2, 3])
 def test_fewer_gpus_than_local_ranks_is_one_clear_error(visible):
-    """Two ranks would share a GPU; NCCL refuses that with "Duplicate GPU detected", later and less clearly."""
+    """Two ranks would share a GPU; NCCL refuses that with
+    "Duplicate GPU detected", later and less clearly."""
     mask = ",".join(str(i) for i in range(visible))
-    for r in range(4):  # every rank of the node says so (its local rank 0 prints it: common/errors.py)
+    # every rank of the node says so (its local rank 0 prints it: common/errors.py)
+    for r in range(4):
         with pytest.raises(LauncherError) as exc:
             launch_info(node_of(4, r, mask), gpus=visible)
-        assert str(exc.value) == (f"4 ranks on this node but {visible} GPUs visible to rank {r} "
-                                  f"(CUDA_VISIBLE_DEVICES={mask}): one rank per GPU, seeing all or its own")
+        assert str(exc.value) == (
+            f"4 ranks on this node but {visible} GPUs visible to rank {r} "
+            f"(CUDA_VISIBLE_DEVICES={mask}): one rank per GPU, seeing all or its own"
+        )
 
 
 def test_gpu_choice_over_every_small_node():
-    """Exhaustively, for 1-8 local ranks and 0-9 visible GPUs: each rank gets a GPU it can see; where
-    all ranks share one view, no two get the same one; the only refusals are 1 < visible < local ranks."""
+    """Exhaustively, for 1-8 local ranks and 0-9 visible GPUs: each rank
+    gets a GPU it can see; where all ranks share one view, no two get
+    the same one; the only refusals are 1 < visible < local ranks."""
     for n in range(1, 9):
         for visible in range(10):
             picks = []
@@ -229,12 +420,13 @@ def test_gpu_choice_over_every_small_node():
                 assert picks == [0] * n  # CPU
             else:
                 assert all(0 <= g < visible for g in picks), (n, visible, picks)
-                assert visible == 1 or len(set(picks)) == n, (n, visible, picks)  # one view: all different
+                # one view: all different
+                assert visible == 1 or len(set(picks)) == n, (n, visible, picks)
 
 
 def test_detect_launcher_asks_torch_how_many_gpus_this_process_sees(monkeypatch, capsys):
-    """The wiring, in-process. No GPU can exist on the machines the suite runs on, so torch.cuda's answers
-    are stood in for; CUDA_VISIBLE_DEVICES is what torch.cuda.device_count() honours."""
+    """The wiring, in-process. No GPU can exist on the machines the suite runs on, so torch.cuda's
+    answers are stood in for; CUDA_VISIBLE_DEVICES is what torch.cuda.device_count() honours."""
     import torch
 
     from common.launcher import detect_launcher
@@ -258,43 +450,67 @@ def test_detect_launcher_asks_torch_how_many_gpus_this_process_sees(monkeypatch,
     with pytest.raises(SystemExit) as exc:
         detect_launcher()
     assert exc.value.code == 2
-    assert capsys.readouterr().err == ("error: 4 ranks on this node but 2 GPUs visible to rank 0 "
-                                       "(CUDA_VISIBLE_DEVICES=0,1): one rank per GPU, seeing all or its own\n")
+    assert capsys.readouterr().err == (
+        "error: 4 ranks on this node but 2 GPUs visible to rank 0 "
+        "(CUDA_VISIBLE_DEVICES=0,1): one rank per GPU, seeing all or its own\n"
+    )
 
 
 def test_mp_spawn_inside_a_slurm_job_uses_its_own_rank_as_local_rank():
-    """mp.spawn starts every rank on this node; a Slurm job around it must not make them all local rank 0
-    (they would all pick GPU 0)."""
-    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu01", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4000"}
+    """mp.spawn starts every rank on this node; a Slurm job around it must
+    not make them all local rank 0 (they would all pick GPU 0)."""
+    env = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "gpu01",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "4000",
+    }
     infos = [launch_info(env, rank=r, world_size=4, gpus=4) for r in range(4)]
-    assert [(i.local_rank, i.local_world_size, i.gpu) for i in infos] == [(r, 4, r) for r in range(4)]
+    assert [(i.local_rank, i.local_world_size, i.gpu) for i in infos] == [
+        (r, 4, r) for r in range(4)
+    ]
 
 
 def test_a_process_started_alone_takes_any_free_port():
-    """Outside any launcher and job nobody connects to its store: port 0 lets the OS pick a free one, so two
-    such runs on one machine do not collide (test_basic_ddp runs two). In a job or with MASTER_PORT: as before."""
+    """Outside any launcher and job nobody connects to its store: port 0 lets
+    the OS pick a free one, so two such runs on one machine do not collide
+    (test_basic_ddp runs two). In a job or with MASTER_PORT: as before."""
     assert launch_info({}).master_port == 0
     assert launch_info({"MASTER_PORT": "4000"}).master_port == 4000
-    assert launch_info({"SLURM_JOB_ID": "4321"}).master_port == PORT_BASE + 4321  # a batch shell: the job's port
-    assert launch_info({"RANK": "0", "WORLD_SIZE": "1"}).master_port == DEFAULT_PORT  # a launcher's world of one
+    # a batch shell: the job's port
+    assert launch_info({"SLURM_JOB_ID": "4321"}).master_port == PORT_BASE + 4321
+    # a launcher's world of one
+    assert launch_info({"RANK": "0", "WORLD_SIZE": "1"}).master_port == DEFAULT_PORT
 
 
 def _devices_by_local_rank(source: str) -> list[int]:
-    """Lines that pick a CUDA device by the local rank (torch.device("cuda", x.local_rank)): wrong where a site
-    shows each rank only its own GPU, where launch.gpu is right."""
+    """Lines that pick a CUDA device by the local rank (torch.device("cuda", x.local_rank)):
+    wrong where a site shows each rank only its own GPU, where launch.gpu is right."""
     import ast
 
-    return [node.lineno for node in ast.walk(ast.parse(source))
-            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.device" and len(node.args) == 2
-            and isinstance(node.args[1], ast.Attribute) and node.args[1].attr == "local_rank"]
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and ast.unparse(node.func) == "torch.device"
+        and len(node.args) == 2
+        and isinstance(node.args[1], ast.Attribute)
+        and node.args[1].attr == "local_rank"
+    ]
 
 
 def test_every_script_picks_its_gpu_with_launch_gpu():
-    offenders = {str(path.relative_to(REPO)): lines for path in sorted(REPO.rglob("*.py"))
-                 if "tests" not in path.relative_to(REPO).parts
-                 and (lines := _devices_by_local_rank(path.read_text()))}
+    offenders = {
+        str(path.relative_to(REPO)): lines
+        for path in sorted(REPO.rglob("*.py"))
+        if "tests" not in path.relative_to(REPO).parts
+        and (lines := _devices_by_local_rank(path.read_text()))
+    }
     assert offenders == {}
     # Control: the scan sees the old line.
-    old = 'device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() else torch.device("cpu")'
+    old = (
+        'device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() '
+        'else torch.device("cpu")'
+    )
     assert _devices_by_local_rank(old) == [1]
     assert _devices_by_local_rank(old.replace("launch.local_rank", "launch.gpu")) == []

@@ -20,13 +20,28 @@ from tests.helpers import REPO
 LESSON = REPO / "01_basic_ddp" / "train.py"
 BASELINE = REPO / "01_basic_ddp" / "train_single.py"
 # Budgets of changed lines against 01 (issue "Lessons first").
-BUDGETS = {"03_grad_accum/train.py": 90, "04_syncbn/train.py": 110, "05_checkpointing/train.py": 250,
-           "06_multinode/train.py": 80}
+BUDGETS = {
+    "03_grad_accum/train.py": 90,
+    "04_syncbn/train.py": 110,
+    "05_checkpointing/train.py": 250,
+    "06_multinode/train.py": 80,
+}
 TOPIC_SCRIPTS = sorted(BUDGETS)
 # Every script a user runs: the lessons, their side scripts, the performance script, the demos.
-ALL_SCRIPTS = sorted(p for pattern in ("0*/*.py", "benchmark/*.py", "debugging/*.py") for p in REPO.glob(pattern))
-SCRIPT_DIRS = ("common", "01_basic_ddp", "02_sampler_patterns", "03_grad_accum", "04_syncbn", "05_checkpointing",
-               "06_multinode", "benchmark", "debugging")
+ALL_SCRIPTS = sorted(
+    p for pattern in ("0*/*.py", "benchmark/*.py", "debugging/*.py") for p in REPO.glob(pattern)
+)
+SCRIPT_DIRS = (
+    "common",
+    "01_basic_ddp",
+    "02_sampler_patterns",
+    "03_grad_accum",
+    "04_syncbn",
+    "05_checkpointing",
+    "06_multinode",
+    "benchmark",
+    "debugging",
+)
 
 
 def lines(path: Path) -> list[str]:
@@ -46,8 +61,11 @@ def diff_count(a: Path, b: Path) -> int:
 def functions(path: Path) -> dict[str, str]:
     source = path.read_text()
     tree = ast.parse(source)
-    return {node.name: ast.get_source_segment(source, node) for node in tree.body
-            if isinstance(node, ast.FunctionDef)}
+    return {
+        node.name: ast.get_source_segment(source, node)
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+    }
 
 
 def test_diff_count_is_what_diff_prints(tmp_path):
@@ -60,16 +78,33 @@ def test_diff_count_is_what_diff_prints(tmp_path):
 def test_01_is_short_and_shows_every_ddp_line():
     source = LESSON.read_text()
     assert len(lines(LESSON)) <= 130
-    for visible in ('torch.device("cuda", launch.gpu)', "torch.cuda.set_device(device)", "CUDA_VISIBLE_DEVICES",
-                    "torch.manual_seed(cfg.seed)", "torch.manual_seed(cfg.seed + launch.rank)",
-                    "dist.init_process_group(", "DistributedSampler(", "train_sampler.set_epoch(epoch)",
-                    "model = DDP(model", "loss.backward()", "dist.all_reduce(totals)",
-                    "if launch.rank == 0:  # plain file I/O", "torch.save(model.module.state_dict()",
-                    "dist.destroy_process_group()", "@record"):
+    for visible in (
+        'torch.device("cuda", launch.gpu)',
+        "torch.cuda.set_device(device)",
+        "CUDA_VISIBLE_DEVICES",
+        "torch.manual_seed(cfg.seed)",
+        "torch.manual_seed(cfg.seed + launch.rank)",
+        "dist.init_process_group(",
+        "DistributedSampler(",
+        "train_sampler.set_epoch(epoch)",
+        "model = DDP(model",
+        "loss.backward()",
+        "dist.all_reduce(totals)",
+        "if launch.rank == 0:  # plain file I/O",
+        "torch.save(model.module.state_dict()",
+        "dist.destroy_process_group()",
+        "@record",
+    ):
         assert visible in source, visible
     # The training loop (epochs, steps, evaluation) is short.
-    train = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "train")
-    epoch_loop = next(n for n in ast.walk(train) if isinstance(n, ast.For) and ast.unparse(n.target) == "epoch")
+    train = next(
+        n
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.FunctionDef) and n.name == "train"
+    )
+    epoch_loop = next(
+        n for n in ast.walk(train) if isinstance(n, ast.For) and ast.unparse(n.target) == "epoch"
+    )
     assert epoch_loop.end_lineno - epoch_loop.lineno + 1 <= 26
     # At most five helper modules, one call each for what every script would copy.
     helper_modules = set(re.findall(r"^from common\.(\w+) import", source, re.M))
@@ -80,19 +115,30 @@ def test_the_baseline_differs_from_01_only_by_ddp():
     added_by_ddp = sum(1 for line in diff_lines(BASELINE, LESSON) if line.startswith("+"))
     assert added_by_ddp <= 70
     baseline = BASELINE.read_text()
-    for ddp_only in ("torch.distributed", "DistributedDataParallel", "DistributedSampler", "launch."):
+    for ddp_only in (
+        "torch.distributed",
+        "DistributedDataParallel",
+        "DistributedSampler",
+        "launch.",
+    ):
         assert ddp_only not in baseline, ddp_only
     # The shared parts are the same text: the loop body, the model, the optimizer.
-    for shared in ("loss = F.cross_entropy(model(images), labels)", "optimizer.zero_grad(set_to_none=True)",
-                   "model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)",
-                   "optimizer = torch.optim.SGD("):
+    for shared in (
+        "loss = F.cross_entropy(model(images), labels)",
+        "optimizer.zero_grad(set_to_none=True)",
+        "model = build_model(cfg.model, data.num_classes, data.in_channels, "
+        "data.image_size).to(device)",
+        "optimizer = torch.optim.SGD(",
+    ):
         assert shared in baseline and shared in LESSON.read_text(), shared
 
 
 @pytest.mark.parametrize("script", TOPIC_SCRIPTS)
 def test_each_lesson_is_01_plus_its_topic(script):
     path = REPO / script
-    assert diff_count(LESSON, path) <= BUDGETS[script], f"diff 01 {script}: {diff_count(LESSON, path)} lines"
+    assert diff_count(LESSON, path) <= BUDGETS[script], (
+        f"diff 01 {script}: {diff_count(LESSON, path)} lines"
+    )
     base, lesson = functions(LESSON), functions(path)
     # Exact evaluation is the same code in every lesson.
     assert lesson["evaluate"] == base["evaluate"]
@@ -101,12 +147,20 @@ def test_each_lesson_is_01_plus_its_topic(script):
     assert lesson["main"].replace(config_class, "TrainConfig") == base["main"]
     # The DDP lines of 01 appear verbatim.
     source = path.read_text()
-    for line in ("    dist.init_process_group(backend, init_method=f\"tcp://{launch.master_addr}:{launch.master_port}\",",
-                 "    dist.destroy_process_group()", "    torch.manual_seed(cfg.seed)  # same initial weights",
-                 "    device = torch.device(\"cuda\", launch.gpu) if torch.cuda.is_available()",
-                 "    torch.manual_seed(cfg.seed + launch.rank)  # "):
-        assert line in LESSON.read_text() and any(l.startswith(line) for l in source.splitlines()), (script, line)
-    assert "model = DDP(model, device_ids=[device.index] if device.type == \"cuda\" else None)" in source
+    for line in (
+        "    dist.init_process_group(backend, "
+        'init_method=f"tcp://{launch.master_addr}:{launch.master_port}",',
+        "    dist.destroy_process_group()",
+        "    torch.manual_seed(cfg.seed)  # same initial weights",
+        '    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available()',
+        "    torch.manual_seed(cfg.seed + launch.rank)  # ",
+    ):
+        assert line in LESSON.read_text() and any(
+            l.startswith(line) for l in source.splitlines()
+        ), (script, line)
+    assert (
+        'model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)' in source
+    )
 
 
 def test_the_budget_check_fails_on_a_drifted_copy(tmp_path):
@@ -118,10 +172,13 @@ def test_the_budget_check_fails_on_a_drifted_copy(tmp_path):
     assert diff_count(LESSON, drifted) > BUDGETS["03_grad_accum/train.py"]
 
 
-@pytest.mark.parametrize("script", [p.relative_to(REPO).as_posix() for p in ALL_SCRIPTS
-                                    if "init_process_group" in p.read_text()])
+@pytest.mark.parametrize(
+    "script",
+    [p.relative_to(REPO).as_posix() for p in ALL_SCRIPTS if "init_process_group" in p.read_text()],
+)
 def test_scripts_that_start_a_process_group_report_failures_with_record(script):
-    """torchrun's summary shows a failing rank's exception only if main() is decorated with @record."""
+    """torchrun's summary shows a failing rank's exception
+    only if main() is decorated with @record."""
     source = (REPO / script).read_text()
     tree = ast.parse(source)
     main = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
@@ -141,7 +198,8 @@ def test_no_private_torch_api():
                 if PRIVATE_API.search(code):
                     found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert found == []
-    assert PRIVATE_API.search("store = dist.distributed_c10d._get_default_store()")  # the check can fail
+    # the check can fail
+    assert PRIVATE_API.search("store = dist.distributed_c10d._get_default_store()")
 
 
 def test_no_test_hooks_in_the_examples():
@@ -149,12 +207,16 @@ def test_no_test_hooks_in_the_examples():
         for path in (REPO / folder).glob("*.py"):
             text = path.read_text()
             assert "DDP_TEST_" not in text and "DDP_EXAMPLES_" not in text, path
-            # os._exit only to skip interpreter shutdown after a finished run (torch 2.14 + gloo can abort
-            # there: debugging/README.md), right after flushing stdout; never inside the library code.
+            # os._exit only to skip interpreter shutdown after
+            # a finished run (torch 2.14 + gloo can abort
+            # there: debugging/README.md), right after
+            # flushing stdout; never inside the library code.
             for number, line in enumerate(text.splitlines(), 1):
                 if "os._exit" in line:
                     assert folder != "common" and line == "    os._exit(0)", f"{path}:{number}"
-                    assert text.splitlines()[number - 2].startswith("    sys.stdout.flush()"), f"{path}:{number}"
+                    assert text.splitlines()[number - 2].startswith("    sys.stdout.flush()"), (
+                        f"{path}:{number}"
+                    )
 
 
 COMMON = sorted((REPO / "common").glob("*.py"))
@@ -162,8 +224,12 @@ COMMON = sorted((REPO / "common").glob("*.py"))
 
 def test_common_is_thin_with_one_concern_per_file_and_no_import_cycle():
     assert sum(len(lines(p)) for p in COMMON) <= 600
-    imports = {p.stem: set(re.findall(r"^from common\.(\w+) import|^import common\.(\w+)", p.read_text(), re.M))
-               for p in COMMON}
+    imports = {
+        p.stem: set(
+            re.findall(r"^from common\.(\w+) import|^import common\.(\w+)", p.read_text(), re.M)
+        )
+        for p in COMMON
+    }
     graph = {name: {a or b for a, b in deps} for name, deps in imports.items()}
     # Configuration validation imports neither data nor launcher code.
     assert graph["config"] <= {"errors"}
@@ -184,22 +250,42 @@ def code_lines(path: Path) -> int:
     source = path.read_text()
     docstrings = set()
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(
+            node
+        ):
             docstrings |= set(range(node.body[0].lineno, node.body[0].end_lineno + 1))
-    return sum(1 for number, line in enumerate(source.splitlines(), 1)
-               if line.strip() and not line.strip().startswith("#") and number not in docstrings)
+    return sum(
+        1
+        for number, line in enumerate(source.splitlines(), 1)
+        if line.strip() and not line.strip().startswith("#") and number not in docstrings
+    )
 
 
-@pytest.mark.parametrize("readme,words,measure", [
-    ("03_grad_accum/README.md", r"`diff 01_basic_ddp/train.py 03_grad_accum/train.py` shows exactly what "
-                                r"accumulation adds \(about (\d+) lines", lambda: diff_count(LESSON, REPO / "03_grad_accum/train.py")),
-    ("04_syncbn/README.md", r"`diff 01_basic_ddp/train.py 04_syncbn/train.py`, about (\d+) lines",
-     lambda: diff_count(LESSON, REPO / "04_syncbn/train.py")),
-    ("04_syncbn/README.md", r"`CpuSyncBatchNorm` \(`cpu_sync_batchnorm.py`, about (\d+) lines of code\)",
-     lambda: code_lines(REPO / "04_syncbn/cpu_sync_batchnorm.py")),
-], ids=["03-diff", "04-diff", "04-cpu_sync_batchnorm"])
+@pytest.mark.parametrize(
+    "readme,words,measure",
+    [
+        (
+            "03_grad_accum/README.md",
+            r"`diff 01_basic_ddp/train.py 03_grad_accum/train.py` shows exactly what "
+            r"accumulation adds \(about (\d+) lines",
+            lambda: diff_count(LESSON, REPO / "03_grad_accum/train.py"),
+        ),
+        (
+            "04_syncbn/README.md",
+            r"`diff 01_basic_ddp/train.py 04_syncbn/train.py`, about (\d+) lines",
+            lambda: diff_count(LESSON, REPO / "04_syncbn/train.py"),
+        ),
+        (
+            "04_syncbn/README.md",
+            r"`CpuSyncBatchNorm` \(`cpu_sync_batchnorm.py`, about (\d+) lines of code\)",
+            lambda: code_lines(REPO / "04_syncbn/cpu_sync_batchnorm.py"),
+        ),
+    ],
+    ids=["03-diff", "04-diff", "04-cpu_sync_batchnorm"],
+)
 def test_the_line_counts_the_readmes_give_are_the_files(readme, words, measure):
-    """"about N lines": within 10% of the measured count (diff lines as `diff | grep -c '^[<>]'`)."""
+    """ "about N lines": within 10% of the measured count
+    (diff lines as `diff | grep -c '^[<>]'`)."""
     said = re.search(words, " ".join((REPO / readme).read_text().split()))
     assert said, words
     assert abs(measure() - int(said[1])) <= 0.1 * int(said[1]), (readme, measure(), said[1])

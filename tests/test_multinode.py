@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, clean_env, free_port, load_script, read_summary, run, torchrun
+from tests.helpers import (
+    PYTHON,
+    REPO,
+    clean_env,
+    free_port,
+    load_script,
+    read_summary,
+    run,
+    torchrun,
+)
 from tests.launcher_tools import need_root, need_tools, openmpi_env, unavailable
 
 TRAIN = REPO / "06_multinode" / "train.py"
@@ -23,23 +32,43 @@ COMM = REPO / "06_multinode" / "comm_check.py"
 SMALL = ("--max-steps", "4", "--epochs", "1", "--batch-size", "16")
 
 
-def torchrun_nodes(tmp_path, script, script_args, nodes, nproc=1, env_of_node=lambda node: clean_env(), timeout=150):
-    """`nodes` torchrun processes ("nodes") with `nproc` workers each, meeting at a c10d rendezvous on 127.0.0.1;
-    each node's log is tmp_path/node<i>.log, and env_of_node(i) its environment."""
+def torchrun_nodes(
+    tmp_path, script, script_args, nodes, nproc=1, env_of_node=lambda node: clean_env(), timeout=150
+):
+    """`nodes` torchrun processes ("nodes") with `nproc` workers each, meeting at a c10d rendezvous
+    on 127.0.0.1; each node's log is tmp_path/node<i>.log, and env_of_node(i) its environment."""
     port = free_port()
     procs = []
     for node in range(nodes):
-        cmd = [PYTHON, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc_per_node={nproc}",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=test{port}",
-               str(script), *script_args]
+        cmd = [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={nodes}",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{port}",
+            f"--rdzv_id=test{port}",
+            str(script),
+            *script_args,
+        ]
         log = open(tmp_path / f"node{node}.log", "w")
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env_of_node(node), stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=env_of_node(node),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
     wait_all(procs, timeout, tmp_path, f"{nodes}-node torchrun")
 
 
 def wait_all(procs, timeout, tmp_path, what):
-    """Wait for every "node" within `timeout` seconds in all; kill the leftovers; all must exit 0."""
+    """Wait for every "node" within `timeout` seconds
+    in all; kill the leftovers; all must exit 0."""
     deadline = time.monotonic() + timeout
     try:
         for proc in procs:
@@ -55,11 +84,14 @@ def wait_all(procs, timeout, tmp_path, what):
 
 
 def logs(tmp_path):
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("*.log")))
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("*.log"))
+    )
 
 
 def test_torchrun_two_nodes_c10d_agrees_with_one_node(tmp_path):
-    torchrun_nodes(tmp_path, TRAIN, [*SMALL, "--output-dir", str(tmp_path / "two")], nodes=2)  # one worker each
+    # one worker each
+    torchrun_nodes(tmp_path, TRAIN, [*SMALL, "--output-dir", str(tmp_path / "two")], nodes=2)
     two = read_summary(tmp_path / "two")
     torchrun("06_multinode/train.py", *SMALL, "--output-dir", str(tmp_path / "one"), nproc=2)
     one = read_summary(tmp_path / "one")
@@ -72,48 +104,80 @@ def test_torchrun_two_nodes_c10d_agrees_with_one_node(tmp_path):
     assert two["final_train_loss"] == pytest.approx(one["final_train_loss"], rel=1e-5)
     assert two["replica_checksums"] == one["replica_checksums"]
     banner = (tmp_path / "node0.log").read_text() + (tmp_path / "node1.log").read_text()
-    assert re.search(r"^\s+1\s+0\s+\S+\s+cpu\s+\S+$", banner, re.M), "placement table row for rank 1 missing"
-    # The README's sample of this command: the table, the hosts line and the launcher line have the shape
+    assert re.search(r"^\s+1\s+0\s+\S+\s+cpu\s+\S+$", banner, re.M), (
+        "placement table row for rank 1 missing"
+    )
+    # The README's sample of this command: the table, the
+    # hosts line and the launcher line have the shape
     # of this run's (its step lines and paths come from the README's longer run).
-    sample = [line for line in readme_sample("Output of the first command")
-              if not line.startswith(("epoch", "summary written"))]
+    sample = [
+        line
+        for line in readme_sample("Output of the first command")
+        if not line.startswith(("epoch", "summary written"))
+    ]
     assert len(sample) == 5
     missing = shapes(sample, "vm") - shapes(banner.splitlines(), socket.gethostname())
-    assert not missing, f"README sample lines not in the real output: {sorted(missing)}\n{banner[-3000:]}"
+    assert not missing, (
+        f"README sample lines not in the real output: {sorted(missing)}\n{banner[-3000:]}"
+    )
     # summary.json: 01's fields and four more.
     assert summary_fields(TRAIN) - summary_fields(REPO / "01_basic_ddp" / "train.py") == {
-        "placement", "scheduler", "master_addr", "master_port"}
+        "placement",
+        "scheduler",
+        "master_addr",
+        "master_port",
+    }
     assert summary_fields(TRAIN) <= two.keys()
 
 
 def summary_fields(script) -> set[str]:
-    """The keyword arguments of the script's write_summary(...) call: the fields of its summary.json."""
+    """The keyword arguments of the script's write_summary(...)
+    call: the fields of its summary.json."""
     tree = ast.parse(Path(script).read_text())
-    [call] = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "write_summary"]
+    [call] = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "write_summary"
+    ]
     return {kw.arg for kw in call.keywords}
 
 
 def test_placement_table_warns_when_two_ranks_share_a_gpu(capsys):
-    """Two torchruns started on one node (a classic mistake) put two ranks on each of its GPUs. A GPU is
-    known by its UUID: under per-rank GPU binding every rank uses cuda:0, each a different GPU."""
+    """Two torchruns started on one node (a classic mistake) put two ranks
+    on each of its GPUs. A GPU is known by its UUID: under per-rank GPU
+    binding every rank uses cuda:0, each a different GPU."""
     train = load_script("06_multinode/train.py", "multinode_train")
 
     def rank(host, r, local_rank, device, uuid, visible="unset"):
-        return dict(host=host, rank=r, local_rank=local_rank, device=device, gpu_uuid=uuid, visible=visible)
+        return dict(
+            host=host, rank=r, local_rank=local_rank, device=device, gpu_uuid=uuid, visible=visible
+        )
 
-    train.print_placement([rank("gpu1", 0, 0, "cuda:0", "GPU-a"), rank("gpu1", 1, 0, "cuda:0", "GPU-a"),
-                           rank("gpu2", 2, 0, "cuda:0", "GPU-c"), rank("gpu2", 3, 1, "cuda:1", "GPU-d")])
+    train.print_placement(
+        [
+            rank("gpu1", 0, 0, "cuda:0", "GPU-a"),
+            rank("gpu1", 1, 0, "cuda:0", "GPU-a"),
+            rank("gpu2", 2, 0, "cuda:0", "GPU-c"),
+            rank("gpu2", 3, 1, "cuda:1", "GPU-d"),
+        ]
+    )
     out = capsys.readouterr().out
     assert re.search(r"^\s+1\s+0\s+gpu1\s+cuda:0\s+unset$", out, re.M)
     assert "4 ranks on 2 host(s): gpu1, gpu2" in out
-    assert out.count("WARNING") == 1 and "WARNING: ranks [0, 1] share one GPU (cuda:0 of rank 0) on gpu1" in out
+    assert (
+        out.count("WARNING") == 1
+        and "WARNING: ranks [0, 1] share one GPU (cuda:0 of rank 0) on gpu1" in out
+    )
     # The README quotes the warning as printed (in full once, then as a pattern).
     readme = " ".join((REPO / "06_multinode" / "README.md").read_text().split())
     [warning] = [line for line in out.splitlines() if line.startswith("WARNING")]
     assert f"`{warning}`" in readme
     assert "`WARNING: ranks [...] share one GPU (cuda:0 of rank ...) on <host>`" in readme
-    # Per-rank binding (srun --gpus-per-task=1): cuda:0 everywhere, four GPUs, no warning; the masks are shown.
-    train.print_placement([rank("gpu1", r, r, "cuda:0", f"GPU-{r}", visible=str(r)) for r in range(4)])
+    # Per-rank binding (srun --gpus-per-task=1): cuda:0
+    # everywhere, four GPUs, no warning; the masks are shown.
+    train.print_placement(
+        [rank("gpu1", r, r, "cuda:0", f"GPU-{r}", visible=str(r)) for r in range(4)]
+    )
     out = capsys.readouterr().out
     assert "WARNING" not in out and re.search(r"^\s+3\s+3\s+gpu1\s+cuda:0\s+3$", out, re.M)
     train.print_placement([rank("vm", r, r, "cpu", "") for r in range(2)])
@@ -137,8 +201,12 @@ def test_mpiexec_runs_train_and_comm_check(tmp_path, flavour):
     assert summary["launcher"] == flavour
     assert summary["world_size"] == 2 and summary["replicas_identical"]
     assert [(p["rank"], p["local_rank"]) for p in summary["placement"]] == [(0, 0), (1, 1)]
-    result = run([*cmd, PYTHON, COMM, "--max-bytes", "65536", "--iters", "3", "--output-dir", tmp_path],
-                 150, env=env, check=True)
+    result = run(
+        [*cmd, PYTHON, COMM, "--max-bytes", "65536", "--iters", "3", "--output-dir", tmp_path],
+        150,
+        env=env,
+        check=True,
+    )
     report = json.loads((tmp_path / "comm_check.json").read_text())
     assert report["launcher"] == flavour and report["world_size"] == 2
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
@@ -147,13 +215,16 @@ def test_mpiexec_runs_train_and_comm_check(tmp_path, flavour):
     print(f"{flavour}: train + comm_check wall time {time.perf_counter() - start:.1f} s")
 
 
-ROW = re.compile(r"\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(True|False)")
-INJECT = f"{REPO}:{REPO / 'tests' / 'inject'}"  # tests/inject/sitecustomize.py: DDP_TEST_SLOW_ALL_REDUCE_S
+ROW = re.compile(
+    r"\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(True|False)"
+)
+# tests/inject/sitecustomize.py: DDP_TEST_SLOW_ALL_REDUCE_S
+INJECT = f"{REPO}:{REPO / 'tests' / 'inject'}"
 
 
 def check_figures(results, ranks):
-    """nccl-tests' arithmetic: time averaged over the ranks, algbw = bytes / time, busbw = algbw * 2(n-1)/n;
-    the slowest rank's figures from its own time."""
+    """nccl-tests' arithmetic: time averaged over the ranks, algbw = bytes / time,
+    busbw = algbw * 2(n-1)/n; the slowest rank's figures from its own time."""
     n = len(ranks)
     for r in results:
         assert r["correct"]
@@ -165,11 +236,13 @@ def check_figures(results, ranks):
         assert r["slowest_rank"] == ranks[slowest]
         assert r["time_us_slowest"] == pytest.approx(r["time_us_per_rank"][slowest], rel=1e-9)
         assert r["busbw_gbps_slowest"] == pytest.approx(
-            r["bytes"] / (r["time_us_slowest"] * 1e-6) / 1e9 * 2 * (n - 1) / n, rel=1e-9)
+            r["bytes"] / (r["time_us_slowest"] * 1e-6) / 1e9 * 2 * (n - 1) / n, rel=1e-9
+        )
 
 
 def check_avg_bus_bandwidth(section):
-    """nccl-tests' "# Avg bus bandwidth": the mean busbw over the message sizes; and the same for the slowest rank."""
+    """nccl-tests' "# Avg bus bandwidth": the mean busbw over
+    the message sizes; and the same for the slowest rank."""
     busbw = [r["busbw_gbps"] for r in section["results"]]
     assert section["avg_busbw_gbps"] == pytest.approx(sum(busbw) / len(busbw), rel=1e-9)
     slowest = [r["busbw_gbps_slowest"] for r in section["results"]]
@@ -178,7 +251,8 @@ def check_avg_bus_bandwidth(section):
 
 
 def shapes(lines, host):
-    """Lines with numbers as N, the host name as HOST and runs of blanks as one: what a sample shares with a run."""
+    """Lines with numbers as N, the host name as HOST and runs
+    of blanks as one: what a sample shares with a run."""
     out = set()
     for line in lines:
         line = re.sub(rf"\b{re.escape(host)}\b", "HOST", line)
@@ -193,14 +267,20 @@ def readme_sample(marker):
 
 
 def assert_readme_sample_is_real(marker, output, skip=()):
-    """Every line of the README's sample (README host: vm) has the shape of a line of `output`, except the
-    machine-specific ones (torch build, the address) and those in `skip` (findings of this run)."""
-    sample = [line for line in readme_sample(marker)
-              if not re.match(r"node \S+ \(ranks .*\): torch |\s+transport: ", line)
-              and not any(word in line for word in skip)]
+    """Every line of the README's sample (README host: vm) has the shape
+    of a line of `output`, except the machine-specific ones (torch
+    build, the address) and those in `skip` (findings of this run)."""
+    sample = [
+        line
+        for line in readme_sample(marker)
+        if not re.match(r"node \S+ \(ranks .*\): torch |\s+transport: ", line)
+        and not any(word in line for word in skip)
+    ]
     assert len(sample) > 10
     missing = shapes(sample, "vm") - shapes(output.splitlines(), socket.gethostname())
-    assert not missing, f"README sample lines not in the real output: {sorted(missing)}\n{output[-4000:]}"
+    assert not missing, (
+        f"README sample lines not in the real output: {sorted(missing)}\n{output[-4000:]}"
+    )
 
 
 def full_logs(tmp_path):
@@ -209,11 +289,20 @@ def full_logs(tmp_path):
 
 def test_comm_check_prints_busbw_per_size(tmp_path):
     env = clean_env(FI_PROVIDER="tcp", NCCL_SOCKET_IFNAME="lo", UNRELATED_SETTING="x")
-    result = torchrun("06_multinode/comm_check.py", "--max-bytes", "1048576", "--iters", "3",
-                      "--output-dir", str(tmp_path), nproc=2, env=env)
+    result = torchrun(
+        "06_multinode/comm_check.py",
+        "--max-bytes",
+        "1048576",
+        "--iters",
+        "3",
+        "--output-dir",
+        str(tmp_path),
+        nproc=2,
+        env=env,
+    )
     report = json.loads((tmp_path / "comm_check.json").read_text())
     sizes = [r["bytes"] for r in report["results"]]
-    assert sizes == [8 * 2 ** i for i in range(18)]  # 8 B, 16 B, ..., 1 MiB
+    assert sizes == [8 * 2**i for i in range(18)]  # 8 B, 16 B, ..., 1 MiB
     rows = {}
     for line in result.stdout.splitlines():
         if m := ROW.fullmatch(line):
@@ -222,38 +311,79 @@ def test_comm_check_prints_busbw_per_size(tmp_path):
     check_figures(report["results"], ranks=[0, 1])
     check_avg_bus_bandwidth(report)
     for r in report["results"]:
-        assert rows[r["bytes"]] == (pytest.approx(r["busbw_gbps"], abs=1e-4), r["slowest_rank"],
-                                    pytest.approx(r["busbw_gbps_slowest"], abs=1e-4))
-    assert (f"avg bus bandwidth {report['avg_busbw_gbps']:.4f} GB/s (slowest rank: "
-            f"{report['avg_busbw_gbps_slowest']:.4f} GB/s)") in result.stdout
+        assert rows[r["bytes"]] == (
+            pytest.approx(r["busbw_gbps"], abs=1e-4),
+            r["slowest_rank"],
+            pytest.approx(r["busbw_gbps_slowest"], abs=1e-4),
+        )
+    assert (
+        f"avg bus bandwidth {report['avg_busbw_gbps']:.4f} GB/s (slowest rank: "
+        f"{report['avg_busbw_gbps_slowest']:.4f} GB/s)"
+    ) in result.stdout
     # One node: its environment, and the sections that need several nodes say why they are skipped.
     [node] = report["nodes"]
-    assert node["ranks"] == [0, 1] and node["host"] == socket.gethostname() and node["torch"] == torch_version()
-    assert node["variables"]["FI_PROVIDER"] == "tcp" and node["variables"]["NCCL_SOCKET_IFNAME"] == "lo"
-    assert "UNRELATED_SETTING" not in node["variables"]  # only NCCL_*, FI_*, GLOO_*, TORCH_NCCL_*, *_SOCKET_IFNAME
+    assert (
+        node["ranks"] == [0, 1]
+        and node["host"] == socket.gethostname()
+        and node["torch"] == torch_version()
+    )
+    assert (
+        node["variables"]["FI_PROVIDER"] == "tcp"
+        and node["variables"]["NCCL_SOCKET_IFNAME"] == "lo"
+    )
+    # only NCCL_*, FI_*, GLOO_*, TORCH_NCCL_*, *_SOCKET_IFNAME
+    assert "UNRELATED_SETTING" not in node["variables"]
     address = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)[0][4][0]
-    assert node["transport"].startswith(f"gloo on {address}, the address this host name resolves to")
+    assert node["transport"].startswith(
+        f"gloo on {address}, the address this host name resolves to"
+    )
     assert report["mismatches"] == {} and report["pairs"] is None
-    assert report["intra_node"] == {"skipped": "one node: the all-ranks figures are the intra-node ones"}
-    assert "verdict: settings that differ: none; slow nodes: none; all results correct: True" in result.stdout
+    assert report["intra_node"] == {
+        "skipped": "one node: the all-ranks figures are the intra-node ones"
+    }
+    assert (
+        "verdict: settings that differ: none; slow nodes: none; all results correct: True"
+        in result.stdout
+    )
     assert_readme_sample_is_real("comm_check on this machine", result.stdout)
 
 
 def torch_version():
     import torch
+
     return torch.__version__
 
 
 def test_comm_check_two_nodes_environment_groups_and_a_slow_node(tmp_path):
-    """Two torchrun "nodes" of two ranks each; node B has another NCCL_IB_HCA and, injected from outside
-    (tests/inject), sleeps 50 ms before every all-reduce. comm_check flags the setting, measures each node
-    and the two nodes' first ranks, and names B as the slow node within a node; two nodes are too few for pairs."""
+    """Two torchrun "nodes" of two ranks each; node B has another NCCL_IB_HCA and,
+    injected from outside (tests/inject), sleeps 50 ms before every all-reduce.
+    comm_check flags the setting, measures each node and the two nodes' first ranks,
+    and names B as the slow node within a node; two nodes are too few for pairs."""
+
     def env_of_node(node):
         slow = dict(DDP_TEST_SLOW_ALL_REDUCE_S="0.05") if node == 1 else {}
-        return clean_env(PYTHONPATH=INJECT, GLOO_SOCKET_IFNAME="lo", NCCL_IB_HCA=f"mlx5_{node}", **slow)
+        return clean_env(
+            PYTHONPATH=INJECT, GLOO_SOCKET_IFNAME="lo", NCCL_IB_HCA=f"mlx5_{node}", **slow
+        )
 
-    torchrun_nodes(tmp_path, COMM, ["--min-bytes", "65536", "--max-bytes", "262144", "--iters", "5", "--pairs",
-                                    "--output-dir", str(tmp_path)], nodes=2, nproc=2, env_of_node=env_of_node)
+    torchrun_nodes(
+        tmp_path,
+        COMM,
+        [
+            "--min-bytes",
+            "65536",
+            "--max-bytes",
+            "262144",
+            "--iters",
+            "5",
+            "--pairs",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        nodes=2,
+        nproc=2,
+        env_of_node=env_of_node,
+    )
     output = full_logs(tmp_path)
     report = json.loads((tmp_path / "comm_check.json").read_text())
     host = socket.gethostname()
@@ -261,14 +391,23 @@ def test_comm_check_two_nodes_environment_groups_and_a_slow_node(tmp_path):
     # Two torchrun agents on one host are two nodes, told apart by torchrun's node rank.
     assert sorted(nodes) == [f"{host}/node0", f"{host}/node1"]
     assert [n["ranks"] for n in report["nodes"]] == [[0, 1], [2, 3]]
-    assert [r["node"] for r in report["ranks"]] == [report["nodes"][0]["node"]] * 2 + [report["nodes"][1]["node"]] * 2
+    assert [r["node"] for r in report["ranks"]] == [report["nodes"][0]["node"]] * 2 + [
+        report["nodes"][1]["node"]
+    ] * 2
     slow = next(label for label, n in nodes.items() if n["variables"]["NCCL_IB_HCA"] == "mlx5_1")
     fast = next(label for label in nodes if label != slow)
-    assert all(n["transport"] == "gloo on interface lo (GLOO_SOCKET_IFNAME)" for n in nodes.values())
+    assert all(
+        n["transport"] == "gloo on interface lo (GLOO_SOCKET_IFNAME)" for n in nodes.values()
+    )
     # Only the setting that differs is flagged, not the one both nodes share (GLOO_SOCKET_IFNAME).
     assert report["mismatches"] == {"NCCL_IB_HCA": {"mlx5_0": [fast], "mlx5_1": [slow]}}
-    order = sorted([("mlx5_0", fast), ("mlx5_1", slow)], key=lambda vn: vn[1] != report["nodes"][0]["node"])
-    assert f"MISMATCH NCCL_IB_HCA: {order[0][0]} on {order[0][1]}; {order[1][0]} on {order[1][1]}" in output
+    order = sorted(
+        [("mlx5_0", fast), ("mlx5_1", slow)], key=lambda vn: vn[1] != report["nodes"][0]["node"]
+    )
+    assert (
+        f"MISMATCH NCCL_IB_HCA: {order[0][0]} on {order[0][1]}; {order[1][0]} on {order[1][1]}"
+        in output
+    )
     # All ranks, each node's ranks, one rank per node.
     check_figures(report["results"], ranks=[0, 1, 2, 3])
     check_avg_bus_bandwidth(report)
@@ -286,28 +425,54 @@ def test_comm_check_two_nodes_environment_groups_and_a_slow_node(tmp_path):
     assert pair["ranks"] == [0, 2]
     check_figures([pair], ranks=[0, 2])
     assert "slow nodes: cannot tell with 2 nodes" in output
-    assert f"verdict: settings that differ: NCCL_IB_HCA; slow nodes: {slow}; all results correct: True" in output
-    assert_readme_sample_is_real("Two \"nodes\" of two ranks each", output, skip=("agree", "slow nodes", "verdict"))
+    assert (
+        f"verdict: settings that differ: NCCL_IB_HCA; slow nodes: {slow}; all results correct: True"
+        in output
+    )
+    assert_readme_sample_is_real(
+        'Two "nodes" of two ranks each', output, skip=("agree", "slow nodes", "verdict")
+    )
 
 
 @pytest.mark.parametrize("slow_node", [2, None], ids=["one-slow-node", "none-slow"])
 def test_comm_check_pairs_name_the_slow_node(tmp_path, slow_node):
-    """Three one-rank "nodes", every pair tested; a node whose every pair is slow (injected: 150 ms before each
-    all-reduce, some 50x a pair's time here) is named, and none is named when no node is slowed (negative
-    control). On this shared 2-core machine load alone moved pair figures up to 5x apart (measured), so the
-    test asks for --slow-factor 10 rather than the default 2."""
+    """Three one-rank "nodes", every pair tested; a node whose every pair is slow (injected: 150 ms
+    before each all-reduce, some 50x a pair's time here) is named, and none is named when no node
+    is slowed (negative control). On this shared 2-core machine load alone moved pair figures up
+    to 5x apart (measured), so the test asks for --slow-factor 10 rather than the default 2."""
+
     def env_of_node(node):
         slow = dict(DDP_TEST_SLOW_ALL_REDUCE_S="0.15") if node == slow_node else {}
-        return clean_env(PYTHONPATH=INJECT, NCCL_IB_HCA="mlx5_1" if node == slow_node else "mlx5_0", **slow)
+        return clean_env(
+            PYTHONPATH=INJECT, NCCL_IB_HCA="mlx5_1" if node == slow_node else "mlx5_0", **slow
+        )
 
-    torchrun_nodes(tmp_path, COMM, ["--min-bytes", "1048576", "--max-bytes", "1048576", "--iters", "10", "--pairs",
-                                    "--slow-factor", "10", "--output-dir", str(tmp_path)],
-                   nodes=3, env_of_node=env_of_node)
+    torchrun_nodes(
+        tmp_path,
+        COMM,
+        [
+            "--min-bytes",
+            "1048576",
+            "--max-bytes",
+            "1048576",
+            "--iters",
+            "10",
+            "--pairs",
+            "--slow-factor",
+            "10",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        nodes=3,
+        env_of_node=env_of_node,
+    )
     output = full_logs(tmp_path)
     report = json.loads((tmp_path / "comm_check.json").read_text())
     pairs = report["pairs"]
     labels = [n["node"] for n in report["nodes"]]
-    assert sorted(p["nodes"] for p in pairs["results"]) == [[a, b] for i, a in enumerate(labels) for b in labels[i + 1:]]
+    assert sorted(p["nodes"] for p in pairs["results"]) == [
+        [a, b] for i, a in enumerate(labels) for b in labels[i + 1 :]
+    ]
     assert pairs["rounds"] == 3  # three nodes: one pair per round, one node sits out
     first_rank = {n["node"]: n["ranks"][0] for n in report["nodes"]}
     for p in pairs["results"]:
@@ -315,10 +480,14 @@ def test_comm_check_pairs_name_the_slow_node(tmp_path, slow_node):
         check_figures([p], ranks=p["ranks"])
     marked = [n["node"] for n in report["nodes"] if n["variables"]["NCCL_IB_HCA"] == "mlx5_1"]
     assert pairs["slow_nodes"] == marked, output[-3000:]
-    assert f"slow nodes (even the fastest pair below the median node's fastest pair / 10): {', '.join(marked) or 'none'}" \
-        in output
+    assert (
+        "slow nodes (even the fastest pair below the median node's fastest pair / 10): "
+        f"{', '.join(marked) or 'none'}" in output
+    )
     assert f"slow nodes: {', '.join(marked) or 'none'};" in output  # the verdict
-    assert report["intra_node"] == {"skipped": "one rank per node: nothing to measure within a node"}
+    assert report["intra_node"] == {
+        "skipped": "one rank per node: nothing to measure within a node"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +499,9 @@ def test_pair_rounds_meet_every_pair_once_in_disjoint_rounds(comm):
     for n in range(2, 10):
         rounds = comm.pair_rounds(n)
         assert len(rounds) == (n - 1 if n % 2 == 0 else n)
-        assert sorted(p for r in rounds for p in r) == [(a, b) for a in range(n) for b in range(a + 1, n)]
+        assert sorted(p for r in rounds for p in r) == [
+            (a, b) for a in range(n) for b in range(a + 1, n)
+        ]
         for r in rounds:  # disjoint, so a round's pairs can run at the same time
             nodes = [node for pair in r for node in pair]
             assert len(nodes) == len(set(nodes))
@@ -338,39 +509,78 @@ def test_pair_rounds_meet_every_pair_once_in_disjoint_rounds(comm):
 
 def test_nodes_are_host_names_and_torchrun_node_ranks_on_a_shared_host(comm):
     def table(*host_agent):
-        return [dict(rank=r, host=h, agent=a, local_rank=0, device="cpu") for r, (h, a) in enumerate(host_agent)]
+        return [
+            dict(rank=r, host=h, agent=a, local_rank=0, device="cpu")
+            for r, (h, a) in enumerate(host_agent)
+        ]
 
-    assert comm.group_nodes(table(("gpu1", "0"), ("gpu1", "0"), ("gpu2", "1"))) == [("gpu1", [0, 1]), ("gpu2", [2])]
-    assert comm.group_nodes(table(("gpu1", ""), ("gpu2", ""), ("gpu1", ""))) == [("gpu1", [0, 2]), ("gpu2", [1])]
-    assert comm.group_nodes(table(("vm", "0"), ("vm", "1"), ("vm", "0"))) == [("vm/node0", [0, 2]), ("vm/node1", [1])]
+    assert comm.group_nodes(table(("gpu1", "0"), ("gpu1", "0"), ("gpu2", "1"))) == [
+        ("gpu1", [0, 1]),
+        ("gpu2", [2]),
+    ]
+    assert comm.group_nodes(table(("gpu1", ""), ("gpu2", ""), ("gpu1", ""))) == [
+        ("gpu1", [0, 2]),
+        ("gpu2", [1]),
+    ]
+    assert comm.group_nodes(table(("vm", "0"), ("vm", "1"), ("vm", "0"))) == [
+        ("vm/node0", [0, 2]),
+        ("vm/node1", [1]),
+    ]
 
 
 def test_mismatches_cover_versions_and_variables(comm):
     def env(torch="2.14.1", **variables):
-        return dict(torch=torch, cuda="13.0", nccl="2.30.7", gpus="8 x H100", variables=variables, host_address="x")
+        return dict(
+            torch=torch,
+            cuda="13.0",
+            nccl="2.30.7",
+            gpus="8 x H100",
+            variables=variables,
+            host_address="x",
+        )
 
-    envs = [env(NCCL_IB_HCA="mlx5_0"), env(NCCL_IB_HCA="mlx5_0"), env("2.13.0", NCCL_IB_HCA="mlx5_0", FI_PROVIDER="efa")]
+    envs = [
+        env(NCCL_IB_HCA="mlx5_0"),
+        env(NCCL_IB_HCA="mlx5_0"),
+        env("2.13.0", NCCL_IB_HCA="mlx5_0", FI_PROVIDER="efa"),
+    ]
     node_of_rank = {0: "a", 1: "a", 2: "b"}
-    assert comm.mismatches(envs, node_of_rank) == {"torch": {"2.14.1": ["a"], "2.13.0": ["b"]},
-                                                   "FI_PROVIDER": {"(unset)": ["a"], "efa": ["b"]}}
+    assert comm.mismatches(envs, node_of_rank) == {
+        "torch": {"2.14.1": ["a"], "2.13.0": ["b"]},
+        "FI_PROVIDER": {"(unset)": ["a"], "efa": ["b"]},
+    }
     assert comm.mismatches(envs[:2], node_of_rank) == {}
 
 
 def test_transport_says_what_the_backend_uses_or_how_to_see_it(comm):
     assert comm.transport("gloo", dict(variables={}, host_address="10.0.0.1")).startswith(
-        "gloo on 10.0.0.1, the address this host name resolves to (GLOO_SOCKET_IFNAME unset")
+        "gloo on 10.0.0.1, the address this host name resolves to (GLOO_SOCKET_IFNAME unset"
+    )
     quiet = comm.transport("nccl", dict(variables={}, host_address="x"))
-    assert "only with NCCL_DEBUG=INFO" in quiet and "'NCCL INFO Using network IB'" in quiet and "AWS Libfabric" in quiet
+    assert (
+        "only with NCCL_DEBUG=INFO" in quiet
+        and "'NCCL INFO Using network IB'" in quiet
+        and "AWS Libfabric" in quiet
+    )
     verbose = comm.transport("nccl", dict(variables={"NCCL_DEBUG": "INFO"}, host_address="x"))
-    assert "its choice is in this job's log (NCCL_DEBUG=INFO)" in verbose and "only with" not in verbose
+    assert (
+        "its choice is in this job's log (NCCL_DEBUG=INFO)" in verbose
+        and "only with" not in verbose
+    )
 
 
 def test_loopback_host_name_warns_only_for_gloo_across_hosts(comm, capsys):
     env = dict(torch="t", cuda="c", nccl="n", gpus="none", variables={}, host_address="127.0.1.1")
     nodes = [("h1", [0]), ("h2", [1])]
     comm.print_environment("gloo", nodes, [env, env], {}, several_hosts=True)
-    assert capsys.readouterr().out.count("WARNING: the host name resolves to 127.0.1.1, so gloo listens on loopback") == 2
-    comm.print_environment("gloo", nodes, [env, env], {}, several_hosts=False)  # one host: loopback reaches all
+    assert (
+        capsys.readouterr().out.count(
+            "WARNING: the host name resolves to 127.0.1.1, so gloo listens on loopback"
+        )
+        == 2
+    )
+    # one host: loopback reaches all
+    comm.print_environment("gloo", nodes, [env, env], {}, several_hosts=False)
     with_ifname = dict(env, variables={"GLOO_SOCKET_IFNAME": "eth0"})
     comm.print_environment("gloo", nodes, [with_ifname] * 2, {}, several_hosts=True)
     assert "WARNING" not in capsys.readouterr().out
@@ -381,7 +591,9 @@ def test_nccl_version_is_torchs_or_says_why_not(comm, monkeypatch):
     import torch.distributed as dist
 
     if dist.is_nccl_available():
-        assert comm.environment(torch.device("cpu"))["nccl"] == ".".join(map(str, torch.cuda.nccl.version()))
+        assert comm.environment(torch.device("cpu"))["nccl"] == ".".join(
+            map(str, torch.cuda.nccl.version())
+        )
     monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
     assert comm.environment(torch.device("cpu"))["nccl"] == "n/a (torch built without NCCL)"
 
@@ -401,62 +613,111 @@ def test_readme_quotes_the_launchers_error_for_more_ranks_than_gpus():
         launch_info(node_of(8, 0, None), gpus=4)
     readme = (REPO / "06_multinode" / "README.md").read_text()
     assert f"`error: {exc.value}`" in readme
-    # Raised while reading the launcher's variables, before any process group: no script gets to set_device.
-    assert ("are refused by every script, `comm_check.py` included, with one `error:` line before any process "
-            "group") in " ".join(readme.split())
+    # Raised while reading the launcher's variables, before
+    # any process group: no script gets to set_device.
+    assert (
+        "are refused by every script, `comm_check.py` included, with one `error:` line "
+        "before any process "
+        "group"
+    ) in " ".join(readme.split())
 
 
 def test_timed_iterations_are_fewer_above_one_mib_and_at_least_3(comm):
-    """--iters' help; and the iters column of both README samples (run with the default --iters 20)."""
+    """--iters' help; and the iters column of both README
+    samples (run with the default --iters 20)."""
     assert comm.CommConfig.__dataclass_fields__["iters"].default == 20
-    assert [comm.timed_iterations(2 ** k, 20) for k in (3, 20, 21, 22, 23, 28)] == [20, 20, 10, 5, 3, 3]
-    rows = [m for marker in ("comm_check on this machine", "Two \"nodes\" of two ranks each")
-            for m in map(ROW.fullmatch, readme_sample(marker)) if m]
+    assert [comm.timed_iterations(2**k, 20) for k in (3, 20, 21, 22, 23, 28)] == [
+        20,
+        20,
+        10,
+        5,
+        3,
+        3,
+    ]
+    rows = [
+        m
+        for marker in ("comm_check on this machine", 'Two "nodes" of two ranks each')
+        for m in map(ROW.fullmatch, readme_sample(marker))
+        if m
+    ]
     assert len(rows) > 30
     assert all(int(m.group(2)) == comm.timed_iterations(int(m.group(1)), 20) for m in rows)
 
 
 def test_06_is_01_line_for_line_plus_the_placement_table():
-    """Below the module docstring, `diff 01 06` is the placement table's functions, their two calls, an import
-    and the four summary fields."""
+    """Below the module docstring, `diff 01 06` is the placement table's
+    functions, their two calls, an import and the four summary fields."""
+
     def code(path):
         text = path.read_text()
-        return text.splitlines()[ast.parse(text).body[0].end_lineno:]
+        return text.splitlines()[ast.parse(text).body[0].end_lineno :]
 
     lesson = TRAIN.read_text()
-    new_functions = {line for name in ("gather_placement", "print_placement")
-                     for line in ast.get_source_segment(lesson, next(
-                         n for n in ast.parse(lesson).body if getattr(n, "name", "") == name)).splitlines()}
-    diff = list(difflib.unified_diff(code(REPO / "01_basic_ddp" / "train.py"), code(TRAIN), n=0, lineterm=""))[2:]
+    new_functions = {
+        line
+        for name in ("gather_placement", "print_placement")
+        for line in ast.get_source_segment(
+            lesson, next(n for n in ast.parse(lesson).body if getattr(n, "name", "") == name)
+        ).splitlines()
+    }
+    diff = list(
+        difflib.unified_diff(
+            code(REPO / "01_basic_ddp" / "train.py"), code(TRAIN), n=0, lineterm=""
+        )
+    )[2:]
     removed = [line[1:].strip() for line in diff if line.startswith("-") and line[1:].strip()]
-    added = [line[1:].strip() for line in diff if line.startswith("+") and line[1:].strip()
-             and line[1:] not in new_functions]
+    added = [
+        line[1:].strip()
+        for line in diff
+        if line.startswith("+") and line[1:].strip() and line[1:] not in new_functions
+    ]
     assert removed == ["wall_time_s=elapsed)"]
-    assert added == ["import socket", "placement = gather_placement(launch, device)  # a collective: every rank takes part",
-                     "print_placement(placement)",
-                     "wall_time_s=elapsed, placement=placement, scheduler=launch.scheduler,",
-                     "master_addr=launch.master_addr, master_port=launch.master_port)"]
+    assert added == [
+        "import socket",
+        "placement = gather_placement(launch, device)  # a collective: every rank takes part",
+        "print_placement(placement)",
+        "wall_time_s=elapsed, placement=placement, scheduler=launch.scheduler,",
+        "master_addr=launch.master_addr, master_port=launch.master_port)",
+    ]
 
 
 def test_comm_check_default_reaches_256_mib():
     result = run([PYTHON, COMM, "--help"], 60, check=True)
-    assert "largest message in bytes (doubling from --min-bytes) (default: 268435456)" in " ".join(result.stdout.split())
+    assert "largest message in bytes (doubling from --min-bytes) (default: 268435456)" in " ".join(
+        result.stdout.split()
+    )
 
 
 def test_comm_check_refuses_cuda_without_a_visible_gpu():
-    """--device cuda where the mask hides every GPU (or there is none): one line and exit code 2, no process group."""
+    """--device cuda where the mask hides every GPU (or there
+    is none): one line and exit code 2, no process group."""
     result = run([PYTHON, COMM, "--device", "cuda"], 120, env=clean_env(CUDA_VISIBLE_DEVICES=""))
     assert result.returncode == 2, result.output
-    assert result.stderr == "error: --device cuda, but this process sees no GPU (CUDA_VISIBLE_DEVICES=)\n"
+    assert (
+        result.stderr
+        == "error: --device cuda, but this process sees no GPU (CUDA_VISIBLE_DEVICES=)\n"
+    )
 
 
 def test_wrong_master_addr_fails_clearly_within_timeout(tmp_path):
-    """An unreachable MASTER_ADDR: every rank gives up after its timeout, naming the address and what to check."""
+    """An unreachable MASTER_ADDR: every rank gives up after
+    its timeout, naming the address and what to check."""
     procs, start = [], time.perf_counter()
     for rank in range(2):
-        env = clean_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="192.0.2.1", MASTER_PORT="29999")
-        procs.append(subprocess.Popen([PYTHON, COMM, "--timeout-s", "3"], cwd=REPO, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))
+        env = clean_env(
+            RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="192.0.2.1", MASTER_PORT="29999"
+        )
+        procs.append(
+            subprocess.Popen(
+                [PYTHON, COMM, "--timeout-s", "3"],
+                cwd=REPO,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        )
     try:
         outputs = [p.communicate(timeout=90) for p in procs]
     except subprocess.TimeoutExpired:
@@ -466,14 +727,26 @@ def test_wrong_master_addr_fails_clearly_within_timeout(tmp_path):
     assert [p.returncode for p in procs] == [2, 2]
     error = [line for line in outputs[0][1].splitlines() if line.startswith("error:")]
     assert len(error) == 1, outputs[0][1]
-    for needle in ("rank 0", socket.gethostname(), "192.0.2.1:29999", "MASTER_ADDR", "GLOO_SOCKET_IFNAME",
-                   "NCCL_SOCKET_IFNAME", "NCCL_DEBUG=INFO"):
+    for needle in (
+        "rank 0",
+        socket.gethostname(),
+        "192.0.2.1:29999",
+        "MASTER_ADDR",
+        "GLOO_SOCKET_IFNAME",
+        "NCCL_SOCKET_IFNAME",
+        "NCCL_DEBUG=INFO",
+    ):
         assert needle in error[0]
-    # As the README's table of errors quotes it (there: rank 1 on nodeB, 10.0.0.1:29500, the default 60 s).
-    assert error[0].startswith(f"error: rank 0 on {socket.gethostname()} cannot reach rank 0's store at "
-                               "192.0.2.1:29999 within 3 s"), error[0]
-    assert ("`error: rank 1 on nodeB cannot reach rank 0's store at 10.0.0.1:29500 within 60 s`"
-            in (REPO / "06_multinode" / "README.md").read_text())
+    # As the README's table of errors quotes it (there:
+    # rank 1 on nodeB, 10.0.0.1:29500, the default 60 s).
+    assert error[0].startswith(
+        f"error: rank 0 on {socket.gethostname()} cannot reach rank 0's store at "
+        "192.0.2.1:29999 within 3 s"
+    ), error[0]
+    assert (
+        "`error: rank 1 on nodeB cannot reach rank 0's store at 10.0.0.1:29500 within 60 s`"
+        in (REPO / "06_multinode" / "README.md").read_text()
+    )
     print(f"wrong MASTER_ADDR: both ranks exited in {time.perf_counter() - start:.1f} s")
 
 
@@ -483,12 +756,18 @@ def test_missing_rank_is_named(tmp_path):
     result = run([PYTHON, COMM, "--timeout-s", "3"], 60, env=env)
     assert result.returncode == 2
     assert "rank(s) 1, 2 of 3 never checked in" in result.stderr
-    comm = load_script("06_multinode/comm_check.py", "comm_check")  # the README's row: ranks 2 and 3 of 4
-    assert f"`rank(s) {comm._ranges([2, 3])} of 4 never checked in`" in (REPO / "06_multinode" / "README.md").read_text()
+    # the README's row: ranks 2 and 3 of 4
+    comm = load_script("06_multinode/comm_check.py", "comm_check")
+    assert (
+        f"`rank(s) {comm._ranges([2, 3])} of 4 never checked in`"
+        in (REPO / "06_multinode" / "README.md").read_text()
+    )
     assert "GLOO_SOCKET_IFNAME" in result.stderr
 
 
-# -- two hosts with their own addresses: network namespaces + a veth pair ----------------------------
+# -- two hosts with their own addresses: network
+# namespaces + a veth pair ----------------------------
+
 
 def test_two_namespace_hosts_train_across_veth(tmp_path):
     need_root("creating network namespaces")
@@ -502,11 +781,31 @@ def test_two_namespace_hosts_train_across_veth(tmp_path):
         for name in ns:
             subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
             created.append(name)
-        subprocess.run(["ip", "link", "add", veth[0], "netns", ns[0], "type", "veth", "peer", "name", veth[1],
-                        "netns", ns[1]], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "ip",
+                "link",
+                "add",
+                veth[0],
+                "netns",
+                ns[0],
+                "type",
+                "veth",
+                "peer",
+                "name",
+                veth[1],
+                "netns",
+                ns[1],
+            ],
+            check=True,
+            capture_output=True,
+        )
         for name, dev, ip in zip(ns, veth, addr):
-            for cmd in (["ip", "addr", "add", f"{ip}/24", "dev", dev], ["ip", "link", "set", dev, "up"],
-                        ["ip", "link", "set", "lo", "up"]):
+            for cmd in (
+                ["ip", "addr", "add", f"{ip}/24", "dev", dev],
+                ["ip", "link", "set", dev, "up"],
+                ["ip", "link", "set", "lo", "up"],
+            ):
                 subprocess.run(["ip", "netns", "exec", name, *cmd], check=True, capture_output=True)
     except (subprocess.CalledProcessError, OSError) as exc:
         _delete_namespaces(created)
@@ -515,19 +814,31 @@ def test_two_namespace_hosts_train_across_veth(tmp_path):
         port, procs = 29411, []
         for node in range(2):
             # Own UTS namespace too, so each "host" has its own host name in the placement table.
-            inner = (f"hostname host{node} && exec {PYTHON} -m torch.distributed.run --nnodes=2 "
-                     f"--nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint={addr[0]}:{port} "
-                     f"--rdzv_id=ns{tag} --rdzv_conf=is_host={1 - node} --local_addr={addr[node]} "
-                     f"{TRAIN} {' '.join(SMALL)} --output-dir {tmp_path / 'out'}")
+            inner = (
+                f"hostname host{node} && exec {PYTHON} -m torch.distributed.run --nnodes=2 "
+                f"--nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint={addr[0]}:{port} "
+                f"--rdzv_id=ns{tag} --rdzv_conf=is_host={1 - node} --local_addr={addr[node]} "
+                f"{TRAIN} {' '.join(SMALL)} --output-dir {tmp_path / 'out'}"
+            )
             env = clean_env(GLOO_SOCKET_IFNAME=veth[node])
             log = open(tmp_path / f"node{node}.log", "w")
-            procs.append(subprocess.Popen(["ip", "netns", "exec", ns[node], "unshare", "--uts", "sh", "-c", inner],
-                                          cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    ["ip", "netns", "exec", ns[node], "unshare", "--uts", "sh", "-c", inner],
+                    cwd=REPO,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         wait_all(procs, 150, tmp_path, "two-namespace run")
         summary = read_summary(tmp_path / "out")
         assert summary["world_size"] == 2 and summary["replicas_identical"]
-        assert [(p["rank"], p["host"]) for p in summary["placement"]] == [(0, "host0"), (1, "host1")]
+        assert [(p["rank"], p["host"]) for p in summary["placement"]] == [
+            (0, "host0"),
+            (1, "host1"),
+        ]
         assert "2 ranks on 2 host(s): host0, host1" in (tmp_path / "node0.log").read_text()
     finally:
         _delete_namespaces(created)

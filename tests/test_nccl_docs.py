@@ -1,10 +1,10 @@
 """debugging/README.md, "Timeouts on nccl": what a machine without a GPU can check of it.
 
-The watchdog cannot run here (no GPU), so the guide's nccl part is read from PyTorch's source. These
-tests hold it to the installed torch (2.14.1): the messages it quotes are in torch's NCCL library, the
-older wording is not; the default timeouts torch exposes; what torchrun sets in its workers; and the
-flight-recorder analyzer's options and its verdicts on dumps shaped like each case the guide's table
-names.
+The watchdog cannot run here (no GPU), so the guide's nccl part is read from
+PyTorch's source. These tests hold it to the installed torch (2.14.1): the messages
+it quotes are in torch's NCCL library, the older wording is not; the default timeouts
+torch exposes; what torchrun sets in its workers; and the flight-recorder analyzer's
+options and its verdicts on dumps shaped like each case the guide's table names.
 """
 
 from __future__ import annotations
@@ -24,26 +24,55 @@ from tests.helpers import PYTHON, REPO, clean_env, run
 
 GUIDE = REPO / "debugging" / "README.md"
 TORCH_LIB = Path(__import__("torch").__file__).parent / "lib"
-C10D_HEADERS = Path(__import__("torch").__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d"
+C10D_HEADERS = (
+    Path(__import__("torch").__file__).parent
+    / "include"
+    / "torch"
+    / "csrc"
+    / "distributed"
+    / "c10d"
+)
 
-# Quoted by the guide; in torch's NCCL backend (libtorch_cuda.so) as literals (runtime values left out).
+# Quoted by the guide; in torch's NCCL backend
+# (libtorch_cuda.so) as literals (runtime values left out).
 WATCHDOG_MESSAGES = [
-    "Watchdog caught collective operation timeout: ", "WorkNCCL(", "SeqNum=", ", OpType=", ", NumelIn=",
-    ", NumelOut=", ", Timeout(ms)=", " milliseconds before timing out.", "[PG ID ", " PG GUID ",
-    " failure detected by watchdog at work sequence id: ", " PG status: last enqueued work: ",
-    ", last completed work: ", "Stack trace of the failed collective: ",
+    "Watchdog caught collective operation timeout: ",
+    "WorkNCCL(",
+    "SeqNum=",
+    ", OpType=",
+    ", NumelIn=",
+    ", NumelOut=",
+    ", Timeout(ms)=",
+    " milliseconds before timing out.",
+    "[PG ID ",
+    " PG GUID ",
+    " failure detected by watchdog at work sequence id: ",
+    " PG status: last enqueued work: ",
+    ", last completed work: ",
+    "Stack trace of the failed collective: ",
     "Some NCCL operations have failed or timed out. Due to the ",
-    "asynchronous nature of CUDA kernels, subsequent GPU operations ", "might run on corrupted/incomplete data.",
+    "asynchronous nature of CUDA kernels, subsequent GPU operations ",
+    "might run on corrupted/incomplete data.",
     "To avoid data inconsistency, we are taking the entire process down.",
     "Process group watchdog thread terminated with exception: ",
     "To our best knowledge, the lagging/dead/mismatched ranks that caused the desync are:",
-    "] joined but didn't finish collective #", " (count from 1)", "] finished collective #",
-    ", but didn't join collective #", "] are the lagging ranks that caused this timeout. They never joined any collectives",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DESYNC_DEBUG", "TORCH_NCCL_TRACE_BUFFER_SIZE",
-    "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC",
+    "] joined but didn't finish collective #",
+    " (count from 1)",
+    "] finished collective #",
+    ", but didn't join collective #",
+    "] are the lagging ranks that caused this timeout. They never joined any collectives",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_DESYNC_DEBUG",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC",
 ]
 # The flight recorder's file names are in the core library (libtorch_cpu.so).
-RECORDER_VARIABLES = ["TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "XDG_CACHE_HOME"]
+RECORDER_VARIABLES = [
+    "TORCH_FR_DUMP_TEMP_FILE",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+    "XDG_CACHE_HOME",
+]
 # The wording of earlier releases, which the guide names as gone.
 OLD_WORDING = "Exception (either an error or timeout) detected by watchdog at work: "
 
@@ -58,7 +87,9 @@ def found_in_library(name: str, needles: list[str]) -> dict[str, bool]:
 
 def test_watchdog_messages_in_the_guide_are_torchs_own():
     guide = " ".join(GUIDE.read_text().split())  # the guide's line breaks as spaces
-    assert [m for m in WATCHDOG_MESSAGES + RECORDER_VARIABLES + [OLD_WORDING] if m.strip() not in guide] == []
+    assert [
+        m for m in WATCHDOG_MESSAGES + RECORDER_VARIABLES + [OLD_WORDING] if m.strip() not in guide
+    ] == []
     found = found_in_library("libtorch_cuda.so", WATCHDOG_MESSAGES + [OLD_WORDING])
     assert [m for m in WATCHDOG_MESSAGES if not found[m]] == []
     # Negative control: the check can fail, and the message of earlier releases is not in 2.14.1.
@@ -69,15 +100,19 @@ def test_watchdog_messages_in_the_guide_are_torchs_own():
 def test_default_timeouts_are_10_minutes_for_nccl_and_30_for_gloo():
     from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
 
-    assert (default_pg_nccl_timeout, default_pg_timeout) == (timedelta(minutes=10), timedelta(minutes=30))
+    assert (default_pg_nccl_timeout, default_pg_timeout) == (
+        timedelta(minutes=10),
+        timedelta(minutes=30),
+    )
     guide = GUIDE.read_text()
     assert "PyTorch's own default is 10 min for NCCL, 30 min for gloo" in guide
     assert "the job sits for 10 minutes (nccl) or 30 (gloo)" in guide
 
 
 def test_error_handling_modes_and_trace_buffer_default_are_the_installed_headers():
-    """The guide's meaning of each TORCH_NCCL_ASYNC_ERROR_HANDLING value, its C++ default (3) and the
-    flight recorder's default size (2000), read from the C++ headers installed with torch 2.14.1."""
+    """The guide's meaning of each TORCH_NCCL_ASYNC_ERROR_HANDLING
+    value, its C++ default (3) and the flight recorder's default size
+    (2000), read from the C++ headers installed with torch 2.14.1."""
     nccl = (C10D_HEADERS / "ProcessGroupNCCL.hpp").read_text()
     enum = nccl.split("enum ErrorHandlingMode")[1].split("}")[0]
     modes = {int(value): name for name, value in re.findall(r"^\s*(\w+) = (\d),?$", enum, re.M)}
@@ -87,48 +122,78 @@ def test_error_handling_modes_and_trace_buffer_default_are_the_installed_headers
     assert "#define SHOULD_CLEAN_UP(a) (a != NoHandling && a != SkipCleanUp)" in nccl
     assert "#define SHOULD_TEAR_DOWN(a) (a != NoHandling && a != CleanUpOnly)" in nccl
     recorder = (C10D_HEADERS / "FlightRecorder.hpp").read_text()
-    assert 'getCvarInt(\n        {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}, 2000)' in recorder
+    assert (
+        'getCvarInt(\n        {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}, 2000)'
+        in recorder
+    )
     guide = " ".join(GUIDE.read_text().split())
-    for claim in ("`3`, the default in PyTorch's C++ code, takes the process down without aborting the NCCL "
-                  "communicators; `1` aborts them first", "`2` only aborts them; `0` only logs",
-                  "`TORCH_NCCL_TRACE_BUFFER_SIZE` collectives (2000 by default"):
+    for claim in (
+        "`3`, the default in PyTorch's C++ code, takes the process down without aborting the NCCL "
+        "communicators; `1` aborts them first",
+        "`2` only aborts them; `0` only logs",
+        "`TORCH_NCCL_TRACE_BUFFER_SIZE` collectives (2000 by default",
+    ):
         assert claim in guide, claim
 
 
 def test_debug_levels_and_nccl_errors_the_guide_names_are_torchs():
-    """The Tools table, read from torch 2.14.1: DETAIL wraps gloo and nccl process groups alike in the
-    checking wrapper; INFO makes DDP log its set-up and name the parameters that got no gradient (torch's
-    own error says so); ncclRemoteError is a name torch's NCCL backend prints."""
+    """The Tools table, read from torch 2.14.1: DETAIL wraps gloo and nccl
+    process groups alike in the checking wrapper; INFO makes DDP log its
+    set-up and name the parameters that got no gradient (torch's own error
+    says so); ncclRemoteError is a name torch's NCCL backend prints."""
     import inspect
 
     import torch.distributed.distributed_c10d as c10d
 
     source = inspect.getsource(c10d)
     wrapped = source.split("backend_str in [Backend.GLOO, Backend.NCCL")[1].split("elif")[0]
-    assert "get_debug_level() == DebugLevel.DETAIL" in wrapped and "_create_process_group_wrapper(" in wrapped
-    # The wrapper checks each collective over a gloo group of its own: the cost the guide calls slow.
+    assert (
+        "get_debug_level() == DebugLevel.DETAIL" in wrapped
+        and "_create_process_group_wrapper(" in wrapped
+    )
+    # The wrapper checks each collective over a gloo
+    # group of its own: the cost the guide calls slow.
     wrapper = (C10D_HEADERS / "ProcessGroupWrapper.hpp").read_text()
-    assert "Gloo process group responsible for internal coordination such as monitored\n  // barrier, sequence " \
-           "number checking, collective fingerprint collecting." in wrapper
-    ddp = ["DDP Initialized with", "Parameters which did not receive grad for rank",
-           "set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL to print out information "
-           "about which particular parameters did not receive gradient"]
+    assert (
+        "Gloo process group responsible for internal coordination such as monitored\n  // "
+        "barrier, sequence "
+        "number checking, collective fingerprint collecting." in wrapper
+    )
+    ddp = [
+        "DDP Initialized with",
+        "Parameters which did not receive grad for rank",
+        "set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL to "
+        "print out information "
+        "about which particular parameters did not receive gradient",
+    ]
     assert all(found_in_library("libtorch_cpu.so", ddp).values())
     assert found_in_library("libtorch_cuda.so", ["ncclRemoteError"]) == {"ncclRemoteError": True}
     guide = " ".join(GUIDE.read_text().split())
-    assert "`INFO`: DDP logs its set-up and, on the unused-parameter error, names the parameters" in guide
+    assert (
+        "`INFO`: DDP logs its set-up and, on the unused-parameter error, names the parameters"
+        in guide
+    )
     assert "also checks before **every** collective" in guide and "`ncclRemoteError`" in guide
     assert "Slow (a gloo exchange of fingerprints before each collective)" in guide
 
 
 def test_torchrun_sets_async_error_handling_1_in_its_workers_unless_set():
     """The guide: 3 is the C++ default, and torchrun sets 1 in its workers unless you set it."""
+
     def worker_value(extra):
         env = clean_env()
         env.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
         env.update(extra)
-        cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "--no-python",
-               "printenv", "TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+        cmd = [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            "--no-python",
+            "printenv",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        ]
         return run(cmd, 180, env=env, check=True).stdout.split()
 
     with ThreadPoolExecutor(2) as pool:  # two torchruns side by side
@@ -146,44 +211,78 @@ def test_flight_recorder_analyzer_takes_the_options_the_guide_shows(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])  # torchfrtrace --help, in this process
     usage = capsys.readouterr().out
-    for option in ("trace_dir", "-p PREFIX, --prefix PREFIX", "-j, --just_print_entries", "--allow-incomplete-ranks"):
+    for option in (
+        "trace_dir",
+        "-p PREFIX, --prefix PREFIX",
+        "-j, --just_print_entries",
+        "--allow-incomplete-ranks",
+    ):
         assert option in usage
     guide = GUIDE.read_text()
-    assert "torchfrtrace runs/fr -p trace_ " in guide and "torchfrtrace runs/fr -p trace_ -j" in guide
+    assert (
+        "torchfrtrace runs/fr -p trace_ " in guide and "torchfrtrace runs/fr -p trace_ -j" in guide
+    )
     # Its tables need tabulate, which it imports if it can ("pip install tabulate" in the guide).
     import inspect
 
     from torch.distributed.flight_recorder.components import utils
-    assert "from tabulate import tabulate" in inspect.getsource(utils) and "`pip install tabulate`" in guide
+
+    assert (
+        "from tabulate import tabulate" in inspect.getsource(utils)
+        and "`pip install tabulate`" in guide
+    )
 
 
 # -- the analyzer's verdicts on dumps shaped like each row of the guide's table -------------------
 
+
 def entry(seq: int, numel: int, state: str = "completed", op: str = "all_reduce") -> dict:
     """One flight-recorder entry as ProcessGroupNCCL writes it (the dump format's field names)."""
-    return {"record_id": seq - 1, "pg_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": seq,
-            "p2p_seq_id": 0, "op_id": seq, "profiling_name": f"nccl:{op}", "time_created_ns": seq,
-            "input_sizes": [[numel]], "output_sizes": [[numel]], "input_dtypes": ["Float"], "output_dtypes": ["Float"],
-            "state": state, "time_discovered_started_ns": None, "time_discovered_completed_ns": None,
-            "retired": state == "completed", "timeout_ms": 60000, "is_p2p": False, "frames": []}
+    return {
+        "record_id": seq - 1,
+        "pg_id": 0,
+        "process_group": ("0", "default_pg"),
+        "collective_seq_id": seq,
+        "p2p_seq_id": 0,
+        "op_id": seq,
+        "profiling_name": f"nccl:{op}",
+        "time_created_ns": seq,
+        "input_sizes": [[numel]],
+        "output_sizes": [[numel]],
+        "input_dtypes": ["Float"],
+        "output_dtypes": ["Float"],
+        "state": state,
+        "time_discovered_started_ns": None,
+        "time_discovered_completed_ns": None,
+        "retired": state == "completed",
+        "timeout_ms": 60000,
+        "is_p2p": False,
+        "frames": [],
+    }
 
 
 @pytest.fixture
 def analyze(tmp_path, caplog):
-    """Write one dump per rank and run the analyzer on them (its main(), as torchfrtrace does); its log."""
+    """Write one dump per rank and run the analyzer on them
+    (its main(), as torchfrtrace does); its log."""
     from torch.distributed.flight_recorder.fr_trace import main
 
     def analyze(ranks: dict[int, list[dict]], *extra: str) -> str:
         folder = tmp_path / f"fr{len(list(tmp_path.iterdir()))}"
         folder.mkdir()
         for rank, entries in ranks.items():
-            dump = {"version": "2.10", "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
-                    "pg_status": {}, "entries": entries}
+            dump = {
+                "version": "2.10",
+                "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
+                "pg_status": {},
+                "entries": entries,
+            }
             (folder / f"trace_{rank}").write_bytes(pickle.dumps(dump))
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="Flight Recorder"):
             main([str(folder), "-p", "trace_", *extra])
-        return "\n".join(record.getMessage() for record in caplog.records)  # what torchfrtrace prints
+        # what torchfrtrace prints
+        return "\n".join(record.getMessage() for record in caplog.records)
 
     return analyze
 
@@ -192,38 +291,63 @@ GRADIENTS = 2410  # a gradient bucket's elements
 
 
 def test_analyzer_names_a_size_or_type_mismatch(analyze):
-    out = analyze({0: [entry(1, GRADIENTS), entry(2, 1, "scheduled")],
-                   1: [entry(1, GRADIENTS), entry(2, 2, "scheduled")]})
+    out = analyze(
+        {
+            0: [entry(1, GRADIENTS), entry(2, 1, "scheduled")],
+            1: [entry(1, GRADIENTS), entry(2, 2, "scheduled")],
+        }
+    )
     assert "Collective sequence number: 2 has errors" in out, out
     # The line the guide shows.
-    line = ("error msg: Culprit rank 1; Error type: SIZE_OR_SYNTAX_MISMATCH, Expected input sizes: '[[1]]' "
-            "does not match found input sizes: '[[2]]'")
+    line = (
+        "error msg: Culprit rank 1; Error type: SIZE_OR_SYNTAX_MISMATCH, Expected input "
+        "sizes: '[[1]]' "
+        "does not match found input sizes: '[[2]]'"
+    )
     assert line in out.splitlines() and line in GUIDE.read_text(), out
-    out = analyze({0: [entry(1, GRADIENTS), entry(2, 1, "scheduled")],
-                   1: [entry(1, GRADIENTS), entry(2, 1, "scheduled", op="broadcast")]})
-    assert "Collective sequence number: 2 has errors" in out and "COLLECTIVE_TYPE_MISMATCH" in out, out
+    out = analyze(
+        {
+            0: [entry(1, GRADIENTS), entry(2, 1, "scheduled")],
+            1: [entry(1, GRADIENTS), entry(2, 1, "scheduled", op="broadcast")],
+        }
+    )
+    assert (
+        "Collective sequence number: 2 has errors" in out and "COLLECTIVE_TYPE_MISMATCH" in out
+    ), out
 
 
 def test_analyzer_names_the_rank_that_never_joined(analyze):
     out = analyze({0: [entry(1, GRADIENTS), entry(2, 1, "scheduled")], 1: [entry(1, GRADIENTS)]})
-    assert "Not all ranks joining collective, sequence number: 2" in out and "missing ranks: {1}" in out, out
+    assert (
+        "Not all ranks joining collective, sequence number: 2" in out
+        and "missing ranks: {1}" in out
+    ), out
 
 
 def test_analyzer_says_when_a_rank_left_no_dump(analyze):
-    out = analyze({0: [entry(1, GRADIENTS), entry(2, GRADIENTS, "scheduled")]}, "--allow-incomplete-ranks")
+    out = analyze(
+        {0: [entry(1, GRADIENTS), entry(2, GRADIENTS, "scheduled")]}, "--allow-incomplete-ranks"
+    )
     assert "we missed FR dumps from ranks ({1})" in out, out
 
 
 def test_analyzer_finds_no_error_when_every_rank_entered_the_same_collective(analyze):
-    """The table's first row, and the negative control of the others: both ranks entered collective 2
-    with the same size and it never finished (the network, NCCL, a GPU): no mismatch to report."""
+    """The table's first row, and the negative control of the others:
+    both ranks entered collective 2 with the same size and it never
+    finished (the network, NCCL, a GPU): no mismatch to report."""
     out = analyze({r: [entry(1, GRADIENTS), entry(2, GRADIENTS, "scheduled")] for r in (0, 1)})
-    assert not re.search(r"has errors|Not all ranks joining|missed FR dumps|mismatch", out, re.I), out
+    assert not re.search(r"has errors|Not all ranks joining|missed FR dumps|mismatch", out, re.I), (
+        out
+    )
 
 
 def test_guide_quotes_the_analyzer_verdicts():
     guide = GUIDE.read_text()
-    for verdict in ("`Collective sequence number: N has errors`", "`Error type: SIZE_OR_SYNTAX_MISMATCH`",
-                    "`Not all ranks joining collective, sequence number: N`", "`missing ranks: {1}`",
-                    "`we missed FR dumps from ranks ({1})`"):
+    for verdict in (
+        "`Collective sequence number: N has errors`",
+        "`Error type: SIZE_OR_SYNTAX_MISMATCH`",
+        "`Not all ranks joining collective, sequence number: N`",
+        "`missing ranks: {1}`",
+        "`we missed FR dumps from ranks ({1})`",
+    ):
         assert verdict in guide, verdict

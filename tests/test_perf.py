@@ -31,17 +31,31 @@ from common.errors import ConfigError
 from common.launcher import LaunchInfo
 from common.models import SmallCNN
 from tests.cifar_files import write_cifar10
-from tests.helpers import (PYTHON, REPO, clean_env, free_port, load_model, load_script, read_summary, readme_command,
-                           relative_difference, run, torchrun)
+from tests.helpers import (
+    PYTHON,
+    REPO,
+    clean_env,
+    free_port,
+    load_model,
+    load_script,
+    read_summary,
+    readme_command,
+    relative_difference,
+    run,
+    torchrun,
+)
 
-# benchmark/train.py imports its helpers as `perf` (its own folder is on sys.path when it runs); here
-# they are registered under that name instead, so this file puts no folder with a train.py on sys.path.
+# benchmark/train.py imports its helpers as `perf`
+# (its own folder is on sys.path when it runs); here
+# they are registered under that name instead, so this
+# file puts no folder with a train.py on sys.path.
 perf = sys.modules["perf"] = load_script("benchmark/perf.py", "perf")
 
 SCRIPT = "benchmark/train.py"
 CPU = torch.device("cpu")
 SMALL = ["--epochs", "1", "--batch-size", "8", "--log-every", "1000"]
-FAKE = ["--dataset", "fake", "--image-size", "8"]  # 3 channels: channels_last differs from the default layout
+# 3 channels: channels_last differs from the default layout
+FAKE = ["--dataset", "fake", "--image-size", "8"]
 HAS_C_COMPILER = any(shutil.which(cc) for cc in ("cc", "gcc", "clang"))
 
 train_script = load_script(SCRIPT, "benchmark_train")
@@ -50,8 +64,11 @@ train_script = load_script(SCRIPT, "benchmark_train")
 @pytest.fixture
 def here():
     """Run the script's train() in this process as rank 0 of 1; returns summary.json."""
+
     def train_here(output_dir, *flags) -> dict:
-        cfg = parse_config(train_script.PerfConfig, [*SMALL, "--output-dir", str(output_dir), *flags])
+        cfg = parse_config(
+            train_script.PerfConfig, [*SMALL, "--output-dir", str(output_dir), *flags]
+        )
         train_script.train(cfg, LaunchInfo("single", 0, 0, 1, 1, "127.0.0.1", free_port()))
         return read_summary(output_dir)
 
@@ -64,54 +81,119 @@ def error_lines(result) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("error:")]
 
 
-# --- the knobs, read back ---------------------------------------------------------------------------
+# --- the knobs, read back
+# ---------------------------------------------------------------------------
+
 
 def test_every_knob_on_two_ranks(tmp_path):
-    """fp16 + GradScaler, channels_last, fp16 hook, 1 MiB buckets, bucket views, static graph, loader
-    settings, activation checkpointing, step profile, progress lines and TensorBoard, under torchrun; on
-    CIFAR-10-format files through tests/perf_cifar.py (as the benchmark README's CIFAR figures were taken)."""
+    """fp16 + GradScaler, channels_last, fp16 hook, 1 MiB buckets, bucket views,
+    static graph, loader settings, activation checkpointing, step profile, progress
+    lines and TensorBoard, under torchrun; on CIFAR-10-format files through
+    tests/perf_cifar.py (as the benchmark README's CIFAR figures were taken)."""
     write_cifar10(tmp_path / "data" / "cifar10", per_batch=20, test_size=30)
     out = tmp_path / "out"
-    result = torchrun("tests/perf_cifar.py", "run", SCRIPT, *SMALL, "--dataset", "cifar10", "--data-dir",
-                      str(tmp_path / "data"), "--image-size", "16", "--max-steps", "4", "--log-every", "2",
-                      "--device", "cpu", "--backend", "gloo", "--precision", "fp16", "--channels-last",
-                      "--comm-hook", "fp16_compress", "--bucket-cap-mb", "1", "--gradient-as-bucket-view",
-                      "--static-graph", "--num-workers", "1", "--prefetch-factor", "3", "--no-persistent-workers",
-                      "--activation-checkpointing", "non_reentrant",
-                      "--profile-warmup", "1", "--profile-steps", "2", "--output-dir", str(out), timeout=240)
+    result = torchrun(
+        "tests/perf_cifar.py",
+        "run",
+        SCRIPT,
+        *SMALL,
+        "--dataset",
+        "cifar10",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--image-size",
+        "16",
+        "--max-steps",
+        "4",
+        "--log-every",
+        "2",
+        "--device",
+        "cpu",
+        "--backend",
+        "gloo",
+        "--precision",
+        "fp16",
+        "--channels-last",
+        "--comm-hook",
+        "fp16_compress",
+        "--bucket-cap-mb",
+        "1",
+        "--gradient-as-bucket-view",
+        "--static-graph",
+        "--num-workers",
+        "1",
+        "--prefetch-factor",
+        "3",
+        "--no-persistent-workers",
+        "--activation-checkpointing",
+        "non_reentrant",
+        "--profile-warmup",
+        "1",
+        "--profile-steps",
+        "2",
+        "--output-dir",
+        str(out),
+        timeout=240,
+    )
     summary = read_summary(out)
     assert summary["perf"] == {
-        "ddp": "DistributedDataParallel", "autocast_dtype": "float16", "grad_scaler_enabled": True,
-        "grad_scale": summary["perf"]["grad_scale"], "compiled": False,
-        "channels_last_weights": True, "channels_last_inputs": True,
-        "ddp_bucket_cap_bytes": 1024 * 1024, "ddp_gradient_as_bucket_view": True, "ddp_static_graph": True,
-        "ddp_find_unused_parameters": False, "ddp_comm_hook": "fp16_compress_hook",
-        "loader_num_workers": 1, "loader_pin_memory": False,  # pinning is for GPUs only
-        "loader_persistent_workers": False, "loader_prefetch_factor": 3,
-        "activation_checkpointing_blocks": 1, "activation_checkpointing_use_reentrant": False,  # the classifier
-        "peak_memory": "cpu_max_rss", "peak_memory_bytes_per_rank": summary["perf"]["peak_memory_bytes_per_rank"]}
+        "ddp": "DistributedDataParallel",
+        "autocast_dtype": "float16",
+        "grad_scaler_enabled": True,
+        "grad_scale": summary["perf"]["grad_scale"],
+        "compiled": False,
+        "channels_last_weights": True,
+        "channels_last_inputs": True,
+        "ddp_bucket_cap_bytes": 1024 * 1024,
+        "ddp_gradient_as_bucket_view": True,
+        "ddp_static_graph": True,
+        "ddp_find_unused_parameters": False,
+        "ddp_comm_hook": "fp16_compress_hook",
+        "loader_num_workers": 1,
+        "loader_pin_memory": False,  # pinning is for GPUs only
+        "loader_persistent_workers": False,
+        "loader_prefetch_factor": 3,
+        # the classifier
+        "activation_checkpointing_blocks": 1,
+        "activation_checkpointing_use_reentrant": False,
+        "peak_memory": "cpu_max_rss",
+        "peak_memory_bytes_per_rank": summary["perf"]["peak_memory_bytes_per_rank"],
+    }
     assert summary["perf"]["grad_scale"] > 1
-    assert (summary["world_size"], summary["steps"], summary["backend"], summary["device"]) == (2, 4, "gloo", "cpu")
+    assert (summary["world_size"], summary["steps"], summary["backend"], summary["device"]) == (
+        2,
+        4,
+        "gloo",
+        "cpu",
+    )
     assert len(summary["perf"]["peak_memory_bytes_per_rank"]) == 2
     assert summary["replicas_identical"] and math.isfinite(summary["final_train_loss"])
     profile = summary["profile"]
     assert (profile["warmup_steps"], profile["steps"]) == (1, 2)
     assert profile["median_s"]["step"] > 0 and profile["median_s"]["forward_backward"] > 0
     assert profile["images_per_second"] > 0 and 0 <= profile["data_wait_fraction"] < 1
-    assert result.stdout.count("images/s") == 3 and "data-wait" in result.stdout  # 2 progress lines + epoch
+    # 2 progress lines + epoch
+    assert result.stdout.count("images/s") == 3 and "data-wait" in result.stdout
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     keys = torch.load(out / "model.pt", weights_only=True).keys()
     assert keys and not any(k.startswith("module.") for k in keys)
 
 
-@pytest.mark.parametrize("precision,flags", [
-    ("fp32", []),
-    ("bf16", ["--comm-hook", "bf16_compress", "--find-unused-parameters", "--bucket-cap-mb", "2"]),
-    ("fp16", []),
-])
+@pytest.mark.parametrize(
+    "precision,flags",
+    [
+        ("fp32", []),
+        (
+            "bf16",
+            ["--comm-hook", "bf16_compress", "--find-unused-parameters", "--bucket-cap-mb", "2"],
+        ),
+        ("fp16", []),
+    ],
+)
 def test_precision_scaler_and_hook_in_process(here, tmp_path, monkeypatch, precision, flags):
-    """bf16 and fp16 autocast run on CPU too; only fp16 scales the loss (65536 at first). The bf16 hook
-    is the one DDP calls for every bucket. fp32 is the default: every DDP setting as DDP's own."""
+    """bf16 and fp16 autocast run on CPU too; only fp16 scales the loss
+    (65536 at first). The bf16 hook is the one DDP calls for every
+    bucket. fp32 is the default: every DDP setting as DDP's own."""
     factors, hook_calls = [], []
     real_scale, real_hook = torch.amp.GradScaler.scale, perf.COMM_HOOKS["bf16_compress"]
 
@@ -130,24 +212,46 @@ def test_precision_scaler_and_hook_in_process(here, tmp_path, monkeypatch, preci
     p = summary["perf"]
     assert factors == [65536.0 if precision == "fp16" else 1.0] * 2
     assert p["grad_scaler_enabled"] is (precision == "fp16")
-    assert p["autocast_dtype"] == {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
+    assert (
+        p["autocast_dtype"] == {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
+    )
     assert math.isfinite(summary["final_train_loss"])
     if precision == "bf16":
         assert len(hook_calls) >= 2 and p["ddp_comm_hook"] == "bf16_compress_hook"
-        assert p["ddp_find_unused_parameters"] is True and p["ddp_bucket_cap_bytes"] == 2 * 1024 * 1024
+        assert (
+            p["ddp_find_unused_parameters"] is True and p["ddp_bucket_cap_bytes"] == 2 * 1024 * 1024
+        )
     if precision == "fp32":
-        assert p == {"ddp": "DistributedDataParallel", "autocast_dtype": "float32", "grad_scaler_enabled": False,
-                     "grad_scale": None, "compiled": False, "channels_last_weights": False,
-                     "channels_last_inputs": False, "ddp_bucket_cap_bytes": 25 * 1024 * 1024,
-                     "ddp_gradient_as_bucket_view": False, "ddp_static_graph": False,
-                     "ddp_find_unused_parameters": False, "ddp_comm_hook": None, "loader_num_workers": 0,
-                     "loader_pin_memory": False, "loader_persistent_workers": False, "loader_prefetch_factor": None,
-                     "activation_checkpointing_blocks": 0, "activation_checkpointing_use_reentrant": None,
-                     "peak_memory": "cpu_max_rss", "peak_memory_bytes_per_rank": p["peak_memory_bytes_per_rank"]}
+        assert p == {
+            "ddp": "DistributedDataParallel",
+            "autocast_dtype": "float32",
+            "grad_scaler_enabled": False,
+            "grad_scale": None,
+            "compiled": False,
+            "channels_last_weights": False,
+            "channels_last_inputs": False,
+            "ddp_bucket_cap_bytes": 25 * 1024 * 1024,
+            "ddp_gradient_as_bucket_view": False,
+            "ddp_static_graph": False,
+            "ddp_find_unused_parameters": False,
+            "ddp_comm_hook": None,
+            "loader_num_workers": 0,
+            "loader_pin_memory": False,
+            "loader_persistent_workers": False,
+            "loader_prefetch_factor": None,
+            "activation_checkpointing_blocks": 0,
+            "activation_checkpointing_use_reentrant": None,
+            "peak_memory": "cpu_max_rss",
+            "peak_memory_bytes_per_rank": p["peak_memory_bytes_per_rank"],
+        }
         assert len(p["peak_memory_bytes_per_rank"]) == 1 and p["peak_memory_bytes_per_rank"][0] > 0
-        assert summary["profile"] == {"warmup_steps": 5, "steps": 0, "median_s": None,
-                                      "images_per_second": summary["profile"]["images_per_second"],
-                                      "data_wait_fraction": summary["profile"]["data_wait_fraction"]}
+        assert summary["profile"] == {
+            "warmup_steps": 5,
+            "steps": 0,
+            "median_s": None,
+            "images_per_second": summary["profile"]["images_per_second"],
+            "data_wait_fraction": summary["profile"]["data_wait_fraction"],
+        }
         base = set(read_summary_keys_of_01())
         assert set(summary) == base | {"perf", "profile"}
 
@@ -155,8 +259,8 @@ def test_precision_scaler_and_hook_in_process(here, tmp_path, monkeypatch, preci
 def read_summary_keys_of_01() -> list[str]:
     """The keys 01_basic_ddp/train.py passes to write_summary (plus what write_summary adds)."""
     source = (REPO / "01_basic_ddp" / "train.py").read_text()
-    call = source[source.index("write_summary(cfg.output_dir"):]
-    call = call[:call.index("dist.destroy_process_group")]
+    call = source[source.index("write_summary(cfg.output_dir") :]
+    call = call[: call.index("dist.destroy_process_group")]
     return re.findall(r"(\w+)=", call) + ["replica_checksums", "replicas_identical"]
 
 
@@ -167,20 +271,30 @@ def count_all_reduces(here, output_dir, *flags) -> int:
 
 
 def test_no_ddp_baseline_makes_no_gradient_all_reduce(here, tmp_path):
-    """All-reduces counted by the profiler: DDP adds at least one per step, --no-ddp none (what remains
-    are the per-epoch sums, the same whatever the number of steps)."""
+    """All-reduces counted by the profiler: DDP adds at least one per step, --no-ddp none
+    (what remains are the per-epoch sums, the same whatever the number of steps)."""
     flags = ["--batch-size", "64"]  # digits: few ops to profile
-    ddp = [count_all_reduces(here, tmp_path / f"ddp{n}", *flags, "--max-steps", str(n)) for n in (1, 3)]
-    base = [count_all_reduces(here, tmp_path / f"base{n}", *flags, "--no-ddp", "--max-steps", str(n)) for n in (1, 3)]
+    ddp = [
+        count_all_reduces(here, tmp_path / f"ddp{n}", *flags, "--max-steps", str(n)) for n in (1, 3)
+    ]
+    base = [
+        count_all_reduces(here, tmp_path / f"base{n}", *flags, "--no-ddp", "--max-steps", str(n))
+        for n in (1, 3)
+    ]
     assert ddp[1] - ddp[0] >= 2
     assert base[0] == base[1] and base[0] < ddp[0]
     perf_of = read_summary(tmp_path / "base3")["perf"]
-    assert perf_of["ddp"] == "NoDDP" and perf_of["ddp_comm_hook"] is None and perf_of["ddp_bucket_cap_bytes"] is None
+    assert (
+        perf_of["ddp"] == "NoDDP"
+        and perf_of["ddp_comm_hook"] is None
+        and perf_of["ddp_bucket_cap_bytes"] is None
+    )
 
 
 def test_compile_in_place_before_the_wrap(here, tmp_path, monkeypatch):
-    """model.compile() traces the module that DDP then wraps; no wrapper module, so model.pt's keys are
-    the plain module's. A counting backend stands in for inductor (no C++ compilation here)."""
+    """model.compile() traces the module that DDP then wraps; no wrapper
+    module, so model.pt's keys are the plain module's. A counting
+    backend stands in for inductor (no C++ compilation here)."""
     graphs, built = [], []
     real_compile, real_build = torch.compile, train_script.build_model
 
@@ -188,36 +302,69 @@ def test_compile_in_place_before_the_wrap(here, tmp_path, monkeypatch):
         graphs.append(graph_module)
         return graph_module.forward
 
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **{**kw, "backend": counting_backend}))
-    monkeypatch.setattr(train_script, "build_model", lambda *a, **kw: built.append(real_build(*a, **kw)) or built[-1])
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: real_compile(fn, **{**kw, "backend": counting_backend})
+    )
+    monkeypatch.setattr(
+        train_script,
+        "build_model",
+        lambda *a, **kw: built.append(real_build(*a, **kw)) or built[-1],
+    )
     summary = here(tmp_path, "--max-steps", "2", "--compile")
     assert graphs and type(built[0]) is SmallCNN
-    assert summary["perf"]["compiled"] is True and summary["perf"]["ddp"] == "DistributedDataParallel"
+    assert (
+        summary["perf"]["compiled"] is True and summary["perf"]["ddp"] == "DistributedDataParallel"
+    )
     SmallCNN(1, 10).load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
 
 
 @pytest.mark.skipif(not HAS_C_COMPILER, reason="torch.compile's inductor needs a C compiler on CPU")
 def test_compile_with_inductor(tmp_path):
-    """The real thing, one process: train and evaluation batches of 359 (one shape each, few compilations)."""
-    result = run([PYTHON, REPO / SCRIPT, "--epochs", "1", "--max-steps", "1", "--batch-size", "359", "--compile",
-                  "--output-dir", tmp_path], timeout=420, env=clean_env(OMP_NUM_THREADS="2", TORCH_LOGS="graph_code"),
-                 check=True)
+    """The real thing, one process: train and evaluation
+    batches of 359 (one shape each, few compilations)."""
+    result = run(
+        [
+            PYTHON,
+            REPO / SCRIPT,
+            "--epochs",
+            "1",
+            "--max-steps",
+            "1",
+            "--batch-size",
+            "359",
+            "--compile",
+            "--output-dir",
+            tmp_path,
+        ],
+        timeout=420,
+        env=clean_env(OMP_NUM_THREADS="2", TORCH_LOGS="graph_code"),
+        check=True,
+    )
     assert "TRACED GRAPH" in result.stderr  # dynamo traced the model
     summary = read_summary(tmp_path)
     assert summary["perf"]["compiled"] is True and math.isfinite(summary["final_train_loss"])
     SmallCNN(1, 10).load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
 
 
-
 def compiled_graphs(ddp_kwargs: dict | None) -> int:
-    """How many graphs torch.compile hands its backend for a 2.4 MiB MLP compiled in place (model.compile()),
-    then wrapped in DDP with `ddp_kwargs` (None: not wrapped), after one forward and backward."""
+    """How many graphs torch.compile hands its backend for a 2.4 MiB MLP
+    compiled in place (model.compile()), then wrapped in DDP with
+    `ddp_kwargs` (None: not wrapped), after one forward and backward."""
     torch.compiler.reset()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1024),
-                                torch.nn.ReLU(), torch.nn.Linear(1024, 64))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 64),
+    )
     graphs = []
-    model.compile(backend=lambda graph_module, example_inputs: graphs.append(graph_module) or graph_module.forward)
+    model.compile(
+        backend=lambda graph_module, example_inputs: (
+            graphs.append(graph_module) or graph_module.forward
+        )
+    )
     run = model if ddp_kwargs is None else DistributedDataParallel(model, **ddp_kwargs)
     try:
         run(torch.randn(8, 64)).sum().backward()
@@ -227,24 +374,29 @@ def compiled_graphs(ddp_kwargs: dict | None) -> int:
 
 
 def test_ddp_optimizer_splits_the_module_compiled_before_the_wrap(one_rank_group):
-    """README's compile row: compiled in place and then wrapped, the module still gets DDP's graph split:
-    torch.compile's DDPOptimizer cuts the graph where DDP's gradient buckets end (the first bucket holds
-    1 MiB of parameters, the rest here), so each bucket's all-reduce can start before the backward ends.
-    Without DDP the same module is one graph."""
+    """README's compile row: compiled in place and then wrapped, the module still gets DDP's
+    graph split: torch.compile's DDPOptimizer cuts the graph where DDP's gradient buckets end
+    (the first bucket holds 1 MiB of parameters, the rest here), so each bucket's all-reduce
+    can start before the backward ends. Without DDP the same module is one graph."""
     assert compiled_graphs(None) == 1
     assert compiled_graphs({}) == 2
-    # Buckets smaller than DDP's first one (1 MiB) fail in torch 2.14.1, which is why the script refuses
-    # --compile with --bucket-cap-mb below 1 (test_compile_with_small_buckets_is_refused). If torch starts
+    # Buckets smaller than DDP's first one (1 MiB) fail
+    # in torch 2.14.1, which is why the script refuses
+    # --compile with --bucket-cap-mb below 1
+    # (test_compile_with_small_buckets_is_refused). If torch starts
     # to accept them, this fails: drop the refusal.
-    with pytest.raises(AssertionError, match="First bucket should be smaller/equal to other buckets"):
+    with pytest.raises(
+        AssertionError, match="First bucket should be smaller/equal to other buckets"
+    ):
         compiled_graphs({"bucket_cap_mb": 0.5})
 
 
 def test_ddp_all_reduces_a_bucket_while_backward_still_runs(one_rank_group):
-    """README.md, "What DDP does", 3: gradients are all-reduced bucket by bucket, overlapped with the rest of the
-    backward pass. From the second pass on (the first is one bucket: torch/nn/parallel/distributed.py,
-    compute_bucket_size_limits), DDP's communication hook (one call per bucket) runs for the last layer's
-    bucket before autograd has accumulated the first layer's gradient."""
+    """README.md, "What DDP does", 3: gradients are all-reduced bucket by bucket,
+    overlapped with the rest of the backward pass. From the second pass on (the first
+    is one bucket: torch/nn/parallel/distributed.py, compute_bucket_size_limits),
+    DDP's communication hook (one call per bucket) runs for the last layer's bucket
+    before autograd has accumulated the first layer's gradient."""
     torch.manual_seed(0)
     layers = [torch.nn.Linear(64, 64) for _ in range(3)]  # 16 KiB of weights each: one bucket each
     model = DistributedDataParallel(torch.nn.Sequential(*layers), bucket_cap_mb=0.01)
@@ -258,18 +410,24 @@ def test_ddp_all_reduces_a_bucket_while_backward_still_runs(one_rank_group):
         return future
 
     model.register_comm_hook(None, recording_allreduce)
-    layers[0].weight.register_post_accumulate_grad_hook(lambda p: events.append(("first layer's gradient",)))
-    model(torch.randn(4, 64)).sum().backward()  # the first pass is one bucket; DDP then rebuilds them
+    layers[0].weight.register_post_accumulate_grad_hook(
+        lambda p: events.append(("first layer's gradient",))
+    )
+    # the first pass is one bucket; DDP then rebuilds them
+    model(torch.randn(4, 64)).sum().backward()
     for _ in range(2):
         events.clear()
         model(torch.randn(4, 64)).sum().backward()
         first_grad = events.index(("first layer's gradient",))
         buckets = [e for e in events if e[0] == "bucket"]
         assert len(buckets) >= 3, events  # bucket by bucket, not one all-reduce at the end
-        assert any(e[0] == "bucket" and 2 in e[1] for e in events[:first_grad]), events  # overlapped
+        # overlapped
+        assert any(e[0] == "bucket" and 2 in e[1] for e in events[:first_grad]), events
 
 
-# --- the step profile ---------------------------------------------------------------------------------
+# --- the step profile
+# ---------------------------------------------------------------------------------
+
 
 class SlowLoader:
     """Batches of 4 digits-sized images, each after a 30 ms wait."""
@@ -287,17 +445,20 @@ class SlowModel(SmallCNN):
 
 
 def test_step_profile_splits_each_step(one_rank_group):
-    """Known sleeps land in their parts: loader -> data_wait, forward -> forward_backward, between
-    backward and optimizer.step() -> exposed_comm, inside step() -> optimizer, after it -> other.
-    Warm-up steps are left out; a step without an optimizer step (GradScaler skip) has no such parts."""
+    """Known sleeps land in their parts: loader -> data_wait, forward ->
+    forward_backward, between backward and optimizer.step() -> exposed_comm,
+    inside step() -> optimizer, after it -> other. Warm-up steps are left out;
+    a step without an optimizer step (GradScaler skip) has no such parts."""
     model = SlowModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    optimizer.register_step_post_hook(lambda *args: time.sleep(0.01))  # runs inside the timed step()
+    # runs inside the timed step()
+    optimizer.register_step_post_hook(lambda *args: time.sleep(0.01))
     timer = perf.StepTimer(model, optimizer, CPU, warmup=1, steps=4)
     for i, (images, labels) in enumerate(timer.iterate(SlowLoader())):
         torch.nn.functional.cross_entropy(model(images), labels).backward()
         time.sleep(0.015)
-        if i != 3:  # step 4 (the 3rd profiled) skips the optimizer, as a GradScaler does on overflow
+        # step 4 (the 3rd profiled) skips the optimizer, as a GradScaler does on overflow
+        if i != 3:
             optimizer.step()
         time.sleep(0.005)
     assert len(timer.rows) == 4 and timer.index == 6
@@ -308,7 +469,11 @@ def test_step_profile_splits_each_step(one_rank_group):
         if math.isnan(parts["optimizer"]):
             assert math.isnan(parts["exposed_comm"]) and math.isnan(parts["other"])
             continue
-        assert parts["exposed_comm"] >= 0.015 and parts["optimizer"] >= 0.01 and parts["other"] >= 0.005
+        assert (
+            parts["exposed_comm"] >= 0.015
+            and parts["optimizer"] >= 0.01
+            and parts["other"] >= 0.005
+        )
         assert sum(row[:-1]) == pytest.approx(parts["step"], rel=1e-9)
     assert sum(math.isnan(row[3]) for row in timer.rows) == 1
     profile = timer.profile()
@@ -321,7 +486,8 @@ def test_step_profile_splits_each_step(one_rank_group):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_step_profile_on_a_gpu_marks_cuda_events(one_rank_group):
-    """On a GPU the marks are CUDA events (the GPU's time line), read after a synchronize per profiled step."""
+    """On a GPU the marks are CUDA events (the GPU's time
+    line), read after a synchronize per profiled step."""
     device = torch.device("cuda", 0)
     model = SmallCNN().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -334,20 +500,30 @@ def test_step_profile_on_a_gpu_marks_cuda_events(one_rank_group):
     assert len(timer.rows) == 2 and all(part >= 0 for row in timer.rows for part in row)
 
 
-# --- refusals -------------------------------------------------------------------------------------------
+# --- refusals
+# -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flags,message", [
-    (["--no-ddp", "--comm-hook", "bf16_compress"], "ddp: comm_hook configure DDP"),
-    (["--no-ddp", "--static-graph", "--bucket-cap-mb", "5"], "ddp: bucket_cap_mb, static_graph configure DDP"),
-    (["--backend", "nccl", "--device", "cpu"], "backend: nccl needs CUDA tensors"),
-    (["--precision", "fp8"], "config key 'precision' must be one of fp32, bf16, fp16"),
-])
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--no-ddp", "--comm-hook", "bf16_compress"], "ddp: comm_hook configure DDP"),
+        (
+            ["--no-ddp", "--static-graph", "--bucket-cap-mb", "5"],
+            "ddp: bucket_cap_mb, static_graph configure DDP",
+        ),
+        (["--backend", "nccl", "--device", "cpu"], "backend: nccl needs CUDA tensors"),
+        (["--precision", "fp8"], "config key 'precision' must be one of fp32, bf16, fp16"),
+    ],
+)
 def test_bad_knob_combinations_are_refused(flags, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(train_script.PerfConfig, flags)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="refuses --device cuda only where there is no GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="refuses --device cuda only where there is no GPU"
+)
 def test_cuda_without_a_gpu_is_refused():
     with pytest.raises(ConfigError, match="device: cuda was asked for"):
         parse_config(train_script.PerfConfig, ["--device", "cuda"])
@@ -360,9 +536,14 @@ def test_compile_without_a_compiler_is_refused(monkeypatch):
 
 
 def test_compile_with_small_buckets_is_refused(monkeypatch):
-    monkeypatch.setattr(perf.shutil, "which", lambda name: f"/usr/bin/{name}")  # a C compiler, as far as it asks
-    with pytest.raises(ConfigError, match="compile: --bucket-cap-mb below 1 fails in torch.compile under DDP"):
-        parse_config(train_script.PerfConfig, ["--compile", "--bucket-cap-mb", "0.5", "--device", "cpu"])
+    # a C compiler, as far as it asks
+    monkeypatch.setattr(perf.shutil, "which", lambda name: f"/usr/bin/{name}")
+    with pytest.raises(
+        ConfigError, match="compile: --bucket-cap-mb below 1 fails in torch.compile under DDP"
+    ):
+        parse_config(
+            train_script.PerfConfig, ["--compile", "--bucket-cap-mb", "0.5", "--device", "cpu"]
+        )
     for accepted in (["--compile", "--bucket-cap-mb", "1"], ["--bucket-cap-mb", "0.5"]):
         parse_config(train_script.PerfConfig, [*accepted, "--device", "cpu"])
 
@@ -374,28 +555,48 @@ def test_cpu_takes_bf16_and_fp16():
 
 
 def test_refusals_are_one_line_and_exit_2_before_the_process_group(tmp_path):
-    result = torchrun(SCRIPT, "--no-ddp", "--bucket-cap-mb", "5", "--output-dir", str(tmp_path), timeout=120,
-                      check=False)
+    result = torchrun(
+        SCRIPT,
+        "--no-ddp",
+        "--bucket-cap-mb",
+        "5",
+        "--output-dir",
+        str(tmp_path),
+        timeout=120,
+        check=False,
+    )
     assert result.returncode != 0 and "exitcode  : 2" in result.stderr, result.output[-3000:]
-    assert error_lines(result) == ["error: ddp: bucket_cap_mb configure DDP, which --no-ddp leaves out "
-                                   "(drop them or drop --no-ddp)"], result.stderr
+    assert error_lines(result) == [
+        "error: ddp: bucket_cap_mb configure DDP, which --no-ddp leaves out "
+        "(drop them or drop --no-ddp)"
+    ], result.stderr
     # torchrun prints its own ChildFailedError summary; the script itself shows no traceback.
     assert 'train.py", line' not in result.output and not (tmp_path / "summary.json").exists()
-    result = run([PYTHON, REPO / SCRIPT, "--backend", "nccl", "--device", "cpu", "--output-dir", tmp_path],
-                 timeout=60)
+    result = run(
+        [PYTHON, REPO / SCRIPT, "--backend", "nccl", "--device", "cpu", "--output-dir", tmp_path],
+        timeout=60,
+    )
     assert result.returncode == 2 and len(error_lines(result)) == 1, result.output
     assert "Traceback" not in result.output
 
 
-# --- helpers ----------------------------------------------------------------------------------------
+# --- helpers
+# ----------------------------------------------------------------------------------------
+
 
 def test_loader_kwargs():
     cfg = parse_config(train_script.PerfConfig, ["--num-workers", "0"])
     assert perf.loader_kwargs(cfg, CPU) == {"num_workers": 0, "pin_memory": False}
-    cfg = parse_config(train_script.PerfConfig, ["--num-workers", "3", "--prefetch-factor", "4",
-                                                 "--no-persistent-workers"])
-    assert perf.loader_kwargs(cfg, torch.device("cuda", 0)) == {"num_workers": 3, "pin_memory": True,
-                                                                "persistent_workers": False, "prefetch_factor": 4}
+    cfg = parse_config(
+        train_script.PerfConfig,
+        ["--num-workers", "3", "--prefetch-factor", "4", "--no-persistent-workers"],
+    )
+    assert perf.loader_kwargs(cfg, torch.device("cuda", 0)) == {
+        "num_workers": 3,
+        "pin_memory": True,
+        "persistent_workers": False,
+        "prefetch_factor": 4,
+    }
 
 
 def test_no_ddp_stand_in():
@@ -407,35 +608,56 @@ def test_no_ddp_stand_in():
     assert perf.COMM_HOOKS["bf16_compress"].__name__ == "bf16_compress_hook"
 
 
-# --- the benchmark ----------------------------------------------------------------------------------
+# --- the benchmark
+# ----------------------------------------------------------------------------------
+
 
 def test_benchmark_keeps_the_run_with_the_median_step_time():
-    """benchmark/README.md: the median run; with an even number of repeats the faster of the two middle runs."""
+    """benchmark/README.md: the median run; with an even
+    number of repeats the faster of the two middle runs."""
     bench = load_script("benchmark/benchmark.py", "benchmark_main")
     runs = [{"step_ms": ms, "run": i} for i, ms in enumerate([30.0, 10.0, 20.0, 50.0])]
     assert bench.median_run(runs[:3])["run"] == 2  # 10, 20, 30: the middle one
     assert bench.median_run(runs)["run"] == 2  # 10, 20, 30, 50: 20, not 30 and not their mean
-    assert bench.median_run(runs[:2])["run"] == 1  # --repeats 2, as the published tables: the faster
+    # --repeats 2, as the published tables: the faster
+    assert bench.median_run(runs[:2])["run"] == 1
     assert bench.median_run(runs[:1])["run"] == 0
+
 
 BENCHMARK_SWEEP = "python benchmark/benchmark.py --world-sizes 1,2 --sweep -- --precision bf16"
 
 
 def test_benchmark_table_and_sweep(tmp_path):
-    """benchmark/README.md's sweep command as written, shortened (one knob, 1 + 2 steps): world sizes 1 and 2,
-    DDP and --no-ddp, one knob swept: 5 runs of benchmark/train.py (each a real torchrun), with the flag after
-    `--` in every run."""
+    """benchmark/README.md's sweep command as written, shortened (one knob, 1 + 2 steps):
+    world sizes 1 and 2, DDP and --no-ddp, one knob swept: 5 runs of benchmark/train.py
+    (each a real torchrun), with the flag after `--` in every run."""
     out = tmp_path / "bench"
     argv = readme_command("benchmark/README.md", BENCHMARK_SWEEP)
     cut = argv.index("--")  # the shortening goes to benchmark.py, before the flags for every run
-    shortening = ["--warmup", "1", "--steps", "2", "--sweep-knobs", "bf16_compress", "--output-dir", str(out)]
+    shortening = [
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+        "--sweep-knobs",
+        "bf16_compress",
+        "--output-dir",
+        str(out),
+    ]
     result = run(argv[:cut] + shortening + argv[cut:], timeout=420, cwd=REPO, check=True)
     bench = load_script("benchmark/benchmark.py", "benchmark_main")
     assert bench.BenchConfig.__dataclass_fields__["script"].default == SCRIPT
     assert bench.BenchConfig.__dataclass_fields__["output_dir"].default == "runs/benchmark"
     runs = sorted(p.name for p in out.iterdir() if (p / "summary.json").exists())
-    assert runs == ["ws1_ddp_r0", "ws1_noddp_r0", "ws2_bf16_compress_r0", "ws2_ddp_r0", "ws2_noddp_r0"]
-    for name in runs:  # each run: torchrun, the flag after --, warm-up + measured steps + 1 (the last is not timed)
+    assert runs == [
+        "ws1_ddp_r0",
+        "ws1_noddp_r0",
+        "ws2_bf16_compress_r0",
+        "ws2_ddp_r0",
+        "ws2_noddp_r0",
+    ]
+    # each run: torchrun, the flag after --, warm-up + measured steps + 1 (the last is not timed)
+    for name in runs:
         summary = read_summary(out / name)
         assert (summary["launcher"], summary["steps"]) == ("torchrun", 1 + 2 + 1), name
         assert summary["perf"]["autocast_dtype"] == "bfloat16", name  # the flag after --
@@ -454,28 +676,48 @@ def test_benchmark_table_and_sweep(tmp_path):
         batch = read_summary(out / f"ws{n}_ddp_r0")["global_batch_size"]
         assert ips == pytest.approx(batch / (float(r["step_ms"]) / 1000), rel=1e-9)
         parts = [float(r[f"{part}_ms"]) for part in bench.PARTS]
-        assert all(p >= 0 for p in parts) and float(r["step_ms"]) > 0 and float(r["no_ddp_images_per_s"]) > 0
-        median = read_summary(out / f"ws{n}_ddp_r0")["profile"]["median_s"]  # the columns are the profile's parts
+        assert (
+            all(p >= 0 for p in parts)
+            and float(r["step_ms"]) > 0
+            and float(r["no_ddp_images_per_s"]) > 0
+        )
+        # the columns are the profile's parts
+        median = read_summary(out / f"ws{n}_ddp_r0")["profile"]["median_s"]
         assert parts == pytest.approx([1000 * median[part] for part in bench.PARTS], rel=1e-9)
         no_ddp_step = 1000 * read_summary(out / f"ws{n}_noddp_r0")["profile"]["median_s"]["step"]
         assert float(r["no_ddp_step_ms"]) == pytest.approx(no_ddp_step, rel=1e-9)
-        assert float(r["ddp_overhead_ms"]) == pytest.approx(float(r["step_ms"]) - no_ddp_step, rel=1e-9, abs=1e-9)
-        peaks = read_summary(out / f"ws{n}_ddp_r0")["perf"]["peak_memory_bytes_per_rank"]  # the largest rank's
-        assert len(peaks) == n and float(r["peak_memory_mib"]) == pytest.approx(max(peaks) / 2**20, rel=1e-9)
+        assert float(r["ddp_overhead_ms"]) == pytest.approx(
+            float(r["step_ms"]) - no_ddp_step, rel=1e-9, abs=1e-9
+        )
+        # the largest rank's
+        peaks = read_summary(out / f"ws{n}_ddp_r0")["perf"]["peak_memory_bytes_per_rank"]
+        assert len(peaks) == n and float(r["peak_memory_mib"]) == pytest.approx(
+            max(peaks) / 2**20, rel=1e-9
+        )
     with (out / "sweep.csv").open() as f:
         sweep = list(csv.DictReader(f))
-    assert list(sweep[0]) == bench.SWEEP_COLUMNS and [s["knob"] for s in sweep] == ["default", "bf16_compress"]
+    assert list(sweep[0]) == bench.SWEEP_COLUMNS and [s["knob"] for s in sweep] == [
+        "default",
+        "bf16_compress",
+    ]
     assert float(sweep[1]["images_per_s_ratio"]) == pytest.approx(
-        float(sweep[1]["images_per_s"]) / float(sweep[0]["images_per_s"]), rel=1e-9)
-    assert float(sweep[1]["exposed_comm_ratio"]) == pytest.approx(  # default / knob: > 1 is less exposed
-        float(sweep[0]["exposed_comm_ms"]) / float(sweep[1]["exposed_comm_ms"]), rel=1e-9)
+        float(sweep[1]["images_per_s"]) / float(sweep[0]["images_per_s"]), rel=1e-9
+    )
+    # default / knob: > 1 is less exposed
+    assert float(sweep[1]["exposed_comm_ratio"]) == pytest.approx(
+        float(sweep[0]["exposed_comm_ms"]) / float(sweep[1]["exposed_comm_ms"]), rel=1e-9
+    )
     assert [int(s["world_size"]) for s in sweep] == [2, 2]  # the largest world size
-    assert read_summary(out / "ws2_bf16_compress_r0")["perf"]["ddp_comm_hook"] == "bf16_compress_hook"
+    assert (
+        read_summary(out / "ws2_bf16_compress_r0")["perf"]["ddp_comm_hook"] == "bf16_compress_hook"
+    )
     no_ddp = read_summary(out / "ws2_noddp_r0")
     assert no_ddp["perf"]["ddp"] == "NoDDP"
-    assert no_ddp["replicas_identical"] is False  # no gradient communication: the replicas drift apart
+    # no gradient communication: the replicas drift apart
+    assert no_ddp["replicas_identical"] is False
     median = no_ddp["profile"]["median_s"]
-    assert median["exposed_comm"] < 0.25 * median["step"]  # nothing to wait for after the last gradient
+    # nothing to wait for after the last gradient
+    assert median["exposed_comm"] < 0.25 * median["step"]
     ddp = read_summary(out / "ws2_ddp_r0")
     assert ddp["replicas_identical"] is True
     # Negative control: with DDP, backward() waits there for the last buckets' all-reduce.
@@ -483,54 +725,85 @@ def test_benchmark_table_and_sweep(tmp_path):
     accumulator = EventAccumulator(str(out / "tensorboard"))
     accumulator.Reload()
     tags = set(accumulator.Tags()["scalars"])
-    assert {f"scaling/{c}" for c in ("images_per_s", "scaling_efficiency", "exposed_comm_ms")} <= tags
+    assert {
+        f"scaling/{c}" for c in ("images_per_s", "scaling_efficiency", "exposed_comm_ms")
+    } <= tags
     assert {"sweep/bf16_compress/images_per_s_ratio", "sweep/default/exposed_comm_ms"} <= tags
-    assert [e.step for e in accumulator.Scalars("scaling/images_per_s")] == [1, 2]  # over world size
+    # over world size
+    assert [e.step for e in accumulator.Scalars("scaling/images_per_s")] == [1, 2]
     assert "scaling_efficiency" in result.stdout and "sweep at world size 2" in result.stdout
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--world-sizes", "2,4"], "must include 1"),
-    (["--sweep", "--sweep-knobs", "turbo"], "sweep_knobs: unknown turbo"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--world-sizes", "2,4"], "must include 1"),
+        (["--sweep", "--sweep-knobs", "turbo"], "sweep_knobs: unknown turbo"),
+    ],
+)
 def test_benchmark_refuses_bad_input(tmp_path, flags, message):
-    result = run([PYTHON, REPO / "benchmark" / "benchmark.py", *flags, "--output-dir", tmp_path], timeout=60)
-    assert result.returncode == 2 and len(error_lines(result)) == 1 and message in result.stderr, result.output
+    result = run(
+        [PYTHON, REPO / "benchmark" / "benchmark.py", *flags, "--output-dir", tmp_path], timeout=60
+    )
+    assert result.returncode == 2 and len(error_lines(result)) == 1 and message in result.stderr, (
+        result.output
+    )
 
 
-# --- what benchmark/README.md and the scripts' docstrings say ------------------------------------------
+# --- what benchmark/README.md and the scripts' docstrings
+# say ------------------------------------------
 
 README = (REPO / "benchmark" / "README.md").read_text()
 
 
 def test_the_script_is_01_plus_the_knob_lines():
-    """01's structure and DDP lines verbatim (the wrap and the device choice take knobs), and the diff from 01
-    adds each knob's own line: `diff 01_basic_ddp/train.py benchmark/train.py` shows them."""
+    """01's structure and DDP lines verbatim (the wrap and the device
+    choice take knobs), and the diff from 01 adds each knob's own line:
+    `diff 01_basic_ddp/train.py benchmark/train.py` shows them."""
     lesson, script = (REPO / "01_basic_ddp" / "train.py").read_text(), (REPO / SCRIPT).read_text()
     diff = difflib.unified_diff(lesson.splitlines(), script.splitlines(), n=0, lineterm="")
     added = [line[1:] for line in list(diff)[2:] if line.startswith("+")]
-    for knob in ("torch.autocast(device.type, dtype=AMP_DTYPES[cfg.precision]", "torch.amp.GradScaler(",
-                 "torch.channels_last if cfg.channels_last", "model.compile()", "bucket_cap_mb=cfg.bucket_cap_mb",
-                 "gradient_as_bucket_view=cfg.gradient_as_bucket_view", "static_graph=cfg.static_graph",
-                 "find_unused_parameters=cfg.find_unused_parameters", "model.register_comm_hook(",
-                 "checkpoint_blocks(model, cfg.activation_checkpointing)", "loader_kwargs(cfg, device)",
-                 "model = NoDDP(model)", "StepTimer(", "peak_memory(device)", "SummaryWriter("):
+    for knob in (
+        "torch.autocast(device.type, dtype=AMP_DTYPES[cfg.precision]",
+        "torch.amp.GradScaler(",
+        "torch.channels_last if cfg.channels_last",
+        "model.compile()",
+        "bucket_cap_mb=cfg.bucket_cap_mb",
+        "gradient_as_bucket_view=cfg.gradient_as_bucket_view",
+        "static_graph=cfg.static_graph",
+        "find_unused_parameters=cfg.find_unused_parameters",
+        "model.register_comm_hook(",
+        "checkpoint_blocks(model, cfg.activation_checkpointing)",
+        "loader_kwargs(cfg, device)",
+        "model = NoDDP(model)",
+        "StepTimer(",
+        "peak_memory(device)",
+        "SummaryWriter(",
+    ):
         assert any(knob in line for line in added), knob
-    for ddp_line in ("    torch.cuda.set_device(device)", "    dist.init_process_group(backend, init_method=",
-                     "    torch.manual_seed(cfg.seed)  # same initial weights", "DistributedSampler(data.train",
-                     "        train_sampler.set_epoch(epoch)", "    dist.all_reduce(totals)  # sum over ranks",
-                     "    torch.manual_seed(cfg.seed + launch.rank)",
-                     "        torch.save(model.module.state_dict(), Path(cfg.output_dir) / \"model.pt\")",
-                     "    dist.destroy_process_group()",
-                     "        model = DDP(model, device_ids=[device.index] if device.type == \"cuda\" else None"):
+    for ddp_line in (
+        "    torch.cuda.set_device(device)",
+        "    dist.init_process_group(backend, init_method=",
+        "    torch.manual_seed(cfg.seed)  # same initial weights",
+        "DistributedSampler(data.train",
+        "        train_sampler.set_epoch(epoch)",
+        "    dist.all_reduce(totals)  # sum over ranks",
+        "    torch.manual_seed(cfg.seed + launch.rank)",
+        '        torch.save(model.module.state_dict(), Path(cfg.output_dir) / "model.pt")',
+        "    dist.destroy_process_group()",
+        '        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None',
+    ):
         assert ddp_line.strip() in lesson and ddp_line in script, ddp_line
-    main_of = {name: re.search(r"@record.*?\n\n\n", text, re.S).group(0) for name, text in
-               (("01", lesson), ("benchmark", script))}
+    main_of = {
+        name: re.search(r"@record.*?\n\n\n", text, re.S).group(0)
+        for name, text in (("01", lesson), ("benchmark", script))
+    }
     assert main_of["benchmark"].replace("PerfConfig", "TrainConfig") == main_of["01"]
 
 
 def test_the_defaults_train_as_01_does(here, tmp_path):
-    """No knob set: the same model.pt as 01_basic_ddp/train.py, bitwise; a different run (lr) differs."""
+    """No knob set: the same model.pt as 01_basic_ddp/train.py,
+    bitwise; a different run (lr) differs."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a small model on a busy machine: one thread is faster
     try:
@@ -542,14 +815,18 @@ def test_the_defaults_train_as_01_does(here, tmp_path):
 def check_the_defaults_train_as_01_does(here, tmp_path):
     lesson = load_script("01_basic_ddp/train.py", "basic_train")
     flags = [*SMALL, "--batch-size", "64", "--max-steps", "3"]
-    lesson.train(parse_config(TrainConfig, [*flags, "--output-dir", str(tmp_path / "01")]),
-                 LaunchInfo("single", 0, 0, 1, 1, "127.0.0.1", free_port()))
+    lesson.train(
+        parse_config(TrainConfig, [*flags, "--output-dir", str(tmp_path / "01")]),
+        LaunchInfo("single", 0, 0, 1, 1, "127.0.0.1", free_port()),
+    )
     summary = here(tmp_path / "bench", *flags)
-    assert (summary["backend"], summary["device"]) == ("gloo", "cpu")  # --backend auto, --device auto: no GPU here
+    # --backend auto, --device auto: no GPU here
+    assert (summary["backend"], summary["device"]) == ("gloo", "cpu")
     reference = load_model(tmp_path / "01")
     for name, tensor in load_model(tmp_path / "bench").items():
         assert torch.equal(tensor, reference[name]), name
-    here(tmp_path / "lr", *flags, "--lr", "0.09")  # negative control: the comparison tells runs apart
+    # negative control: the comparison tells runs apart
+    here(tmp_path / "lr", *flags, "--lr", "0.09")
     assert relative_difference(load_model(tmp_path / "lr"), reference) > 1e-4
 
 
@@ -562,15 +839,18 @@ def test_device_auto_is_cuda_where_there_is_a_gpu(monkeypatch):
 
 
 def test_profile_is_the_median_over_steps_of_the_mean_over_ranks(monkeypatch):
-    """Two ranks' step times, [0, 1, 10] s here and [10, 10, 0] s on the other: the means per step are
-    [5, 5.5, 5], their median 5 (the mean of the two ranks' medians would be 5.5). A part missing on a rank
-    (NaN) leaves that step out of the part's median."""
+    """Two ranks' step times, [0, 1, 10] s here and [10, 10, 0] s on the other: the means
+    per step are [5, 5.5, 5], their median 5 (the mean of the two ranks' medians would be
+    5.5). A part missing on a rank (NaN) leaves that step out of the part's median."""
     model = SmallCNN()
-    timer = perf.StepTimer(model, torch.optim.SGD(model.parameters(), lr=0.1), CPU, warmup=0, steps=3)
+    timer = perf.StepTimer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), CPU, warmup=0, steps=3
+    )
     nan = math.nan
     timer.rows = [[1, 1, 1, 1, 1, step] for step in (0.0, 1.0, 10.0)]
-    other_rank = torch.tensor([[3, 1, 1, 1, 1, 10.0], [3, 1, 1, nan, 1, 10.0], [3, 1, 1, 1, 1, 0.0]],
-                              dtype=torch.float64)
+    other_rank = torch.tensor(
+        [[3, 1, 1, 1, 1, 10.0], [3, 1, 1, nan, 1, 10.0], [3, 1, 1, 1, 1, 0.0]], dtype=torch.float64
+    )
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM):
         if op == dist.ReduceOp.SUM:  # the table; the step count (MIN) is the same on both ranks
@@ -583,8 +863,9 @@ def test_profile_is_the_median_over_steps_of_the_mean_over_ranks(monkeypatch):
 
 
 def test_gradient_as_bucket_view_puts_the_gradients_into_the_bucket(one_rank_group):
-    """The help's "gradients are views into the buckets (saves a copy)": one storage for all gradients of a
-    one-bucket model with the knob, one per parameter without it (negative control)."""
+    """The help's "gradients are views into the buckets (saves a
+    copy)": one storage for all gradients of a one-bucket model with
+    the knob, one per parameter without it (negative control)."""
     for view in (True, False):
         torch.manual_seed(0)
         model = DistributedDataParallel(SmallCNN(), gradient_as_bucket_view=view)
@@ -595,13 +876,30 @@ def test_gradient_as_bucket_view_puts_the_gradients_into_the_bucket(one_rank_gro
 
 
 def test_benchmark_passes_leading_arguments_extra_flags_threads_and_timeout(monkeypatch, tmp_path):
-    """--script may carry leading arguments; flags after `--` follow the benchmark's own; OMP_NUM_THREADS is
-    the threads per rank; a run longer than --timeout-s ends the benchmark with one error line. (The command
-    is captured here; test_benchmark_table_and_sweep runs it.)"""
+    """--script may carry leading arguments; flags after `--` follow the
+    benchmark's own; OMP_NUM_THREADS is the threads per rank; a run
+    longer than --timeout-s ends the benchmark with one error line. (The
+    command is captured here; test_benchmark_table_and_sweep runs it.)"""
     bench = load_script("benchmark/benchmark.py", "benchmark_main")
-    cfg = parse_config(bench.BenchConfig, ["--script", "tests/perf_cifar.py run benchmark/train.py", "--dataset",
-                                           "cifar10", "--data-dir", "/d", "--model", "resnet18", "--image-size", "24",
-                                           "--timeout-s", "7", "--output-dir", str(tmp_path)])
+    cfg = parse_config(
+        bench.BenchConfig,
+        [
+            "--script",
+            "tests/perf_cifar.py run benchmark/train.py",
+            "--dataset",
+            "cifar10",
+            "--data-dir",
+            "/d",
+            "--model",
+            "resnet18",
+            "--image-size",
+            "24",
+            "--timeout-s",
+            "7",
+            "--output-dir",
+            str(tmp_path),
+        ],
+    )
     calls = []
 
     def no_run(cmd, **kwargs):
@@ -615,13 +913,22 @@ def test_benchmark_passes_leading_arguments_extra_flags_threads_and_timeout(monk
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     assert cmd[5:8] == ["tests/perf_cifar.py", "run", "benchmark/train.py"]
     assert cmd[-3:] == ["--lr", "0.05", "--static-graph"]
-    passed = {flag: cmd[cmd.index(flag) + 1] for flag in ("--dataset", "--data-dir", "--model", "--image-size")}
-    assert passed == {"--dataset": "cifar10", "--data-dir": "/d", "--model": "resnet18", "--image-size": "24"}
+    passed = {
+        flag: cmd[cmd.index(flag) + 1]
+        for flag in ("--dataset", "--data-dir", "--model", "--image-size")
+    }
+    assert passed == {
+        "--dataset": "cifar10",
+        "--data-dir": "/d",
+        "--model": "resnet18",
+        "--image-size": "24",
+    }
     assert kwargs["timeout"] == 7 and kwargs["env"]["OMP_NUM_THREADS"] == "3"
 
 
 def test_benchmark_repeats_round_robin():
-    """--repeats 3: every job once, then every job again (so slow phases of a busy machine hit all of them)."""
+    """--repeats 3: every job once, then every job again (so
+    slow phases of a busy machine hit all of them)."""
     bench = load_script("benchmark/benchmark.py", "benchmark_main")
     order = []
     bench.launch = lambda cfg, nproc, name, flags, extra, threads: order.append(name) or name
@@ -640,10 +947,10 @@ def test_the_readme_lists_every_sweep_knob():
 
 def readme_table(after: str) -> list[list[str]]:
     """The body rows of the first Markdown table after the line starting with `after`, as cells."""
-    lines = README[README.index("\n" + after) + 1:].splitlines()
+    lines = README[README.index("\n" + after) + 1 :].splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("|"))
     rows = []
-    for line in lines[start + 2:]:  # after the header and the |---| line
+    for line in lines[start + 2 :]:  # after the header and the |---| line
         if not line.startswith("|"):
             break
         rows.append([cell.strip().strip("*") for cell in line.strip("|").split("|")])
@@ -651,8 +958,9 @@ def readme_table(after: str) -> list[list[str]]:
 
 
 def test_the_published_figures_agree_with_the_formulas():
-    """The README's tables, as printed: efficiency = images/s / (2 x the 1-rank images/s), images/s = global
-    batch / step, exposed-comm ratio = default / setting, and the sentences that quote them."""
+    """The README's tables, as printed: efficiency = images/s / (2 x the
+    1-rank images/s), images/s = global batch / step, exposed-comm
+    ratio = default / setting, and the sentences that quote them."""
     digits = readme_table("Small CNN on the embedded digits")
     one = float(digits[0][1])
     assert 128 / (float(digits[0][4]) / 1000) == pytest.approx(one, rel=0.005)
@@ -660,15 +968,19 @@ def test_the_published_figures_agree_with_the_formulas():
         images_per_s, efficiency, step_ms = float(row[1]), float(row[2]), float(row[4])
         assert efficiency == pytest.approx(images_per_s / (2 * one), abs=0.001), row
         assert 2 * 128 / (step_ms / 1000) == pytest.approx(images_per_s, rel=0.005), row
-    assert max(float(row[2]) for row in digits[1:]) > 0.9  # "brings efficiency above 0.9" (the bf16 hook)
-    assert float(digits[0][4]) == 14.0 and 2 <= float(digits[1][3]) <= 3  # "a step of only 14 ms", "2-3 ms"
+    # "brings efficiency above 0.9" (the bf16 hook)
+    assert max(float(row[2]) for row in digits[1:]) > 0.9
+    # "a step of only 14 ms", "2-3 ms"
+    assert float(digits[0][4]) == 14.0 and 2 <= float(digits[1][3]) <= 3
     resnet = readme_table("ResNet-18 at 32x32 on CIFAR-10-format data")
     one, default_comm = float(resnet[0][1]), float(resnet[1][3])
     for row in resnet[1:]:
-        assert float(row[2]) == pytest.approx(float(row[1]) / (2 * one), rel=0.02), row  # integer images/s
+        # integer images/s
+        assert float(row[2]) == pytest.approx(float(row[1]) / (2 * one), rel=0.02), row
         assert float(row[4]) == pytest.approx(default_comm / float(row[3]), abs=0.01), row
     assert max(float(row[4]) for row in resnet[1:]) == 1.58  # "cuts exposed communication 1.58x"
-    assert all(float(row[5].rstrip("%")) < 1 for row in resnet)  # "data wait ... under 1% of the step"
+    # "data wait ... under 1% of the step"
+    assert all(float(row[5].rstrip("%")) < 1 for row in resnet)
     memory = readme_table("| setting (2 ranks) | peak memory, batch 64")
     plain64, plain128 = float(memory[0][1]), [float(v) for v in memory[0][2].split(",")]
     saved64, saved128 = [], []
@@ -680,33 +992,45 @@ def test_the_published_figures_agree_with_the_formulas():
     assert (min(saved64), max(saved64), min(saved128), max(saved128)) == (108, 137, 150, 255)
     rank_gaps = [abs(a - b) for a, b in (map(float, row[2].split(",")) for row in memory)]
     assert max(rank_gaps) == 100  # "peaks differ by up to 100 MiB between ranks"
-    assert [round(float(memory[0][3]) / float(row[3])) for row in memory[1:]] == [2, 2]  # "(2x slower)"
+    # "(2x slower)"
+    assert [round(float(memory[0][3]) / float(row[3])) for row in memory[1:]] == [2, 2]
 
 
 def test_scaler_step_unscales_before_the_optimizer_step_and_skips_it_on_overflow():
-    """Read from torch 2.14.1's source: with fp16 the unscale and the inf check happen inside scaler.step()
-    before optimizer.step() (so in the profile's exposed_comm), and a step with an overflow calls no
-    optimizer.step() (the profile leaves that step's last three parts out)."""
+    """Read from torch 2.14.1's source: with fp16 the unscale and the inf check happen inside
+    scaler.step() before optimizer.step() (so in the profile's exposed_comm), and a step with an
+    overflow calls no optimizer.step() (the profile leaves that step's last three parts out)."""
     step = inspect.getsource(torch.amp.GradScaler.step)
     assert -1 < step.index("self.unscale_(optimizer)") < step.index("self._maybe_opt_step(")
     maybe_step = inspect.getsource(torch.amp.GradScaler._maybe_opt_step)
-    assert 'if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):' in maybe_step
+    assert (
+        'if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):'
+        in maybe_step
+    )
 
 
 def test_what_the_help_texts_say_about_torch_is_its_documentation():
-    """Read from torch 2.14.1: DDP's, DataLoader's and max_memory_allocated's docstrings, and inductor's C++
-    compiler lookup (why --compile on CPU needs a C compiler)."""
+    """Read from torch 2.14.1: DDP's, DataLoader's and max_memory_allocated's docstrings,
+    and inductor's C++ compiler lookup (why --compile on CPU needs a C compiler)."""
     ddp = " ".join(inspect.getdoc(DistributedDataParallel).split())
-    for said in ("gradients will be views pointing to different offsets of ``allreduce`` communication buckets",
-                 "it avoids the overhead of copying between gradients and ``allreduce`` communication buckets",
-                 "When set to ``True``, DDP knows the trained graph is static",
-                 "find_unused_parameters (bool): Traverse the autograd graph",
-                 "a default size of 25 MiB will be used"):
+    for said in (
+        "gradients will be views pointing to different offsets of ``allreduce`` "
+        "communication buckets",
+        "it avoids the overhead of copying between gradients and ``allreduce`` communication "
+        "buckets",
+        "When set to ``True``, DDP knows the trained graph is static",
+        "find_unused_parameters (bool): Traverse the autograd graph",
+        "a default size of 25 MiB will be used",
+    ):
         assert said in ddp, said
     loader = " ".join(inspect.getdoc(torch.utils.data.DataLoader).split())
-    assert "will not shut down the worker processes after a dataset has been consumed once" in loader
-    assert "prefetch_factor (int, optional, keyword-only arg): Number of batches loaded in advance by each worker" \
-        in loader
+    assert (
+        "will not shut down the worker processes after a dataset has been consumed once" in loader
+    )
+    assert (
+        "prefetch_factor (int, optional, keyword-only arg): Number of batches loaded in "
+        "advance by each worker" in loader
+    )
     assert "maximum GPU memory occupied by tensors" in torch.cuda.max_memory_allocated.__doc__
     cpp_builder = (Path(torch.__file__).parent / "_inductor" / "cpp_builder.py").read_text()
     assert "def get_cpp_compiler()" in cpp_builder and "cpp_compiler_search(" in cpp_builder

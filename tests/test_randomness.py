@@ -1,11 +1,12 @@
-"""Per-rank randomness: every rank starts from the same weights (the same seed before the model is built;
-DDP also broadcasts rank 0's at the wrap), then reseeds with seed + rank, so random augmentation and
-DataLoader worker seeds differ between ranks and are the same in every run.
+"""Per-rank randomness: every rank starts from the same weights (the same seed before the model
+is built; DDP also broadcasts rank 0's at the wrap), then reseeds with seed + rank, so random
+augmentation and DataLoader worker seeds differ between ranks and are the same in every run.
 
-The lessons run for real under torchrun with 2 ranks on CIFAR-10-format files (tests/cifar_files.py,
-whose training transform is RandomCrop + RandomHorizontalFlip). tests/record (a sitecustomize) records,
-from outside the lesson, a hash of the augmented view of one fixed image for every augmented sample,
-drawn with exactly that sample's random numbers: equal hashes mean equal crops and flips.
+The lessons run for real under torchrun with 2 ranks on CIFAR-10-format files
+(tests/cifar_files.py, whose training transform is RandomCrop + RandomHorizontalFlip).
+tests/record (a sitecustomize) records, from outside the lesson, a hash of the
+augmented view of one fixed image for every augmented sample, drawn with exactly that
+sample's random numbers: equal hashes mean equal crops and flips.
 """
 
 from __future__ import annotations
@@ -22,7 +23,18 @@ from tests.helpers import PYTHON, REPO, clean_env, read_summary, run, torchrun
 
 LESSON = "01_basic_ddp/train.py"
 # 40 training images, 20 per rank: 3 steps of 4 images = 12 augmented samples per rank.
-ARGS = ("--dataset", "cifar10", "--batch-size", "4", "--epochs", "1", "--max-steps", "3", "--log-every", "100")
+ARGS = (
+    "--dataset",
+    "cifar10",
+    "--batch-size",
+    "4",
+    "--epochs",
+    "1",
+    "--max-steps",
+    "3",
+    "--log-every",
+    "100",
+)
 STEPS, BATCH = 3, 4
 PER_RANK_SEED = re.compile(r"^    torch\.manual_seed\(cfg\.seed \+ launch\.rank\).*\n", re.M)
 
@@ -35,21 +47,37 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 def record_env(out: Path) -> dict[str, str]:
-    # CUDA_VISIBLE_DEVICES="" keeps any GPU out (the runs compare CPU draws) and shows in the banner.
-    return clean_env(PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'record'}", DDP_TEST_RECORD_DIR=str(out / "record"),
-                     CUDA_VISIBLE_DEVICES="")
+    # CUDA_VISIBLE_DEVICES="" keeps any GPU out (the
+    # runs compare CPU draws) and shows in the banner.
+    return clean_env(
+        PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'record'}",
+        DDP_TEST_RECORD_DIR=str(out / "record"),
+        CUDA_VISIBLE_DEVICES="",
+    )
 
 
 def views(out: Path, rank: int, process: str = "main") -> list[str]:
-    """The recorded view hashes of `rank`, in order, from its main process or its DataLoader worker 0."""
+    """The recorded view hashes of `rank`, in order, from
+    its main process or its DataLoader worker 0."""
     lines = (out / "record" / f"augment.rank{rank}.txt").read_text().split("\n")
     return [line.split()[1] for line in lines if line.startswith(process + " ")]
 
 
 def run_lesson(script: str | Path, data_dir: Path, out: Path, *extra: str):
     # tests/perf_cifar.py runs the script with torchvision's MD5 check of the files off.
-    return torchrun("tests/perf_cifar.py", "run", script, *ARGS, "--data-dir", str(data_dir),
-                    "--output-dir", str(out), *extra, env=record_env(out), timeout=300)
+    return torchrun(
+        "tests/perf_cifar.py",
+        "run",
+        script,
+        *ARGS,
+        "--data-dir",
+        str(data_dir),
+        "--output-dir",
+        str(out),
+        *extra,
+        env=record_env(out),
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,23 +89,27 @@ def lesson_run(data_dir, tmp_path_factory):
 def test_each_rank_draws_its_own_augmentation_the_same_in_every_run(lesson_run, data_dir, tmp_path):
     result, first = lesson_run
     rank0, rank1 = views(first, 0), views(first, 1)
-    # The first view is load_datasets() reading one sample for its shape, under the common seed: the same on
+    # The first view is load_datasets() reading one sample
+    # for its shape, under the common seed: the same on
     # both ranks. Then one view per training sample, drawn after the per-rank seed.
     assert len(rank0) == len(rank1) == 1 + STEPS * BATCH
     assert rank0[0] == rank1[0]
     same = sum(a == b for a, b in zip(rank0[1:], rank1[1:]))
-    assert same <= STEPS * BATCH // 4, f"{same} of {STEPS * BATCH} augmentations alike on both ranks"
+    assert same <= STEPS * BATCH // 4, (
+        f"{same} of {STEPS * BATCH} augmentations alike on both ranks"
+    )
     # Reproducible: a second run draws exactly the same on each rank.
     run_lesson(LESSON, data_dir, tmp_path)
     assert (views(tmp_path, 0), views(tmp_path, 1)) == (rank0, rank1)
-    # The replicas still step alike (DDP averages the gradients), and the banner shows the GPU mask as set.
+    # The replicas still step alike (DDP averages the
+    # gradients), and the banner shows the GPU mask as set.
     assert read_summary(first)["replicas_identical"]
     assert "launcher torchrun, gloo on cpu (CUDA_VISIBLE_DEVICES=), world size 2" in result.stdout
 
 
 def test_without_the_per_rank_seed_every_rank_draws_the_same(lesson_run, data_dir, tmp_path):
-    """Negative control: 01 without its `torch.manual_seed(cfg.seed + launch.rank)` line (the behaviour
-    before it) crops and flips alike on every rank."""
+    """Negative control: 01 without its `torch.manual_seed(cfg.seed + launch.rank)`
+    line (the behaviour before it) crops and flips alike on every rank."""
     source = (REPO / LESSON).read_text()
     assert len(PER_RANK_SEED.findall(source)) == 1
     control = tmp_path / "train.py"
@@ -88,17 +120,34 @@ def test_without_the_per_rank_seed_every_rank_draws_the_same(lesson_run, data_di
     assert rank0[1:] != views(lesson_run[1], 0)[1:]  # and rank 0 draws otherwise than with seed + 0
 
 
-def test_with_random_augmentation_ranks_do_not_equal_one_process_on_the_global_batch(lesson_run, data_dir, tmp_path):
-    """README.md's scope: N ranks equal one process on the global batch only without random augmentation.
-    Here 2 ranks x 4 and 1 process x 8 read the same samples in each step (test_basic_ddp.py shows them equal
-    on the digits, which have no augmentation), but crop and flip them differently."""
+def test_with_random_augmentation_ranks_do_not_equal_one_process_on_the_global_batch(
+    lesson_run, data_dir, tmp_path
+):
+    """README.md's scope: N ranks equal one process on the global batch only
+    without random augmentation. Here 2 ranks x 4 and 1 process x 8 read the
+    same samples in each step (test_basic_ddp.py shows them equal on the
+    digits, which have no augmentation), but crop and flip them differently."""
     args = [*ARGS]
     args[args.index("--batch-size") + 1] = str(2 * BATCH)
-    torchrun("tests/perf_cifar.py", "run", LESSON, *args, "--data-dir", str(data_dir), "--output-dir", str(tmp_path),
-             nproc=1, env=clean_env(CUDA_VISIBLE_DEVICES=""), timeout=300)
-    two_ranks, one = (torch.load(out / "model.pt", weights_only=True) for out in (lesson_run[1], tmp_path))
+    torchrun(
+        "tests/perf_cifar.py",
+        "run",
+        LESSON,
+        *args,
+        "--data-dir",
+        str(data_dir),
+        "--output-dir",
+        str(tmp_path),
+        nproc=1,
+        env=clean_env(CUDA_VISIBLE_DEVICES=""),
+        timeout=300,
+    )
+    two_ranks, one = (
+        torch.load(out / "model.pt", weights_only=True) for out in (lesson_run[1], tmp_path)
+    )
     assert read_summary(tmp_path)["steps"] == read_summary(lesson_run[1])["steps"] == STEPS
     assert max(((two_ranks[k] - one[k]).norm() / one[k].norm()).item() for k in one) > 1e-3
+
 
 class WorkerSeed(torch.utils.data.Dataset):
     def __len__(self):
@@ -109,14 +158,17 @@ class WorkerSeed(torch.utils.data.Dataset):
 
 
 def test_loader_workers_take_their_seed_from_the_global_rng():
-    """Why 01's one line reaches loader workers too: at every iter() a DataLoader without a generator of
-    its own draws its workers' base seed from the global RNG, seeded with seed + rank by then."""
+    """Why 01's one line reaches loader workers too: at every iter() a
+    DataLoader without a generator of its own draws its workers' base
+    seed from the global RNG, seeded with seed + rank by then."""
+
     def worker_seed(seed: int) -> int:
         torch.manual_seed(seed)
         return int(next(iter(DataLoader(WorkerSeed(), num_workers=1))))
 
     assert worker_seed(0) == worker_seed(0) != worker_seed(1)
-    # At every iter(): a second pass over the same loader draws a new base seed (the global RNG has moved on).
+    # At every iter(): a second pass over the same loader
+    # draws a new base seed (the global RNG has moved on).
     torch.manual_seed(0)
     loader = DataLoader(WorkerSeed(), num_workers=1)
     first, second = int(next(iter(loader))), int(next(iter(loader)))
@@ -124,8 +176,9 @@ def test_loader_workers_take_their_seed_from_the_global_rng():
 
 
 def test_05_loader_workers_get_per_rank_seeds(data_dir, tmp_path):
-    """05's loaders have a generator of their own (the checkpoint restores the global RNG), seeded with
-    seed + rank + epoch x world size: with --num-workers 1 the augmentation runs in a worker, and differs."""
+    """05's loaders have a generator of their own (the checkpoint restores
+    the global RNG), seeded with seed + rank + epoch x world size: with
+    --num-workers 1 the augmentation runs in a worker, and differs."""
     run_lesson("05_checkpointing/train.py", data_dir, tmp_path, "--num-workers", "1")
     n = STEPS * BATCH  # a worker may load ahead of the steps taken: compare the samples trained on
     rank0, rank1 = views(tmp_path, 0, "worker0")[:n], views(tmp_path, 1, "worker0")[:n]
@@ -135,8 +188,23 @@ def test_05_loader_workers_get_per_rank_seeds(data_dir, tmp_path):
 
 
 def test_single_process_baseline_draws_as_rank_0(lesson_run, data_dir, tmp_path):
-    """train_single.py reseeds with seed + 0 where 01 reseeds with seed + rank, so its augmentation draws
-    are rank 0's (with one process, 01 and train_single.py train bitwise alike: test_basic_ddp.py)."""
-    run([PYTHON, REPO / "tests/perf_cifar.py", "run", "01_basic_ddp/train_single.py", *ARGS,
-         "--data-dir", str(data_dir), "--output-dir", str(tmp_path)], timeout=300, env=record_env(tmp_path), check=True)
+    """train_single.py reseeds with seed + 0 where 01 reseeds with seed +
+    rank, so its augmentation draws are rank 0's (with one process, 01
+    and train_single.py train bitwise alike: test_basic_ddp.py)."""
+    run(
+        [
+            PYTHON,
+            REPO / "tests/perf_cifar.py",
+            "run",
+            "01_basic_ddp/train_single.py",
+            *ARGS,
+            "--data-dir",
+            str(data_dir),
+            "--output-dir",
+            str(tmp_path),
+        ],
+        timeout=300,
+        env=record_env(tmp_path),
+        check=True,
+    )
     assert views(tmp_path, 0) == views(lesson_run[1], 0)

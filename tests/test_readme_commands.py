@@ -1,11 +1,11 @@
-"""Every command in a README's ```bash blocks is classified here by its exact text, and every one that
-runs on a CPU offline is run as written: through `bash -c`, from the root of a fresh copy of the tracked
-tree (so runs/ and data/ land there), training runs shortened with the suffixes below (the top-level
-README names them). The others say next to them why they are not run here: a GPU, a
-download, a scheduler, or the test suite itself (whose commands are only collected).
+"""Every command in a README's ```bash blocks is classified here by its exact text, and every one
+that runs on a CPU offline is run as written: through `bash -c`, from the root of a fresh copy
+of the tracked tree (so runs/ and data/ land there), training runs shortened with the suffixes
+below (the top-level README names them). The others say next to them why they are not run here:
+a GPU, a download, a scheduler, or the test suite itself (whose commands are only collected).
 
-A new command in a README fails test_every_readme_command_is_classified until it is added to COMMANDS;
-an entry no README has any more fails it too.
+A new command in a README fails test_every_readme_command_is_classified
+until it is added to COMMANDS; an entry no README has any more fails it too.
 """
 
 from __future__ import annotations
@@ -24,13 +24,17 @@ import pytest
 from tests.helpers import PYTHON, REPO, clean_env, kill_group, readme_commands, run
 from tests.launcher_tools import need_root, need_tools, unavailable
 
-# --- the table ---------------------------------------------------------------------------------------
+# --- the table
+# ---------------------------------------------------------------------------------------
 
-SHORT = "--epochs 1 --max-steps 2"         # training commands
-BENCH_SHORT = "--warmup 1 --steps 1"       # benchmark/benchmark.py
-COMM_SHORT = "--max-bytes 65536 --iters 3"  # 06_multinode/comm_check.py (256 MiB messages by default)
-SWEEP_SHORT = "--warmup 1 --steps 2 --sweep-knobs bf16_compress --output-dir"  # one knob; tests/test_perf.py
-OUTPUT_DIR = "--output-dir"  # what the tests of 02 and of debugging add to the README command they run
+SHORT = "--epochs 1 --max-steps 2"  # training commands
+BENCH_SHORT = "--warmup 1 --steps 1"  # benchmark/benchmark.py
+# 06_multinode/comm_check.py (256 MiB messages by default)
+COMM_SHORT = "--max-bytes 65536 --iters 3"
+# one knob; tests/test_perf.py
+SWEEP_SHORT = "--warmup 1 --steps 2 --sweep-knobs bf16_compress --output-dir"
+# what the tests of 02 and of debugging add to the README command they run
+OUTPUT_DIR = "--output-dir"
 SAMPLER_TESTS = "tests/test_sampler_patterns.py"
 FORUM_TESTS = "tests/test_forum_errors.py"
 
@@ -41,16 +45,17 @@ OPEN_MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFI
 @dataclass(frozen=True)
 class Run:
     """Run the command as written (+ suffix, inserted before `insert_before` if that is in it)."""
+
     suffix: str = ""
-    expect: tuple[str, ...] = ()     # regular expressions the output must contain
-    files: tuple[str, ...] = ()      # files (relative to the tree) the command must leave
+    expect: tuple[str, ...] = ()  # regular expressions the output must contain
+    files: tuple[str, ...] = ()  # files (relative to the tree) the command must leave
     exit_code: int = 0
-    group: str = ""                  # commands of one group run in table order in one tree copy
+    group: str = ""  # commands of one group run in table order in one tree copy
     env: dict = field(default_factory=dict)
-    tools: tuple[str, ...] = ()      # skip without them (fail under REQUIRE_REAL_LAUNCHERS=1)
+    tools: tuple[str, ...] = ()  # skip without them (fail under REQUIRE_REAL_LAUNCHERS=1)
     root: bool = False
     again_expect: tuple[str, ...] = ()  # run it a second time; the second output must contain these
-    two_nodes: bool = False          # run two copies at once (06's two "nodes" on one machine)
+    two_nodes: bool = False  # run two copies at once (06's two "nodes" on one machine)
     insert_before: str = ""
 
 
@@ -65,7 +70,8 @@ class RunElsewhere:
     suffix: str = ""  # the flags it adds, each a string constant in that test
 
 
-# The words a README must show next to a command that is not run (comment or paragraph before the block).
+# The words a README must show next to a command that
+# is not run (comment or paragraph before the block).
 REASON_WORDS = {
     "gpu": r"\bGPU",
     "download": r"download|pip install",
@@ -75,129 +81,199 @@ REASON_WORDS = {
 
 COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     # README.md
-    "pip install -r requirements.txt && torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py":
-        NotRun("download"),
+    "pip install -r requirements.txt && torchrun --standalone --nproc_per_node=2 "
+    "01_basic_ddp/train.py": NotRun("download"),
     "pip install -r requirements-test.txt && python -m pytest": NotRun("test-suite"),
     "module load conda && conda activate": NotRun("scheduler"),
     "pip install -r requirements-site.txt": NotRun("download"),
     "python -m common.prepare --dataset cifar10 --data-dir data": NotRun("download"),
-    "torchrun --standalone --nproc_per_node=2 benchmark/train.py --precision bf16 --comm-hook bf16_compress":
-        Run(SHORT, expect=(r"world size 2",), files=("runs/latest/summary.json",)),
-
+    "torchrun --standalone --nproc_per_node=2 benchmark/train.py --precision bf16 "
+    "--comm-hook bf16_compress": Run(
+        SHORT, expect=(r"world size 2",), files=("runs/latest/summary.json",)
+    ),
     # 01_basic_ddp
-    "diff 01_basic_ddp/train_single.py 01_basic_ddp/train.py":
-        Run(exit_code=1, expect=(r"> .*init_process_group", r"> .*DistributedSampler", r"> .*DDP\(")),
-    "torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py":
-        RunElsewhere("tests/test_basic_ddp.py::quick_start", "--output-dir"),
-    "python 01_basic_ddp/train.py":
-        Run(SHORT, expect=(r"launcher single", r"world size 1"), files=("runs/latest/model.pt",), group="02-gather"),
+    "diff 01_basic_ddp/train_single.py 01_basic_ddp/train.py": Run(
+        exit_code=1, expect=(r"> .*init_process_group", r"> .*DistributedSampler", r"> .*DDP\(")
+    ),
+    "torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py": RunElsewhere(
+        "tests/test_basic_ddp.py::quick_start", "--output-dir"
+    ),
+    "python 01_basic_ddp/train.py": Run(
+        SHORT,
+        expect=(r"launcher single", r"world size 1"),
+        files=("runs/latest/model.pt",),
+        group="02-gather",
+    ),
     "python 01_basic_ddp/train_single.py": Run(SHORT, files=("runs/latest/summary.json",)),
     "python 01_basic_ddp/train_spawn.py --nprocs 2": Run(SHORT, expect=(r"world size 2",)),
-    "mpiexec -n 2 python 01_basic_ddp/train.py":
-        Run(SHORT, expect=(r"launcher (openmpi|mpich|intel-mpi)", r"world size 2"), env=OPEN_MPI_AS_ROOT, tools=("mpiexec",)),
+    "mpiexec -n 2 python 01_basic_ddp/train.py": Run(
+        SHORT,
+        expect=(r"launcher (openmpi|mpich|intel-mpi)", r"world size 2"),
+        env=OPEN_MPI_AS_ROOT,
+        tools=("mpiexec",),
+    ),
     "srun --ntasks=2 python 01_basic_ddp/train.py": NotRun("scheduler"),
-    "torchrun --standalone --nproc_per_node=4 01_basic_ddp/train.py --config 01_basic_ddp/cifar10.yaml":
-        NotRun("download"),
-
+    "torchrun --standalone --nproc_per_node=4 01_basic_ddp/train.py --config "
+    "01_basic_ddp/cifar10.yaml": NotRun("download"),
     # 02_sampler_patterns
-    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/partition_viewer.py --num-samples 10":
-        RunElsewhere(f"{SAMPLER_TESTS}::viewer", OUTPUT_DIR),  # the module's fixture
-    "python 02_sampler_patterns/partition_viewer.py --num-samples 10 --simulate-world-size 8":
-        Run(expect=(r"N = 10 samples, W = 8 ranks",)),
-    "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/no_sampler_pitfall.py":
-        RunElsewhere(f"{SAMPLER_TESTS}::test_plain_dataloader_duplicates_and_distributed_sampler_does_not", OUTPUT_DIR),
-    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/distributed_eval.py":
-        RunElsewhere(f"{SAMPLER_TESTS}::test_distributed_eval_equals_one_process", OUTPUT_DIR),
-    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/gather_predictions.py":
-        Run(expect=(r"359 rows, every index once, in data-set order",), group="02-gather"),
-    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/gather_predictions.py --padded":
-        Run(expect=(r"360 rows for 359 images, repeated: \[0\]",), group="02-gather"),
-    "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/weighted_sampler.py":
-        RunElsewhere(f"{SAMPLER_TESTS}::test_weighted_sampler_is_disjoint_and_balanced", OUTPUT_DIR),
-    "python 02_sampler_patterns/prepare_shards.py --num-shards 12 --out-dir data/digits_shards":
-        Run(files=("data/digits_shards/manifest.json",), group="02-shards"),
-    "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/sharded_loading.py --shards-dir data/digits_shards":
-        Run(SHORT, group="02-shards", files=("runs/sharded_loading/summary.json",)),
-    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/uneven_inputs.py --fix join":
-        RunElsewhere(f"{SAMPLER_TESTS}::test_join_finishes_uneven_inputs_with_identical_gradients", OUTPUT_DIR),
-    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/uneven_inputs.py --fix drop_last":
-        RunElsewhere(f"{SAMPLER_TESTS}::test_drop_last_runs_the_smallest_rank_count", OUTPUT_DIR),
-    "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/uneven_inputs.py --fix none --timeout-s 5":
-        RunElsewhere(f"{SAMPLER_TESTS}::test_without_a_fix_uneven_inputs_time_out_naming_the_rank_that_never_arrived",
-                     OUTPUT_DIR),
+    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/partition_viewer.py "
+    "--num-samples 10": RunElsewhere(
+        f"{SAMPLER_TESTS}::viewer", OUTPUT_DIR
+    ),  # the module's fixture
+    "python 02_sampler_patterns/partition_viewer.py --num-samples 10 --simulate-world-size 8": Run(
+        expect=(r"N = 10 samples, W = 8 ranks",)
+    ),
+    "torchrun --standalone --nproc_per_node=2 "
+    "02_sampler_patterns/no_sampler_pitfall.py": RunElsewhere(
+        f"{SAMPLER_TESTS}::test_plain_dataloader_duplicates_and_distributed_sampler_does_not",
+        OUTPUT_DIR,
+    ),
+    "torchrun --standalone --nproc_per_node=3 "
+    "02_sampler_patterns/distributed_eval.py": RunElsewhere(
+        f"{SAMPLER_TESTS}::test_distributed_eval_equals_one_process", OUTPUT_DIR
+    ),
+    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/gather_predictions.py": Run(
+        expect=(r"359 rows, every index once, in data-set order",), group="02-gather"
+    ),
+    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/gather_predictions.py "
+    "--padded": Run(expect=(r"360 rows for 359 images, repeated: \[0\]",), group="02-gather"),
+    "torchrun --standalone --nproc_per_node=2 "
+    "02_sampler_patterns/weighted_sampler.py": RunElsewhere(
+        f"{SAMPLER_TESTS}::test_weighted_sampler_is_disjoint_and_balanced", OUTPUT_DIR
+    ),
+    "python 02_sampler_patterns/prepare_shards.py --num-shards 12 --out-dir "
+    "data/digits_shards": Run(files=("data/digits_shards/manifest.json",), group="02-shards"),
+    "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/sharded_loading.py "
+    "--shards-dir data/digits_shards": Run(
+        SHORT, group="02-shards", files=("runs/sharded_loading/summary.json",)
+    ),
+    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/uneven_inputs.py "
+    "--fix join": RunElsewhere(
+        f"{SAMPLER_TESTS}::test_join_finishes_uneven_inputs_with_identical_gradients", OUTPUT_DIR
+    ),
+    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/uneven_inputs.py --fix "
+    "drop_last": RunElsewhere(
+        f"{SAMPLER_TESTS}::test_drop_last_runs_the_smallest_rank_count", OUTPUT_DIR
+    ),
+    "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/uneven_inputs.py --fix "
+    "none --timeout-s 5": RunElsewhere(
+        f"{SAMPLER_TESTS}::test_without_a_fix_uneven_inputs_time_out_naming_the_rank_that_never_arrived",
+        OUTPUT_DIR,
+    ),
     "python -m pytest tests/test_sampler_patterns.py -q": NotRun("test-suite"),
-
     # 05_checkpointing: stopped and started again it resumes (here: stopped by --max-steps)
-    "torchrun --standalone --nproc_per_node=2 05_checkpointing/train.py --save-every-steps 20":
-        Run(SHORT, group="05", again_expect=(r"resumed from",), files=("runs/latest/checkpoints",)),
-    "python 05_checkpointing/export_model.py runs/latest/checkpoints model.pt": Run(group="05", files=("model.pt",)),
-    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=2 "
+    "torchrun --standalone --nproc_per_node=2 05_checkpointing/train.py --save-every-steps 20": Run(
+        SHORT, group="05", again_expect=(r"resumed from",), files=("runs/latest/checkpoints",)
+    ),
+    "python 05_checkpointing/export_model.py runs/latest/checkpoints model.pt": Run(
+        group="05", files=("model.pt",)
+    ),
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 "
+    "--max-restarts=2 "
     "05_checkpointing/train.py": Run(SHORT, files=("runs/latest/checkpoints",)),
     "sbatch jobs/slurm_srun.sbatch": NotRun("scheduler"),
     "qsub jobs/pbs_mpiexec.pbs": NotRun("scheduler"),
     "SITE=perlmutter sbatch jobs/slurm_srun.sbatch": NotRun("scheduler"),  # jobs/sites
     "qsub -v SITE=derecho jobs/pbs_mpiexec.pbs": NotRun("scheduler"),
-    "torchrun --standalone --nproc_per_node=2 05_checkpointing/dcp_example.py --mode save":
-        RunElsewhere("tests/test_checkpointing.py::test_dcp_save_on_two_ranks_loads_on_one", "--output-dir"),
-    "torchrun --standalone --nproc_per_node=1 05_checkpointing/dcp_example.py --mode load":
-        RunElsewhere("tests/test_checkpointing.py::test_dcp_save_on_two_ranks_loads_on_one", "--output-dir"),
-    "python -m torch.distributed.checkpoint.format_utils dcp_to_torch runs/dcp/checkpoint model.pt":
-        RunElsewhere("tests/test_checkpointing.py::test_dcp_save_on_two_ranks_loads_on_one"),
-
+    "torchrun --standalone --nproc_per_node=2 05_checkpointing/dcp_example.py "
+    "--mode save": RunElsewhere(
+        "tests/test_checkpointing.py::test_dcp_save_on_two_ranks_loads_on_one", "--output-dir"
+    ),
+    "torchrun --standalone --nproc_per_node=1 05_checkpointing/dcp_example.py "
+    "--mode load": RunElsewhere(
+        "tests/test_checkpointing.py::test_dcp_save_on_two_ranks_loads_on_one", "--output-dir"
+    ),
+    "python -m torch.distributed.checkpoint.format_utils dcp_to_torch runs/dcp/checkpoint "
+    "model.pt": RunElsewhere(
+        "tests/test_checkpointing.py::test_dcp_save_on_two_ranks_loads_on_one"
+    ),
     # 06_multinode
-    "torchrun --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:29400 --rdzv_id=demo "
-    "06_multinode/train.py --max-steps 20 --epochs 1": Run(two_nodes=True, expect=(r"world size 2",)),
-    "mpiexec -n 2 python 06_multinode/train.py":
-        Run(SHORT, expect=(r"launcher (openmpi|mpich|intel-mpi)", r"world size 2"), env=OPEN_MPI_AS_ROOT, tools=("mpiexec",)),
-    "torchrun --standalone --nproc_per_node=2 06_multinode/comm_check.py": Run(COMM_SHORT, expect=(r"\b65536 +3 ",)),
+    "torchrun --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d "
+    "--rdzv_endpoint=127.0.0.1:29400 --rdzv_id=demo "
+    "06_multinode/train.py --max-steps 20 --epochs 1": Run(
+        two_nodes=True, expect=(r"world size 2",)
+    ),
+    "mpiexec -n 2 python 06_multinode/train.py": Run(
+        SHORT,
+        expect=(r"launcher (openmpi|mpich|intel-mpi)", r"world size 2"),
+        env=OPEN_MPI_AS_ROOT,
+        tools=("mpiexec",),
+    ),
+    "torchrun --standalone --nproc_per_node=2 06_multinode/comm_check.py": Run(
+        COMM_SHORT, expect=(r"\b65536 +3 ",)
+    ),
     "srun --ntasks-per-node=4 python 06_multinode/comm_check.py --pairs": NotRun("scheduler"),
-
     # benchmark
-    "torchrun --standalone --nproc_per_node=2 benchmark/train.py --no-ddp --profile-steps 20":
-        Run(SHORT, files=("runs/latest/summary.json",)),
-    "torchrun --standalone --nproc_per_node=2 benchmark/train.py --model resnet18 --dataset fake --image-size 32 "
+    "torchrun --standalone --nproc_per_node=2 benchmark/train.py --no-ddp --profile-steps 20": Run(
+        SHORT, files=("runs/latest/summary.json",)
+    ),
+    "torchrun --standalone --nproc_per_node=2 benchmark/train.py --model resnet18 --dataset "
+    "fake --image-size 32 "
     "--activation-checkpointing non_reentrant": Run(SHORT, files=("runs/latest/summary.json",)),
     "python benchmark/benchmark.py --world-sizes 1,2": Run(BENCH_SHORT, files=("runs/benchmark",)),
-    "python benchmark/benchmark.py --world-sizes 1,2,4,8 --model resnet18 --dataset cifar10 --batch-size 128":
-        NotRun("download"),
-    "python benchmark/benchmark.py --world-sizes 1,2 --sweep -- --precision bf16":
-        RunElsewhere("tests/test_perf.py::test_benchmark_table_and_sweep", SWEEP_SHORT),
-
+    "python benchmark/benchmark.py --world-sizes 1,2,4,8 --model resnet18 --dataset cifar10 "
+    "--batch-size 128": NotRun("download"),
+    "python benchmark/benchmark.py --world-sizes 1,2 --sweep -- --precision bf16": RunElsewhere(
+        "tests/test_perf.py::test_benchmark_table_and_sweep", SWEEP_SHORT
+    ),
     # debugging: the injected failures fail on purpose
     "PYTHONPATH=.:tests/inject DDP_TEST_FAIL_AT_STEP=3 DDP_TEST_FAIL_RANK=1 torchrun --standalone "
     "--nproc_per_node=2 01_basic_ddp/train.py": Run(exit_code=1, expect=(r"injected failure at",)),
-    "PYTHONPATH=.:tests/inject DDP_TEST_FAIL_AT_STEP=2 DDP_TEST_FAIL_RANK=1 DDP_TEST_FAIL_MODE=hang torchrun "
-    "--standalone --nproc_per_node=2 01_basic_ddp/train.py --timeout-s 5": Run(exit_code=1, expect=(r"injecting a hang", r"Timed out waiting 5000ms")),
+    "PYTHONPATH=.:tests/inject DDP_TEST_FAIL_AT_STEP=2 DDP_TEST_FAIL_RANK=1 "
+    "DDP_TEST_FAIL_MODE=hang torchrun "
+    "--standalone --nproc_per_node=2 01_basic_ddp/train.py --timeout-s 5": Run(
+        exit_code=1, expect=(r"injecting a hang", r"Timed out waiting 5000ms")
+    ),
     "export TORCH_FR_DUMP_TEMP_FILE=$PWD/runs/fr/trace_": NotRun("gpu"),
     "torchfrtrace runs/fr -p trace_": NotRun("gpu"),
     "torchfrtrace runs/fr -p trace_ -j": NotRun("gpu"),
-    'py-spy dump --subprocesses --pid $(pgrep -f "torch.distributed.run|torchrun" | head -1)': NotRun("download"),
-    "for pid in $(pgrep -f 01_basic_ddp/train.py); do py-spy dump --pid $pid; done": NotRun("download"),
-    "torchrun --standalone --nproc_per_node=2 debugging/rank_signal.py --how abort":
-        RunElsewhere("tests/test_forum_errors.py::test_rank_aborted_is_exitcode_minus_6_sigabrt"),
-    "unshare -m sh -c 'mount -t tmpfs -o size=1m tmpfs /dev/shm && torchrun --standalone --nproc_per_node=2 "
-    "debugging/rank_signal.py --how shm --shm-mb 4'":
-        Run(exit_code=1, root=True, tools=("unshare", "mount"), expect=(r"exitcode  : -7 .*\(SIGBUS\)",)),
+    'py-spy dump --subprocesses --pid $(pgrep -f "torch.distributed.run|torchrun" | '
+    "head -1)": NotRun("download"),
+    "for pid in $(pgrep -f 01_basic_ddp/train.py); do py-spy dump --pid $pid; done": NotRun(
+        "download"
+    ),
+    "torchrun --standalone --nproc_per_node=2 debugging/rank_signal.py --how abort": RunElsewhere(
+        "tests/test_forum_errors.py::test_rank_aborted_is_exitcode_minus_6_sigabrt"
+    ),
+    "unshare -m sh -c 'mount -t tmpfs -o size=1m tmpfs /dev/shm && torchrun --standalone "
+    "--nproc_per_node=2 "
+    "debugging/rank_signal.py --how shm --shm-mb 4'": Run(
+        exit_code=1, root=True, tools=("unshare", "mount"), expect=(r"exitcode  : -7 .*\(SIGBUS\)",)
+    ),
     # (all three on a free port from PET_MASTER_PORT, which both launchers read)
-    "python -m torch.distributed.launch --nproc-per-node=2 debugging/local_rank_args.py --plain":
-        RunElsewhere(f"{FORUM_TESTS}::test_torch_distributed_launch_passes_local_rank_argument"),
-    "python -m torch.distributed.launch --nproc-per-node=2 debugging/local_rank_args.py":
-        RunElsewhere(f"{FORUM_TESTS}::test_torch_distributed_launch_passes_local_rank_argument"),
-    "torchrun --nproc-per-node=2 debugging/local_rank_args.py":
-        RunElsewhere(f"{FORUM_TESTS}::test_torch_distributed_launch_passes_local_rank_argument"),
-    # run here too: its test in test_forum_errors.py starts it with torch.distributed.launch (the examples
+    "python -m torch.distributed.launch --nproc-per-node=2 debugging/local_rank_args.py "
+    "--plain": RunElsewhere(
+        f"{FORUM_TESTS}::test_torch_distributed_launch_passes_local_rank_argument"
+    ),
+    "python -m torch.distributed.launch --nproc-per-node=2 "
+    "debugging/local_rank_args.py": RunElsewhere(
+        f"{FORUM_TESTS}::test_torch_distributed_launch_passes_local_rank_argument"
+    ),
+    "torchrun --nproc-per-node=2 debugging/local_rank_args.py": RunElsewhere(
+        f"{FORUM_TESTS}::test_torch_distributed_launch_passes_local_rank_argument"
+    ),
+    # run here too: its test in test_forum_errors.py starts
+    # it with torch.distributed.launch (the examples
     # take its --local-rank)
     "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py": Run(),
-    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers inplace":
-        RunElsewhere(f"{FORUM_TESTS}::test_two_forwards_with_buffers_synced_in_place_fail", OUTPUT_DIR),
-    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers inplace --forward concat":
-        RunElsewhere(f"{FORUM_TESTS}::test_two_forwards_fixes_run_with_identical_replicas", OUTPUT_DIR),
-    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers local":
-        RunElsewhere(f"{FORUM_TESTS}::test_two_forwards_fixes_run_with_identical_replicas", OUTPUT_DIR),
+    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers "
+    "inplace": RunElsewhere(
+        f"{FORUM_TESTS}::test_two_forwards_with_buffers_synced_in_place_fail", OUTPUT_DIR
+    ),
+    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers inplace "
+    "--forward concat": RunElsewhere(
+        f"{FORUM_TESTS}::test_two_forwards_fixes_run_with_identical_replicas", OUTPUT_DIR
+    ),
+    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers "
+    "local": RunElsewhere(
+        f"{FORUM_TESTS}::test_two_forwards_fixes_run_with_identical_replicas", OUTPUT_DIR
+    ),
 }
 
 
-# --- the table against the READMEs -------------------------------------------------------------------
+# --- the table against the READMEs
+# -------------------------------------------------------------------
+
 
 def test_every_readme_command_is_classified_and_every_entry_is_in_a_readme():
     found = {c.text for c in readme_commands()}
@@ -214,10 +290,16 @@ def test_commands_not_run_say_why_next_to_them():
         how = COMMANDS.get(command.text)
         if isinstance(how, NotRun):
             assert how.reason in REASON_WORDS, how
-            if not re.search(REASON_WORDS[how.reason], f"{command.comment}\n{command.before}", re.I):
-                silent.append(f"{command.readme}: `{command.text}` ({how.reason}: {REASON_WORDS[how.reason]})")
-    assert not silent, "not run, but neither the comment nor the paragraph before the block says why:\n" + (
-        "\n".join(silent))
+            if not re.search(
+                REASON_WORDS[how.reason], f"{command.comment}\n{command.before}", re.I
+            ):
+                silent.append(
+                    f"{command.readme}: `{command.text}` ({how.reason}: {REASON_WORDS[how.reason]})"
+                )
+    assert not silent, (
+        "not run, but neither the comment nor the paragraph before the block says why:\n"
+        + ("\n".join(silent))
+    )
 
 
 def test_readme_names_the_shortening_flags_the_table_uses():
@@ -225,7 +307,11 @@ def test_readme_names_the_shortening_flags_the_table_uses():
     paragraphs = (REPO / "README.md").read_text().split("\n\n")
     sentence = next(p for p in paragraphs if "tests/test_readme_commands.py" in p)
     named = set(re.findall(r"`(--[^`]*)`", sentence))
-    used = {how.suffix for how in COMMANDS.values() if isinstance(how, (Run, RunElsewhere)) and how.suffix}
+    used = {
+        how.suffix
+        for how in COMMANDS.values()
+        if isinstance(how, (Run, RunElsewhere)) and how.suffix
+    }
     for suffix in used:  # each suffix is made of flags the sentence names
         rest = suffix
         for flags in sorted(named, key=len, reverse=True):
@@ -237,16 +323,20 @@ def test_readme_names_the_shortening_flags_the_table_uses():
 
 def test_the_parser_reads_continuations_comments_and_open_quotes():
     commands = {c.text: c for c in readme_commands()}
-    demo = commands["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 "
-                    "--max-restarts=2 05_checkpointing/train.py"]
+    demo = commands[
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 "
+        "--max-restarts=2 05_checkpointing/train.py"
+    ]
     assert demo.comment.startswith("survives a crashed worker") and "\\\n" in demo.source
     shm = next(c for c in commands.values() if c.text.startswith("unshare -m"))
     assert shm.source.endswith("--shm-mb 4'") and "\n" in shm.source
     spy = next(c for c in commands.values() if c.text.startswith("py-spy dump --subprocesses"))
-    assert spy.text.endswith('| head -1)') and spy.comment == "all ranks under this torchrun"
+    assert spy.text.endswith("| head -1)") and spy.comment == "all ranks under this torchrun"
 
 
-# --- running them -----------------------------------------------------------------------------------
+# --- running them
+# -----------------------------------------------------------------------------------
+
 
 def _groups() -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
@@ -262,8 +352,9 @@ GROUPS = _groups()
 @pytest.fixture(scope="module")
 def tracked_tree(tmp_path_factory) -> Path:
     tree = tmp_path_factory.mktemp("tracked") / "repo"
-    for name in subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
-                               check=True).stdout.splitlines():
+    for name in subprocess.run(
+        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.splitlines():
         if (REPO / name).is_file():
             (tree / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, tree / name)
@@ -295,9 +386,18 @@ def _run_once(script: str, how: Run, cwd: Path, timeout: float):
     if not how.two_nodes:
         return run(["bash", "-c", script], timeout, env=_env(how.env), cwd=cwd)
     # two terminals: both copies at once; both must succeed
-    procs = [subprocess.Popen(["bash", "-c", script], cwd=cwd, env=_env(how.env), text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            ["bash", "-c", script],
+            cwd=cwd,
+            env=_env(how.env),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for _ in range(2)
+    ]
     outputs, deadline = [], time.monotonic() + timeout
     try:
         for proc in procs:
@@ -320,11 +420,16 @@ def _run_command(text: str, cwd: Path, sources: dict[str, str]):
         if not (result.returncode and ADDRESS_IN_USE.search(output)) or how.exit_code:
             break
         time.sleep(5 * (attempt + 1))
-    if how.root and re.search(r"^(unshare|mount): ", output, re.M):  # a container without the privilege
+    # a container without the privilege
+    if how.root and re.search(r"^(unshare|mount): ", output, re.M):
         unavailable(f"not permitted here: {output.strip().splitlines()[0]}")
-    assert result.returncode == how.exit_code, f"exit {result.returncode}: {script}\n{output[-4000:]}"
+    assert result.returncode == how.exit_code, (
+        f"exit {result.returncode}: {script}\n{output[-4000:]}"
+    )
     for pattern in how.expect:
-        assert re.search(pattern, output), f"{pattern!r} not in the output of: {script}\n{output[-4000:]}"
+        assert re.search(pattern, output), (
+            f"{pattern!r} not in the output of: {script}\n{output[-4000:]}"
+        )
     for name in how.files:
         assert (cwd / name).exists(), f"{script} wrote no {name}"
     return output
@@ -348,44 +453,68 @@ def test_readme_command_runs_as_written(group, tracked_tree, tmp_path):
         if how.again_expect:
             output = _run_command(text, tree, sources)
             for pattern in how.again_expect:
-                assert re.search(pattern, output), f"{pattern!r} not in the second run's output\n{output[-4000:]}"
+                assert re.search(pattern, output), (
+                    f"{pattern!r} not in the second run's output\n{output[-4000:]}"
+                )
 
 
 def test_test_suite_commands_collect():
-    """The pytest commands are run by CI (the whole suite: test_ci_runs_the_readmes_test_command); one that names
-    a file must at least collect it without an error."""
+    """The pytest commands are run by CI (the whole suite: test_ci_runs_the_readmes_test_command);
+    one that names a file must at least collect it without an error."""
     for text, how in COMMANDS.items():
         if isinstance(how, NotRun) and how.reason == "test-suite" and "tests/" in text:
             pytest_args = text.split("python -m pytest", 1)[1].split()
-            result = run([PYTHON, "-m", "pytest", *pytest_args, "--collect-only", "-q", "-n", "0"], timeout=240)
+            result = run(
+                [PYTHON, "-m", "pytest", *pytest_args, "--collect-only", "-q", "-n", "0"],
+                timeout=240,
+            )
             assert result.returncode == 0, result.output[-4000:]
             # "N tests collected", or with -q -q one "file: N" line per file
-            assert re.search(r"[1-9]\d* tests? collected|^tests/\S+\.py: [1-9]\d*$", result.output, re.M), (
-                result.output[-2000:])
+            assert re.search(
+                r"[1-9]\d* tests? collected|^tests/\S+\.py: [1-9]\d*$", result.output, re.M
+            ), result.output[-2000:]
 
 
 def test_ci_runs_the_readmes_test_command():
     """.ci/run ends with the README's own test command, as written."""
     readme = {c.text for c in readme_commands() if c.readme == "README.md"}
-    ci_commands = [" ".join(line.split()) for line in (REPO / ".ci" / "run").read_text().splitlines()
-                   if line.strip() and not line.lstrip().startswith("#")]
-    assert ci_commands[-1] == "pip install -r requirements-test.txt && python -m pytest" and ci_commands[-1] in readme
+    ci_commands = [
+        " ".join(line.split())
+        for line in (REPO / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    assert (
+        ci_commands[-1] == "pip install -r requirements-test.txt && python -m pytest"
+        and ci_commands[-1] in readme
+    )
 
 
 def test_commands_run_elsewhere_are_read_from_the_readme_by_that_test():
-    """A RunElsewhere test exists and runs the command through readme_command (so it runs it as written)."""
+    """A RunElsewhere test exists and runs the command
+    through readme_command (so it runs it as written)."""
     for text, how in COMMANDS.items():
         if not isinstance(how, RunElsewhere):
             continue
         path, name = how.test.split("::")
         tree = ast.parse((REPO / path).read_text())
-        constants = {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
-                     and isinstance(node.value, ast.Constant) for target in node.targets if isinstance(target, ast.Name)}
-        test = next((node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name), None)
+        constants = {
+            target.id: node.value.value
+            for node in tree.body
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
+        test = next(
+            (node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name),
+            None,
+        )
         assert test is not None, f"{how.test} does not exist"
-        commands = [constants.get(arg.id) if isinstance(arg, ast.Name) else getattr(arg, "value", None)
-                    for call in ast.walk(test) if isinstance(call, ast.Call)
-                    and getattr(call.func, "id", None) == "readme_command" for arg in call.args[1:2]]
+        commands = [
+            constants.get(arg.id) if isinstance(arg, ast.Name) else getattr(arg, "value", None)
+            for call in ast.walk(test)
+            if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "readme_command"
+            for arg in call.args[1:2]
+        ]
         assert text in commands, f"{how.test} does not run readme_command(..., {text!r})"
         strings = {node.value for node in ast.walk(test) if isinstance(node, ast.Constant)}
         assert set(how.suffix.split()) <= strings, f"{how.test} does not add {how.suffix!r}"

@@ -8,7 +8,7 @@ from tests.helpers import PYTHON, REPO, clean_env, run
 
 def readme_test_command():
     readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Tests"):]
+    section = readme[readme.index("## Tests") :]
     return re.search(r"```bash\n(.+?)\n```", section, re.S).group(1).strip()
 
 
@@ -27,7 +27,8 @@ def test_requirements_pin_a_torch_torchvision_pair_whose_compiled_ops_work():
     import torch
     from torchvision.ops import nms
 
-    # A CPU-only torch with a CUDA torchvision fails exactly here ("operator torchvision::nms does not exist").
+    # A CPU-only torch with a CUDA torchvision fails exactly
+    # here ("operator torchvision::nms does not exist").
     boxes = torch.tensor([[0.0, 0.0, 10.0, 10.0], [1.0, 1.0, 11.0, 11.0], [50.0, 50.0, 60.0, 60.0]])
     assert nms(boxes, torch.tensor([0.9, 0.8, 0.7]), iou_threshold=0.5).tolist() == [0, 2]
 
@@ -43,8 +44,13 @@ def cpu_cores() -> int:
 
 def test_the_suite_runs_files_in_parallel_workers_and_n0_in_one_process():
     """README, "Tests": one worker per core up to four (pytest.ini); `-n 0` runs in one process."""
-    env = {k: v for k, v in clean_env().items() if not k.startswith("PYTEST_")}  # not one of our workers
-    one_test = ["tests/test_repo.py::test_ci_runs_the_readme_test_command", "-p", "no:cacheprovider"]
+    # not one of our workers
+    env = {k: v for k, v in clean_env().items() if not k.startswith("PYTEST_")}
+    one_test = [
+        "tests/test_repo.py::test_ci_runs_the_readme_test_command",
+        "-p",
+        "no:cacheprovider",
+    ]
     parallel = run([PYTHON, "-m", "pytest", *one_test], timeout=120, env=env, check=True)
     assert f"{min(4, cpu_cores())} workers [1 item]" in parallel.stdout, parallel.stdout
     serial = run([PYTHON, "-m", "pytest", *one_test, "-n", "0"], timeout=120, env=env, check=True)

@@ -24,28 +24,48 @@ from common.config import TrainConfig, parse_config
 from common.data import digits
 from common.errors import ConfigError
 from common.models import SmallCNN
-from tests.helpers import (PYTHON, REPO, clean_env, free_port, load_script, read_summary, readme_command, run,
-                           torchrun)
+from tests.helpers import (
+    PYTHON,
+    REPO,
+    clean_env,
+    free_port,
+    load_script,
+    read_summary,
+    readme_command,
+    run,
+    torchrun,
+)
 
 DIR = "02_sampler_patterns"
 README = (REPO / DIR / "README.md").read_text()
 
-# The README's commands, which the tests below run as written (tests/test_readme_commands.py: RunElsewhere),
+# The README's commands, which the tests below run as
+# written (tests/test_readme_commands.py: RunElsewhere),
 # adding only --output-dir.
-VIEWER = "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/partition_viewer.py --num-samples 10"
+VIEWER = (
+    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/partition_viewer.py "
+    "--num-samples 10"
+)
 NO_SAMPLER = "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/no_sampler_pitfall.py"
 EVAL = "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/distributed_eval.py"
 WEIGHTED = "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/weighted_sampler.py"
-UNEVEN_JOIN = "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/uneven_inputs.py --fix join"
-UNEVEN_DROP_LAST = "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/uneven_inputs.py --fix drop_last"
-UNEVEN_NONE = "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/uneven_inputs.py --fix none --timeout-s 5"
+UNEVEN_JOIN = (
+    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/uneven_inputs.py --fix join"
+)
+UNEVEN_DROP_LAST = (
+    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/uneven_inputs.py --fix drop_last"
+)
+UNEVEN_NONE = (
+    "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/uneven_inputs.py "
+    "--fix none --timeout-s 5"
+)
 README_PATH = f"{DIR}/README.md"
 SCRIPTS = sorted(p.name for p in (REPO / DIR).glob("*.py"))
 
 
 def readme_samples(section):
-    """The sample-output blocks (fenced, not bash) of README section `## <section>.`, each a list of paragraphs,
-    each paragraph a list of its non-blank lines."""
+    """The sample-output blocks (fenced, not bash) of README section `## <section>.`,
+    each a list of paragraphs, each paragraph a list of its non-blank lines."""
     text = README.split(f"\n## {section}. ", 1)[1].split("\n## ", 1)[0]
     blocks, fence = [], None  # fence: the opening line of the block we are in
     for line in text.splitlines():
@@ -55,12 +75,16 @@ def readme_samples(section):
             fence = line if fence is None else None
         elif fence == "```":
             blocks[-1].append(line.rstrip())
-    return [[para.splitlines() for para in re.split(r"\n\s*\n", "\n".join(block).strip("\n"))] for block in blocks]
+    return [
+        [para.splitlines() for para in re.split(r"\n\s*\n", "\n".join(block).strip("\n"))]
+        for block in blocks
+    ]
 
 
 def assert_printed(sample_lines, output, replace=()):
-    """Every line of a README sample is a line of `output`; `...` in a sample line stands for any text
-    (a line that is only `...`, after a `[rankN]:` prefix or not, is skipped: the sample is abridged there)."""
+    """Every line of a README sample is a line of `output`; `...` in a sample
+    line stands for any text (a line that is only `...`, after a `[rankN]:`
+    prefix or not, is skipped: the sample is abridged there)."""
     printed = [line.rstrip() for line in output.splitlines()]
     missing = []
     for line in sample_lines:
@@ -71,18 +95,23 @@ def assert_printed(sample_lines, output, replace=()):
         pattern = re.compile(".*".join(re.escape(part) for part in line.split("...")))
         if not any(pattern.fullmatch(p) for p in printed):
             missing.append(line)
-    assert missing == [], f"README sample lines not printed: {missing}\n--- output\n{output[-3000:]}"
+    assert missing == [], (
+        f"README sample lines not printed: {missing}\n--- output\n{output[-3000:]}"
+    )
 
 
 def test_assert_printed_fails_on_a_line_that_was_not_printed():
-    assert_printed(["rank 0: [0, 3]", "[rank1]:   ...", "[rank1]: [.../tcp.cc:1] Timed out"],
-                   "rank 0: [0, 3]\n[rank1]: [/a/b/tcp.cc:1] Timed out\n")
+    assert_printed(
+        ["rank 0: [0, 3]", "[rank1]:   ...", "[rank1]: [.../tcp.cc:1] Timed out"],
+        "rank 0: [0, 3]\n[rank1]: [/a/b/tcp.cc:1] Timed out\n",
+    )
     for wrong in (["rank 0: [0, 4]"], ["rank 0: [0, 3"], ["[rank1]: [.../tcp.cc:2] Timed out"]):
         with pytest.raises(AssertionError):
             assert_printed(wrong, "rank 0: [0, 3]\n[rank1]: [/a/b/tcp.cc:1] Timed out\n")
 
 
 # ---------------------------------------------------------------- every script
+
 
 def functions_of(script):
     tree = ast.parse((REPO / DIR / script).read_text())
@@ -91,34 +120,48 @@ def functions_of(script):
 
 def calls_in(node):
     """The functions called in `node`, in source order."""
-    found = sorted((call.lineno, call.col_offset, ast.unparse(call.func)) for call in ast.walk(node)
-                   if isinstance(call, ast.Call))
+    found = sorted(
+        (call.lineno, call.col_offset, ast.unparse(call.func))
+        for call in ast.walk(node)
+        if isinstance(call, ast.Call)
+    )
     return [name for _, _, name in found]
 
 
-@pytest.mark.parametrize("script", [s for s in SCRIPTS if "init_process_group" in (REPO / DIR / s).read_text()])
+@pytest.mark.parametrize(
+    "script", [s for s in SCRIPTS if "init_process_group" in (REPO / DIR / s).read_text()]
+)
 def test_scripts_are_laid_out_like_01(script):
-    """The README's layout paragraph: main() reads the config and the launcher; one function starts and ends
-    the process group, after choosing the backend; rank 0 prints; results go to a JSON file."""
+    """The README's layout paragraph: main() reads the config and the
+    launcher; one function starts and ends the process group, after
+    choosing the backend; rank 0 prints; results go to a JSON file."""
     source = (REPO / DIR / script).read_text()
     functions = functions_of(script)
     main = calls_in(functions["main"])
     assert main[0] == "load_config" and "detect_launcher" in main
-    [starts] = [name for name, node in functions.items() if "dist.init_process_group" in calls_in(node)]
+    [starts] = [
+        name for name, node in functions.items() if "dist.init_process_group" in calls_in(node)
+    ]
     assert "dist.destroy_process_group" in calls_in(functions[starts])
-    if script == "partition_viewer.py":  # moves no tensors: gloo on any machine, writes partition.json
+    # moves no tensors: gloo on any machine, writes partition.json
+    if script == "partition_viewer.py":
         assert 'dist.init_process_group("gloo"' in source and "write_json_atomic(path" in source
     else:  # the training scripts: NCCL on GPUs, gloo on CPU, as 01; summary.json
         assert 'backend = "nccl" if device.type == "cuda" else "gloo"' in source
-        assert "dist.init_process_group(backend," in source and "write_summary(cfg.output_dir" in source
-        assert main[main.index("detect_launcher") + 1] in ("check_data", "exit_on_bad_input")  # the data, checked
+        assert (
+            "dist.init_process_group(backend," in source
+            and "write_summary(cfg.output_dir" in source
+        )
+        # the data, checked
+        assert main[main.index("detect_launcher") + 1] in ("check_data", "exit_on_bad_input")
     assert re.search(r"if (launch\.)?rank == 0:", source)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_wrong_flag_is_one_error_line_before_any_process_group(script, capsys):
-    """Each script's config class refuses an unknown flag with ConfigError, which load_config (main's first
-    call, before any process group) turns into one `error:` line and exit code 2."""
+    """Each script's config class refuses an unknown flag with
+    ConfigError, which load_config (main's first call, before any
+    process group) turns into one `error:` line and exit code 2."""
     module = load_script(f"{DIR}/{script}", script[:-3])
     config_class = re.search(r"load_config\((\w+)", (REPO / DIR / script).read_text()).group(1)
     with pytest.raises(ConfigError, match="unrecognized arguments: --no-such-flag"):
@@ -130,6 +173,7 @@ def test_a_wrong_flag_is_one_error_line_before_any_process_group(script, capsys)
 
 
 # ---------------------------------------------------------------- 1. partition viewer
+
 
 @pytest.fixture(scope="module")
 def viewer(tmp_path_factory):
@@ -145,12 +189,25 @@ def test_partition_viewer_prints_what_distributed_sampler_gives(viewer):
     stdout, report = viewer
     assert report["world_size"] == w and report["num_samples"] == n
     cases = {(c["shuffle"], c["drop_last"], c["epoch"]) for c in report["results"]}
-    assert cases == {(False, False, 0), (False, True, 0), (True, False, 0), (True, False, 1), (True, True, 0), (True, True, 1)}
+    assert cases == {
+        (False, False, 0),
+        (False, True, 0),
+        (True, False, 0),
+        (True, False, 1),
+        (True, True, 0),
+        (True, True, 1),
+    }
     for case in report["results"]:
         for r in range(w):
             # What PyTorch itself gives this rank, built here independently of the script.
-            sampler = DistributedSampler(range(n), num_replicas=w, rank=r, shuffle=case["shuffle"],
-                                         seed=0, drop_last=case["drop_last"])
+            sampler = DistributedSampler(
+                range(n),
+                num_replicas=w,
+                rank=r,
+                shuffle=case["shuffle"],
+                seed=0,
+                drop_last=case["drop_last"],
+            )
             sampler.set_epoch(case["epoch"])
             assert case["indices"][r] == list(sampler)
             assert f"rank {r}: {list(sampler)}" in stdout
@@ -167,7 +224,9 @@ def test_partition_viewer_prints_what_distributed_sampler_gives(viewer):
 def test_partition_counts_follow_the_formulas(tmp_path, n, w):
     """Simulated ranks (in this process), many sizes: padding ceil(N/W), dropping floor(N/W)."""
     viewer_script = load_script(f"{DIR}/partition_viewer.py", "partition_viewer")
-    viewer_script.main(["--num-samples", str(n), "--simulate-world-size", str(w), "--output-dir", str(tmp_path)])
+    viewer_script.main(
+        ["--num-samples", str(n), "--simulate-world-size", str(w), "--output-dir", str(tmp_path)]
+    )
     report = json.loads((tmp_path / "partition.json").read_text())
     for case in report["results"]:
         shards = case["indices"]
@@ -179,7 +238,8 @@ def test_partition_counts_follow_the_formulas(tmp_path, n, w):
         else:
             assert [len(s) for s in shards] == [math.ceil(n / w)] * w
             assert set(reads) == set(range(n))  # the union covers the data set
-            assert sum(reads.values()) - n == math.ceil(n / w) * w - n  # exactly the padding is repeated
+            # exactly the padding is repeated
+            assert sum(reads.values()) - n == math.ceil(n / w) * w - n
 
 
 def test_shuffle_is_the_same_on_every_rank_and_changes_with_set_epoch(viewer):
@@ -189,37 +249,56 @@ def test_shuffle_is_the_same_on_every_rank_and_changes_with_set_epoch(viewer):
         orders = case["order"]  # the full permutation, as each rank derived it on its own
         assert all(order == orders[0] for order in orders)
         assert sorted(orders[0]) == list(range(n))
-        padded = orders[0] + orders[0][:math.ceil(n / w) * w - n]
-        kept = padded if not drop_last else orders[0][:n // w * w]
-        assert case["indices"] == [kept[r::w] for r in range(w)]  # each rank: every W-th index of the order
-    assert shuffled[(False, 0)]["order"][0] != shuffled[(False, 1)]["order"][0]  # set_epoch reshuffles
+        padded = orders[0] + orders[0][: math.ceil(n / w) * w - n]
+        kept = padded if not drop_last else orders[0][: n // w * w]
+        # each rank: every W-th index of the order
+        assert case["indices"] == [kept[r::w] for r in range(w)]
+    # set_epoch reshuffles
+    assert shuffled[(False, 0)]["order"][0] != shuffled[(False, 1)]["order"][0]
     assert shuffled[(False, 0)]["order"][0] != list(range(n))
-    for case in viewer[1]["results"]:  # the order: identity, or randperm seeded with seed + epoch (seed 0 here)
-        expected = torch.randperm(n, generator=torch.Generator().manual_seed(0 + case["epoch"])).tolist()
+    # the order: identity, or randperm seeded with seed + epoch (seed 0 here)
+    for case in viewer[1]["results"]:
+        expected = torch.randperm(
+            n, generator=torch.Generator().manual_seed(0 + case["epoch"])
+        ).tolist()
         assert case["order"][0] == (expected if case["shuffle"] else list(range(n)))
     # drop_last with shuffling leaves different samples unread in different epochs.
-    unread = [set(range(n)) - {i for shard in shuffled[(True, e)]["indices"] for i in shard} for e in (0, 1)]
+    unread = [
+        set(range(n)) - {i for shard in shuffled[(True, e)]["indices"] for i in shard}
+        for e in (0, 1)
+    ]
     assert len(unread[0]) == len(unread[1]) == n % w and unread[0] != unread[1]
 
 
 def test_without_set_epoch_or_with_different_seeds_the_split_goes_wrong():
-    """Negative controls for the two rules: no set_epoch repeats epoch 0's order; ranks with different
-    seeds are no longer disjoint (nothing but the shared permutation keeps them apart)."""
+    """Negative controls for the two rules: no set_epoch repeats epoch
+    0's order; ranks with different seeds are no longer disjoint
+    (nothing but the shared permutation keeps them apart)."""
     n, w = 100, 2
     sampler = DistributedSampler(range(n), num_replicas=w, rank=0, shuffle=True, seed=0)
     assert list(sampler) == list(sampler)  # a second epoch without set_epoch: the same order
     sampler.set_epoch(1)
-    assert list(sampler) != list(DistributedSampler(range(n), num_replicas=w, rank=0, shuffle=True, seed=0))
-    same_seed = [set(DistributedSampler(range(n), num_replicas=w, rank=r, seed=0)) for r in range(w)]
+    assert list(sampler) != list(
+        DistributedSampler(range(n), num_replicas=w, rank=0, shuffle=True, seed=0)
+    )
+    same_seed = [
+        set(DistributedSampler(range(n), num_replicas=w, rank=r, seed=0)) for r in range(w)
+    ]
     own_seed = [set(DistributedSampler(range(n), num_replicas=w, rank=r, seed=r)) for r in range(w)]
     assert not same_seed[0] & same_seed[1] and own_seed[0] & own_seed[1]
-    assert inspect.signature(DistributedSampler).parameters["drop_last"].default is False  # padding is the default
+    # padding is the default
+    assert inspect.signature(DistributedSampler).parameters["drop_last"].default is False
 
 
 # ---------------------------------------------------------------- 2. no-sampler pitfall
 
+
 def test_plain_dataloader_duplicates_and_distributed_sampler_does_not(tmp_path):
-    result = run(readme_command(README_PATH, NO_SAMPLER) + ["--output-dir", str(tmp_path)], timeout=180, check=True)
+    result = run(
+        readme_command(README_PATH, NO_SAMPLER) + ["--output-dir", str(tmp_path)],
+        timeout=180,
+        check=True,
+    )
     [[sample]] = readme_samples(2)
     assert_printed(sample, result.stdout)  # the README's numbers, from the same command
     assert re.search(r"no_sampler: .*50% of the compute repeated", result.stdout)
@@ -229,7 +308,8 @@ def test_plain_dataloader_duplicates_and_distributed_sampler_does_not(tmp_path):
     plain, fixed = s["no_sampler"], s["distributed_sampler"]
     assert plain["samples_per_rank"] == [n, n]  # every rank reads the whole data set ...
     assert plain["samples_read_by_several_ranks"] == n and plain["total_reads"] == 2 * n
-    assert plain["same_order_on_all_ranks"]  # ... in the same order: identical batches on both ranks
+    # ... in the same order: identical batches on both ranks
+    assert plain["same_order_on_all_ranks"]
     assert fixed["samples_per_rank"] == [math.ceil(n / 2)] * 2
     assert fixed["samples_read_by_several_ranks"] == 0 and fixed["distinct_samples"] == n
     assert fixed["steps_per_rank"][0] < plain["steps_per_rank"][0]
@@ -237,21 +317,37 @@ def test_plain_dataloader_duplicates_and_distributed_sampler_does_not(tmp_path):
 
 # ---------------------------------------------------------------- 3. exact distributed evaluation
 
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_distributed_eval_equals_one_process(tmp_path, world_size):
-    # 3 ranks: the README's command (40 training steps, the default); 1 and 2 ranks: 8 steps, to save time.
+    # 3 ranks: the README's command (40 training steps,
+    # the default); 1 and 2 ranks: 8 steps, to save time.
     if world_size == 3:
-        result = run(readme_command(README_PATH, EVAL) + ["--output-dir", str(tmp_path)], timeout=180, check=True)
+        result = run(
+            readme_command(README_PATH, EVAL) + ["--output-dir", str(tmp_path)],
+            timeout=180,
+            check=True,
+        )
     else:
-        result = torchrun(f"{DIR}/distributed_eval.py", "--max-steps", "8", "--output-dir", str(tmp_path),
-                          nproc=world_size, timeout=180)
+        result = torchrun(
+            f"{DIR}/distributed_eval.py",
+            "--max-steps",
+            "8",
+            "--output-dir",
+            str(tmp_path),
+            nproc=world_size,
+            timeout=180,
+        )
     s = read_summary(tmp_path)
     n = s["test_size"]
     assert n % 2 and n % 3  # an odd size: neither 2 nor 3 ranks divide it
-    if world_size == 3:  # the README's table, line for line, mean_of_rank_means off the exact value included
+    # the README's table, line for line, mean_of_rank_means off the exact value included
+    if world_size == 3:
         [[table]] = readme_samples(3)
         assert_printed(table, result.stdout)
-        assert re.search(r"exact +359 ", result.stdout) and re.search(r"sampler_padded +360 ", result.stdout)
+        assert re.search(r"exact +359 ", result.stdout) and re.search(
+            r"sampler_padded +360 ", result.stdout
+        )
         assert s["mean_of_rank_means"]["accuracy"] != s["exact"]["accuracy"]
 
     # Reference computed here, in one process, from the weights the run saved.
@@ -275,11 +371,18 @@ def test_distributed_eval_equals_one_process(tmp_path, world_size):
     assert s["rank0_only"]["count"] == math.ceil(n / world_size)
     if world_size > 1:
         assert s["sampler_padded"]["count"] != n and s["sampler_drop_last"]["count"] != n
-    # The same checkpoint, evaluated here as 2 and as 8 ranks with drop_last would: 1 and 7 samples unread,
+    # The same checkpoint, evaluated here as 2 and as 8
+    # ranks with drop_last would: 1 and 7 samples unread,
     # two different accuracies, both off the exact one.
     right = (logits.argmax(1) == labels).tolist()
-    dropped = {w: [right[i] for r in range(w) for i in DistributedSampler(range(n), w, r, False, drop_last=True)]
-               for w in (2, 8)}
+    dropped = {
+        w: [
+            right[i]
+            for r in range(w)
+            for i in DistributedSampler(range(n), w, r, False, drop_last=True)
+        ]
+        for w in (2, 8)
+    }
     assert [n - len(dropped[w]) for w in (2, 8)] == [1, 7]
     accuracies = {w: sum(d) / len(d) for w, d in dropped.items()}
     assert accuracies[2] != accuracies[8] and correct / n not in accuracies.values()
@@ -292,23 +395,31 @@ def test_max_steps_0_evaluates_the_initial_model_and_torch_facts_of_section_3():
     model = SmallCNN(1, 10)
     before = [p.clone() for p in model.parameters()]
     launch = type("Launch", (), dict(world_size=2, rank=0))()
-    script.train_briefly(cfg, launch, torch.device("cpu"), model, digits().train)  # no step: no collective either
+    # no step: no collective either
+    script.train_briefly(cfg, launch, torch.device("cpu"), model, digits().train)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    # Why evaluation uses model.module: a DDP forward can broadcast buffers, a collective (torch 2.14.1's docs).
-    assert "syncing (broadcasting) buffers of the module at beginning of the ``forward`` function" in " ".join(
-        inspect.getdoc(DDP).split())
-    # Neither DDP nor the DataLoader shards a map-style data set: the DataLoader asks for the rank only to
+    # Why evaluation uses model.module: a DDP forward can
+    # broadcast buffers, a collective (torch 2.14.1's docs).
+    assert (
+        "syncing (broadcasting) buffers of the module at beginning of the ``forward`` function"
+        in " ".join(inspect.getdoc(DDP).split())
+    )
+    # Neither DDP nor the DataLoader shards a map-style
+    # data set: the DataLoader asks for the rank only to
     # shard DataPipes (torch 2.14.1's source).
     loader_source = inspect.getsource(torch.utils.data.dataloader)
     assert loader_source.count("dist.get_rank()") == 1
     assert "datapipe must be an instance of IterDataPipe or MapDataPipe" in loader_source
 
 
-# ---------------------------------------------------------------- 4. per-sample predictions, gathered in order
+# ----------------------------------------------------------------
+# 4. per-sample predictions, gathered in order
+
 
 @pytest.fixture(scope="module")
 def predictions_setup(tmp_path_factory):
-    """A trained weights file (as 01 writes it) and the single-process predictions of those weights, made here."""
+    """A trained weights file (as 01 writes it) and the
+    single-process predictions of those weights, made here."""
     folder = tmp_path_factory.mktemp("weights")
     torch.manual_seed(0)
     model = SmallCNN(1, 10)
@@ -325,19 +436,33 @@ def predictions_setup(tmp_path_factory):
     model.eval()
     test_images, test_labels = data.test.tensors
     with torch.no_grad():
-        probabilities = model(test_images).softmax(1)  # one process, the whole test set in one batch
-    return folder / "model.pt", test_labels.tolist(), probabilities.argmax(1).tolist(), probabilities
+        # one process, the whole test set in one batch
+        probabilities = model(test_images).softmax(1)
+    return (
+        folder / "model.pt",
+        test_labels.tolist(),
+        probabilities.argmax(1).tolist(),
+        probabilities,
+    )
 
 
 def read_predictions(path):
     with open(path) as f:
-        return [dict(index=int(r["index"]), label=int(r["label"]), prediction=int(r["prediction"]),
-                     probabilities=[float(r[f"p_{c}"]) for c in range(10)]) for r in csv.DictReader(f)]
+        return [
+            dict(
+                index=int(r["index"]),
+                label=int(r["label"]),
+                prediction=int(r["prediction"]),
+                probabilities=[float(r[f"p_{c}"]) for c in range(10)],
+            )
+            for r in csv.DictReader(f)
+        ]
 
 
 def assert_rows_equal_one_process(rows, predictions_setup):
     _, labels, predictions, probabilities = predictions_setup
-    assert [r["index"] for r in rows] == list(range(len(labels)))  # every sample once, in data-set order
+    # every sample once, in data-set order
+    assert [r["index"] for r in rows] == list(range(len(labels)))
     assert [r["label"] for r in rows] == labels
     assert [r["prediction"] for r in rows] == predictions  # row for row what one process predicts
     for row in rows:
@@ -356,48 +481,83 @@ def macro_f1_by_precision_and_recall(labels, predictions):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_gathered_predictions_equal_one_process_row_for_row(tmp_path, predictions_setup, world_size):
+def test_gathered_predictions_equal_one_process_row_for_row(
+    tmp_path, predictions_setup, world_size
+):
     weights, labels, predictions, _ = predictions_setup
-    result = torchrun(f"{DIR}/gather_predictions.py", "--weights", str(weights), "--output-dir", str(tmp_path),
-                      nproc=world_size, timeout=180)
+    result = torchrun(
+        f"{DIR}/gather_predictions.py",
+        "--weights",
+        str(weights),
+        "--output-dir",
+        str(tmp_path),
+        nproc=world_size,
+        timeout=180,
+    )
     n = len(labels)
     assert_rows_equal_one_process(read_predictions(tmp_path / "predictions.csv"), predictions_setup)
     s = read_summary(tmp_path)
     assert s["rows_per_rank"] == [len(range(r, n, world_size)) for r in range(world_size)]
     assert s["rows"] == n and s["repeated_indices"] == []
     assert len(set(predictions)) > 5  # a real classifier, so the F1 check below means something
-    assert s["macro_f1"] == pytest.approx(macro_f1_by_precision_and_recall(labels, predictions), abs=1e-12)
-    assert s["accuracy"] == pytest.approx(sum(y == p for y, p in zip(labels, predictions)) / n, abs=1e-12)
+    assert s["macro_f1"] == pytest.approx(
+        macro_f1_by_precision_and_recall(labels, predictions), abs=1e-12
+    )
+    assert s["accuracy"] == pytest.approx(
+        sum(y == p for y, p in zip(labels, predictions)) / n, abs=1e-12
+    )
     assert f"macro-F1 {s['macro_f1']:.6f}" in result.stdout and "every index once" in result.stdout
-    if world_size == 3:  # the README's sample, but for the figures, which depend on the weights (01's there)
+    # the README's sample, but for the figures, which depend on the weights (01's there)
+    if world_size == 3:
         strided = readme_samples(4)[0][0]
-        assert_printed([line for line in strided if not line.startswith("from the file:")], result.stdout,
-                       replace=[("runs/gather_predictions", str(tmp_path))])
+        assert_printed(
+            [line for line in strided if not line.startswith("from the file:")],
+            result.stdout,
+            replace=[("runs/gather_predictions", str(tmp_path))],
+        )
     # The file stores probabilities with 6 significant digits: why the test compares them to 1e-6.
     with open(tmp_path / "predictions.csv") as f:
-        stored = [value for row in csv.DictReader(f) for key, value in row.items() if key.startswith("p_")]
+        stored = [
+            value for row in csv.DictReader(f) for key, value in row.items() if key.startswith("p_")
+        ]
     assert all(value == f"{float(value):.6g}" for value in stored) and max(map(len, stored)) <= 12
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_gathering_over_a_padded_distributed_sampler_repeats_samples(tmp_path, predictions_setup, world_size):
-    """Negative control: the same gather over DistributedSampler(drop_last=False) has ceil(N/W)*W rows."""
+def test_gathering_over_a_padded_distributed_sampler_repeats_samples(
+    tmp_path, predictions_setup, world_size
+):
+    """Negative control: the same gather over
+    DistributedSampler(drop_last=False) has ceil(N/W)*W rows."""
     weights, labels, _, _ = predictions_setup
-    result = torchrun(f"{DIR}/gather_predictions.py", "--weights", str(weights), "--output-dir", str(tmp_path),
-                      "--padded", nproc=world_size, timeout=180)
+    result = torchrun(
+        f"{DIR}/gather_predictions.py",
+        "--weights",
+        str(weights),
+        "--output-dir",
+        str(tmp_path),
+        "--padded",
+        nproc=world_size,
+        timeout=180,
+    )
     n = len(labels)
     padded_total = math.ceil(n / world_size) * world_size
     rows = read_predictions(tmp_path / "predictions.csv")
     assert len(rows) == padded_total == 360 != n
     repeats = Counter(r["index"] for r in rows)
-    assert sorted(i for i, c in repeats.items() if c > 1) == list(range(padded_total - n))  # the first ones again
+    # the first ones again
+    assert sorted(i for i, c in repeats.items() if c > 1) == list(range(padded_total - n))
     assert read_summary(tmp_path)["rows_per_rank"] == [math.ceil(n / world_size)] * world_size
     assert f"{padded_total} rows for {n} images" in result.stdout
     if world_size == 3:
         padded_sample = readme_samples(4)[1][0]
-        assert_printed([line for line in padded_sample if not line.startswith("from the file:")], result.stdout,
-                       replace=[("runs/gather_predictions", str(tmp_path))])
-    # Each row carries its index, so dropping rows whose index was seen before gives back the exact file.
+        assert_printed(
+            [line for line in padded_sample if not line.startswith("from the file:")],
+            result.stdout,
+            replace=[("runs/gather_predictions", str(tmp_path))],
+        )
+    # Each row carries its index, so dropping rows whose
+    # index was seen before gives back the exact file.
     seen, unique = set(), []
     for r in rows:
         if r["index"] not in seen:
@@ -407,59 +567,104 @@ def test_gathering_over_a_padded_distributed_sampler_repeats_samples(tmp_path, p
 
 
 def test_rank_0_sorts_by_index_and_refuses_a_missing_or_repeated_index():
-    in_dataset_order = load_script(f"{DIR}/gather_predictions.py", "gather_predictions").in_dataset_order
-    rows = torch.tensor([[2.0, 7.0], [0.0, 5.0], [1.0, 6.0]])  # index, then any columns; as ranks deliver them
+    in_dataset_order = load_script(
+        f"{DIR}/gather_predictions.py", "gather_predictions"
+    ).in_dataset_order
+    # index, then any columns; as ranks deliver them
+    rows = torch.tensor([[2.0, 7.0], [0.0, 5.0], [1.0, 6.0]])
     assert in_dataset_order(rows, 3).tolist() == [[0.0, 5.0], [1.0, 6.0], [2.0, 7.0]]
     for broken in (rows[:2], torch.cat([rows, rows[:1]])):  # index 1 missing; index 2 twice
         with pytest.raises(RuntimeError, match="an index is missing or repeated"):
             in_dataset_order(broken, 3)
-    assert in_dataset_order(torch.cat([rows, rows[:1]]), 3, each_once=False)[:, 0].tolist() == [0, 1, 2, 2]
+    assert in_dataset_order(torch.cat([rows, rows[:1]]), 3, each_once=False)[:, 0].tolist() == [
+        0,
+        1,
+        2,
+        2,
+    ]
 
 
 def test_rows_travel_as_one_float64_tensor_through_gather():
-    """What the README says of the rows and of torch's gather / gather_object (torch 2.14.1's source)."""
+    """What the README says of the rows and of torch's
+    gather / gather_object (torch 2.14.1's source)."""
     script = load_script(f"{DIR}/gather_predictions.py", "gather_predictions")
     images, labels = digits().test.tensors
     loader = [(torch.arange(5), images[:5], labels[:5])]
     rows = script.predict(SmallCNN(1, 10), loader, torch.device("cpu"), 10)
     assert rows.dtype == torch.float64 and rows.shape == (5, 10 + 2)  # index, label, C logits
     assert rows[:, 0].tolist() == [0, 1, 2, 3, 4] and rows[:, 1].tolist() == labels[:5].tolist()
-    big = torch.tensor([2 ** 53, 2 ** 53 + 1], dtype=torch.float64)  # integers exact up to 2^53, not beyond
-    assert big.long().tolist() == [2 ** 53, 2 ** 53]
-    assert 50_000 * (1000 + 2) * 8 / 1e6 == pytest.approx(400, rel=0.01)  # ImageNet val: MB on rank 0
+    # integers exact up to 2^53, not beyond
+    big = torch.tensor([2**53, 2**53 + 1], dtype=torch.float64)
+    assert big.long().tolist() == [2**53, 2**53]
+    # ImageNet val: MB on rank 0
+    assert 50_000 * (1000 + 2) * 8 / 1e6 == pytest.approx(400, rel=0.01)
     source = (REPO / DIR / "gather_predictions.py").read_text()
     assert "dist.gather(padded, gathered, dst=0)" in source and "all_gather(counts" in source
     assert "all tensors to be the same size" in inspect.getdoc(torch.distributed.gather)
     gather_object = inspect.getsource(torch.distributed.gather_object)
-    assert re.search(r"all_gather\(object_size_list.*resize_\(max_object_size\).*\bgather\(", gather_object, re.S)
-    assert "incurs GPU -> CPU transfer since tensors would be\n        pickled. Please consider using :func:`gather`" \
-        in gather_object
+    assert re.search(
+        r"all_gather\(object_size_list.*resize_\(max_object_size\).*\bgather\(", gather_object, re.S
+    )
+    assert (
+        "incurs GPU -> CPU transfer since tensors would be\n        pickled. Please consider "
+        "using :func:`gather`" in gather_object
+    )
 
 
 def test_macro_f1_needs_only_the_summed_confusion_matrix():
     """F1 needs only the confusion matrix, which sums over ranks like the counts of section 3."""
     macro_f1 = load_script(f"{DIR}/gather_predictions.py", "gather_predictions").macro_f1
     generator = torch.Generator().manual_seed(0)
-    labels, predictions = torch.randint(0, 10, (359,), generator=generator), torch.randint(0, 10, (359,), generator=generator)
-    confusion = sum(torch.bincount(labels[r::3] * 10 + predictions[r::3], minlength=100) for r in range(3))
+    labels, predictions = (
+        torch.randint(0, 10, (359,), generator=generator),
+        torch.randint(0, 10, (359,), generator=generator),
+    )
+    confusion = sum(
+        torch.bincount(labels[r::3] * 10 + predictions[r::3], minlength=100) for r in range(3)
+    )
     assert torch.equal(confusion, torch.bincount(labels * 10 + predictions, minlength=100))
     assert macro_f1(labels, predictions, 10) == pytest.approx(
-        macro_f1_by_precision_and_recall(labels.tolist(), predictions.tolist()), abs=1e-12)
+        macro_f1_by_precision_and_recall(labels.tolist(), predictions.tolist()), abs=1e-12
+    )
 
 
 def test_gather_predictions_refuses_missing_or_unfitting_weights(tmp_path):
-    missing = run([PYTHON, REPO / DIR / "gather_predictions.py", "--weights", tmp_path / "none.pt",
-                   "--output-dir", tmp_path], timeout=120)
+    missing = run(
+        [
+            PYTHON,
+            REPO / DIR / "gather_predictions.py",
+            "--weights",
+            tmp_path / "none.pt",
+            "--output-dir",
+            tmp_path,
+        ],
+        timeout=120,
+    )
     assert missing.returncode == 2 and missing.stdout == ""
     assert missing.stderr.startswith("error: weights: no file") and missing.stderr.count("\n") == 1
     assert "01_basic_ddp/train.py" in missing.stderr
-    torch.save(SmallCNN(1, 7).state_dict(), tmp_path / "seven_classes.pt")  # a head for 7 classes, not 10
-    # This refusal comes after the process group (of one) has started: its own port, not the default 29500
+    # a head for 7 classes, not 10
+    torch.save(SmallCNN(1, 7).state_dict(), tmp_path / "seven_classes.pt")
+    # This refusal comes after the process group (of one)
+    # has started: its own port, not the default 29500
     # that other tests running side by side may hold.
-    unfitting = run([PYTHON, REPO / DIR / "gather_predictions.py", "--weights", tmp_path / "seven_classes.pt",
-                     "--output-dir", tmp_path], timeout=120, env=clean_env(MASTER_PORT=str(free_port())))
+    unfitting = run(
+        [
+            PYTHON,
+            REPO / DIR / "gather_predictions.py",
+            "--weights",
+            tmp_path / "seven_classes.pt",
+            "--output-dir",
+            tmp_path,
+        ],
+        timeout=120,
+        env=clean_env(MASTER_PORT=str(free_port())),
+    )
     assert unfitting.returncode == 2 and unfitting.stdout == ""
-    assert unfitting.stderr.startswith("error: weights:") and "does not fit --model small_cnn on digits" in unfitting.stderr
+    assert (
+        unfitting.stderr.startswith("error: weights:")
+        and "does not fit --model small_cnn on digits" in unfitting.stderr
+    )
     assert unfitting.stderr.count("\n") == 1 and "size mismatch" in unfitting.stderr
 
 
@@ -470,11 +675,20 @@ def test_gather_predictions_checks_the_weights_before_any_collective():
     main = calls_in(functions["main"])
     assert main.index("read_weights") < main.index("predict_and_gather")
     body = calls_in(functions["predict_and_gather"])
-    assert body.index("dist.init_process_group") < body.index("model.load_state_dict") < body.index("gather_rows")
-    assert not [c for c in body[:body.index("model.load_state_dict")] if c.startswith("dist.") and
-                c != "dist.init_process_group"]
+    assert (
+        body.index("dist.init_process_group")
+        < body.index("model.load_state_dict")
+        < body.index("gather_rows")
+    )
+    assert not [
+        c
+        for c in body[: body.index("model.load_state_dict")]
+        if c.startswith("dist.") and c != "dist.init_process_group"
+    ]
     # The default weights file is the one 01 writes (its output_dir, model.pt).
-    default = load_script(f"{DIR}/gather_predictions.py", "gather_predictions").PredictConfig().weights
+    default = (
+        load_script(f"{DIR}/gather_predictions.py", "gather_predictions").PredictConfig().weights
+    )
     assert default == f"{TrainConfig().output_dir}/model.pt"
     assert 'Path(cfg.output_dir) / "model.pt"' in (REPO / "01_basic_ddp" / "train.py").read_text()
 
@@ -485,7 +699,10 @@ def test_gather_predictions_refuses_weights_files_that_are_no_state_dict(tmp_pat
     torch.save(torch.zeros(3), tmp_path / "tensor.pt")
     torch.save({"fc.weight": torch.zeros(2)}, tmp_path / "state.pt")
     assert set(read_weights(tmp_path / "state.pt")) == {"fc.weight"}  # a state_dict passes
-    for name, message in (("notes.pt", "error: weights: cannot read"), ("tensor.pt", "holds a Tensor, not a state_dict")):
+    for name, message in (
+        ("notes.pt", "error: weights: cannot read"),
+        ("tensor.pt", "holds a Tensor, not a state_dict"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
             read_weights(tmp_path / name)
         assert exit_info.value.code == 2
@@ -500,9 +717,14 @@ TOLERANCE_ALL, TOLERANCE_RANK = 0.03, 0.06  # the README states these
 
 def test_weighted_sampler_is_disjoint_and_balanced(tmp_path):
     w = 2
-    result = run(readme_command(README_PATH, WEIGHTED) + ["--output-dir", str(tmp_path)], timeout=180, check=True)
+    result = run(
+        readme_command(README_PATH, WEIGHTED) + ["--output-dir", str(tmp_path)],
+        timeout=180,
+        check=True,
+    )
     [[sample]] = readme_samples(5)
-    assert_printed(sample, result.stdout)  # the README's counts: 146 zeros .. 14 nines, and both epochs' draws
+    # the README's counts: 146 zeros .. 14 nines, and both epochs' draws
+    assert_printed(sample, result.stdout)
     assert "indices read by two ranks: 0" in result.stdout
     s = read_summary(tmp_path)
     labels = torch.tensor(s["labels"])
@@ -515,20 +737,24 @@ def test_weighted_sampler_is_disjoint_and_balanced(tmp_path):
         assert epoch["indices_in_several_ranks"] == 0
         for ix, hist in zip(epoch["indices"], epoch["histograms"]):
             assert len(ix) == math.ceil(len(labels) / w)
-            assert torch.bincount(labels[ix], minlength=k).tolist() == hist  # the loader delivered these
+            # the loader delivered these
+            assert torch.bincount(labels[ix], minlength=k).tolist() == hist
             freq = torch.tensor(hist) / sum(hist)
             assert (freq - 1 / k).abs().max() < TOLERANCE_RANK
         total = torch.tensor(epoch["total"]) / sum(epoch["total"])
         assert (total - 1 / k).abs().max() < TOLERANCE_ALL
     assert s["epochs"][0]["indices"] != s["epochs"][1]["indices"]  # set_epoch: new draws each epoch
-    # With replacement, rare samples repeat within a rank: a drawn 9 is far more often a repeat than a drawn 0.
+    # With replacement, rare samples repeat within a rank:
+    # a drawn 9 is far more often a repeat than a drawn 0.
     for epoch in s["epochs"]:
         for ix in epoch["indices"]:
             draws, rarest = Counter(ix), k - 1
 
-            def repeated_share(c):  # of the draws of class c, the share that repeats an index already drawn
+            # of the draws of class c, the share that repeats an index already drawn
+            def repeated_share(c):
                 times = [n for i, n in draws.items() if labels[i] == c]
                 return (sum(times) - len(times)) / sum(times)
+
             assert repeated_share(rarest) > 2 * repeated_share(0)
 
 
@@ -541,36 +767,64 @@ def test_class_balanced_shares_are_disjoint_with_every_class_split_evenly():
     for r in range(w):
         sampler = script.DistributedClassBalancedSampler(labels, w, r, num_samples=10_000, seed=5)
         sampler.set_epoch(2)
-        shares.append(set(sampler))  # 10,000 draws with replacement: every sample of the share appears
-    assert sorted(i for share in shares for i in share) == list(range(len(labels)))  # disjoint, together all
+        # 10,000 draws with replacement: every sample of the share appears
+        shares.append(set(sampler))
+    # disjoint, together all
+    assert sorted(i for share in shares for i in share) == list(range(len(labels)))
     for c in range(3):
         per_rank = [sum(1 for i in share if labels[i] == c) for share in shares]
         assert max(per_rank) - min(per_rank) <= 1  # ~1/W of every class, even of the rarest
+
     # The labels come from .targets (torchvision data sets) or the digits' label tensor.
     class Targets:
         targets = [3, 1, 4]
+
     assert script.labels_of(Targets()).tolist() == [3, 1, 4]
     assert script.labels_of(digits().train).tolist() == digits().train.tensors[1].tolist()
-    # torch's WeightedRandomSampler takes no rank or world size: on every rank it draws from all of the data.
-    assert not {"rank", "num_replicas"} & set(inspect.signature(torch.utils.data.WeightedRandomSampler).parameters)
+    # torch's WeightedRandomSampler takes no rank or world
+    # size: on every rank it draws from all of the data.
+    assert not {"rank", "num_replicas"} & set(
+        inspect.signature(torch.utils.data.WeightedRandomSampler).parameters
+    )
 
 
 def test_weighted_sampler_needs_labels_it_can_read(tmp_path):
-    result = run([PYTHON, REPO / DIR / "weighted_sampler.py", "--dataset", "fake", "--output-dir", tmp_path],
-                 timeout=60)
+    result = run(
+        [PYTHON, REPO / DIR / "weighted_sampler.py", "--dataset", "fake", "--output-dir", tmp_path],
+        timeout=60,
+    )
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.startswith("error: dataset: fake does not list its labels") and result.stderr.count("\n") == 1
+    assert (
+        result.stderr.startswith("error: dataset: fake does not list its labels")
+        and result.stderr.count("\n") == 1
+    )
 
 
 # ---------------------------------------------------------------- 6. sharded loading
 
+
 def test_each_rank_opens_only_its_own_shards(tmp_path):
     shards, w = tmp_path / "shards", 3
-    run([PYTHON, REPO / DIR / "prepare_shards.py", "--num-shards", "12", "--out-dir", shards], timeout=90, check=True)
+    run(
+        [PYTHON, REPO / DIR / "prepare_shards.py", "--num-shards", "12", "--out-dir", shards],
+        timeout=90,
+        check=True,
+    )
     out = tmp_path / "run"
     # Two DataLoader workers per rank: they must split the rank's files again, not repeat them.
-    torchrun(f"{DIR}/sharded_loading.py", "--shards-dir", str(shards), "--epochs", "2", "--num-workers", "2",
-             "--output-dir", str(out), nproc=w, timeout=180)
+    torchrun(
+        f"{DIR}/sharded_loading.py",
+        "--shards-dir",
+        str(shards),
+        "--epochs",
+        "2",
+        "--num-workers",
+        "2",
+        "--output-dir",
+        str(out),
+        nproc=w,
+        timeout=180,
+    )
     manifest = json.loads((shards / "manifest.json").read_text())
     files = [entry["file"] for entry in manifest["shards"]]
     stored = {f: torch.load(shards / f, weights_only=True) for f in files}
@@ -594,64 +848,95 @@ def test_each_rank_opens_only_its_own_shards(tmp_path):
     for epoch, ranks in enumerate(summary["epochs"]):
         per_rank = [opened[(epoch, r)] for r in range(w)]
         assert all(len(set(names)) == len(names) for names in per_rank)  # no file opened twice
-        assert sorted(n for names in per_rank for n in names) == sorted(files)  # disjoint, together all
+        # disjoint, together all
+        assert sorted(n for names in per_rank for n in names) == sorted(files)
         for r, record in enumerate(ranks):
             assert sorted(per_rank[r]) == sorted(record["shards"])
             # A rank's samples came from its own files, and from all of them.
             assert set(record["indices"]) == set().union(*(content[f] for f in per_rank[r]))
         reads = Counter(i for record in ranks for i in record["indices"])
-        assert set(reads) == set(range(manifest["total"])) and set(reads.values()) == {1}  # all, once
+        # all, once
+        assert set(reads) == set(range(manifest["total"])) and set(reads.values()) == {1}
         assert len({record["steps"] for record in ranks}) == 1  # equal step counts on all ranks
         # The shard list shuffled with seed + epoch (seed 0), every W-th file.
-        shuffled = torch.randperm(len(files), generator=torch.Generator().manual_seed(epoch)).tolist()
-        assert [record["shards"] for record in ranks] == [[files[i] for i in shuffled[r::w]] for r in range(w)]
-    assert sorted(opened[(0, 0)]) != sorted(opened[(1, 0)])  # shards move between ranks from epoch to epoch
+        shuffled = torch.randperm(
+            len(files), generator=torch.Generator().manual_seed(epoch)
+        ).tolist()
+        assert [record["shards"] for record in ranks] == [
+            [files[i] for i in shuffled[r::w]] for r in range(w)
+        ]
+    # shards move between ranks from epoch to epoch
+    assert sorted(opened[(0, 0)]) != sorted(opened[(1, 0)])
 
 
 def readme_sample_matches_the_shard_plan(files, manifest):
-    """The README's run (2 ranks, batch 32, no loader workers): its shard lists are shards_for's, its step
-    count the smallest rank's batches, from the manifest alone."""
+    """The README's run (2 ranks, batch 32, no loader workers): its shard lists are
+    shards_for's, its step count the smallest rank's batches, from the manifest alone."""
     script = load_script(f"{DIR}/sharded_loading.py", "sharded_loading")
     sizes = {entry["file"]: entry["samples"] for entry in manifest["shards"]}
     [[sample]] = readme_samples(6)
     assert sample[0] == f"{manifest['total']} samples in {len(files)} shards, 2 ranks"
     for epoch, line in enumerate(sample[1:]):
-        found = re.fullmatch(r"epoch (\d+): (\d+) steps on every rank, (\d+) of (\d+) samples read \((\d+) left over\); "
-                             r"shards per rank: (.*)", line)
+        found = re.fullmatch(
+            r"epoch (\d+): (\d+) steps on every rank, (\d+) of (\d+) samples read \((\d+) "
+            r"left over\); "
+            r"shards per rank: (.*)",
+            line,
+        )
         number, steps, read, assigned, left = map(int, found.groups()[:5])
         per_rank = [script.shards_for(r, 2, files, 0, epoch) for r in range(2)]
         assert number == epoch + 1 and ast.literal_eval(found.group(6)) == per_rank
         samples = [sum(sizes[f] for f in mine) for mine in per_rank]
         assert steps == min(math.ceil(n / 32) for n in samples)
-        assert (read, assigned, left) == (sum(min(n, steps * 32) for n in samples), sum(samples),
-                                          sum(samples) - sum(min(n, steps * 32) for n in samples))
+        assert (read, assigned, left) == (
+            sum(min(n, steps * 32) for n in samples),
+            sum(samples),
+            sum(samples) - sum(min(n, steps * 32) for n in samples),
+        )
 
 
 def test_shards_are_shuffled_within_and_uneven_shard_counts_leave_ranks_unequal(tmp_path):
     script = load_script(f"{DIR}/sharded_loading.py", "sharded_loading")
-    torch.save(dict(images=torch.zeros(8, 1, 2, 2), labels=torch.arange(8), indices=torch.arange(100, 108)),
-               tmp_path / "shard-00000.pt")
+    torch.save(
+        dict(
+            images=torch.zeros(8, 1, 2, 2), labels=torch.arange(8), indices=torch.arange(100, 108)
+        ),
+        tmp_path / "shard-00000.pt",
+    )
     stream = script.ShardStream(tmp_path, seed=3, access_log=tmp_path / "log")
     stream.set_epoch(1, ["shard-00000.pt"])
     read = [int(index) for _, _, index in stream]
-    assert read == (100 + torch.randperm(8, generator=torch.Generator().manual_seed(3 + 1))).tolist() != sorted(read)
-    # 12 shards on 5 ranks: some ranks get 3 files, others 2, so the step plan (the smallest) leaves data over.
+    assert (
+        read
+        == (100 + torch.randperm(8, generator=torch.Generator().manual_seed(3 + 1))).tolist()
+        != sorted(read)
+    )
+    # 12 shards on 5 ranks: some ranks get 3 files, others
+    # 2, so the step plan (the smallest) leaves data over.
     files = [f"shard-{i:05d}.pt" for i in range(12)]
     assert sorted(len(script.shards_for(r, 5, files, 0, 0)) for r in range(5)) == [2, 2, 2, 3, 3]
     # Why the IterableDataset splits its files among loader workers: torch's own warning (2.14.1).
-    assert "multi-process loading yields duplicate data" in inspect.getsource(torch.utils.data.IterableDataset)
+    assert "multi-process loading yields duplicate data" in inspect.getsource(
+        torch.utils.data.IterableDataset
+    )
     # DistributedSampler sizes and indexes the whole data set (a map-style one) on every rank.
-    assert "indices = torch.randperm(len(self.dataset), generator=g)" in inspect.getsource(DistributedSampler)
+    assert "indices = torch.randperm(len(self.dataset), generator=g)" in inspect.getsource(
+        DistributedSampler
+    )
 
 
 def test_sharded_loading_without_shards_is_a_one_line_error(tmp_path):
-    result = run([PYTHON, REPO / DIR / "sharded_loading.py", "--shards-dir", tmp_path / "missing"], timeout=60)
+    result = run(
+        [PYTHON, REPO / DIR / "sharded_loading.py", "--shards-dir", tmp_path / "missing"],
+        timeout=60,
+    )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("error: no shards in") and result.stderr.count("\n") == 1
     assert "prepare_shards.py" in result.stderr
 
 
 # ---------------------------------------------------------------- 7. uneven inputs
+
 
 def per_step(summary):
     """{(epoch, step): [(gradient digest, weights digest) of each rank that ran that step]}."""
@@ -664,37 +949,63 @@ def per_step(summary):
 
 def test_join_finishes_uneven_inputs_with_identical_gradients(tmp_path):
     w = 3
-    result = run(readme_command(README_PATH, UNEVEN_JOIN) + ["--output-dir", str(tmp_path)],
-                 timeout=180, check=True)  # exit code 0, within the timeout; 2 epochs, the default
-    assert_printed(readme_samples(7)[0][0], result.stdout, replace=[("runs/uneven_inputs", str(tmp_path))])
+    result = run(
+        readme_command(README_PATH, UNEVEN_JOIN) + ["--output-dir", str(tmp_path)],
+        timeout=180,
+        check=True,
+    )  # exit code 0, within the timeout; 2 epochs, the default
+    assert_printed(
+        readme_samples(7)[0][0], result.stdout, replace=[("runs/uneven_inputs", str(tmp_path))]
+    )
     s = read_summary(tmp_path)
     assert len(set(s["batches_per_rank"])) == w  # the inputs really are uneven
     n = len(digits().train)  # rank r: its strided share less r * 64 (--uneven)
     assert s["samples_per_rank"] == [len(range(r, n, w)) - 64 * r for r in range(w)]
-    assert s["steps_per_rank"] == [2 * b for b in s["batches_per_rank"]]  # every rank ran all of its batches
+    # every rank ran all of its batches
+    assert s["steps_per_rank"] == [2 * b for b in s["batches_per_rank"]]
     by_step = per_step(s)
-    assert all(len(set(ranks)) == 1 for ranks in by_step.values())  # same gradients and weights at every step
-    assert any(1 < len(ranks) < w for ranks in by_step.values())  # steps with a joined rank shadowing the rest
+    # same gradients and weights at every step
+    assert all(len(set(ranks)) == 1 for ranks in by_step.values())
+    # steps with a joined rank shadowing the rest
+    assert any(1 < len(ranks) < w for ranks in by_step.values())
     assert s["replicas_identical"]
 
 
 def test_join_with_momentum_lets_weights_drift_in_the_next_epoch(tmp_path):
     """The README's caveat: joined ranks skip optimizer.step(), so their momentum lags."""
-    torchrun(f"{DIR}/uneven_inputs.py", "--fix", "join", "--epochs", "2", "--momentum", "0.9",
-             "--output-dir", str(tmp_path), nproc=2, timeout=180)
+    torchrun(
+        f"{DIR}/uneven_inputs.py",
+        "--fix",
+        "join",
+        "--epochs",
+        "2",
+        "--momentum",
+        "0.9",
+        "--output-dir",
+        str(tmp_path),
+        nproc=2,
+        timeout=180,
+    )
     s = read_summary(tmp_path)
     by_step = per_step(s)
-    assert all(len({g for g, _ in ranks}) == 1 for ranks in by_step.values())  # gradients: still all-reduced
+    # gradients: still all-reduced
+    assert all(len({g for g, _ in ranks}) == 1 for ranks in by_step.values())
     assert all(len({p for _, p in by_step[(0, k)]}) == 1 for k in range(s["batches_per_rank"][1]))
-    assert len({p for _, p in by_step[(1, 0)]}) == 2  # epoch 2: the weights differ between the ranks
+    # epoch 2: the weights differ between the ranks
+    assert len({p for _, p in by_step[(1, 0)]}) == 2
     assert s["replicas_identical"]  # ... and the end-of-Join sync hides it from a final checksum
 
 
 def test_drop_last_runs_the_smallest_rank_count(tmp_path):
     w = 3  # the README's command
-    result = run(readme_command(README_PATH, UNEVEN_DROP_LAST) + ["--output-dir", str(tmp_path)],
-                 timeout=180, check=True)
-    assert_printed(readme_samples(7)[0][1], result.stdout, replace=[("runs/uneven_inputs", str(tmp_path))])
+    result = run(
+        readme_command(README_PATH, UNEVEN_DROP_LAST) + ["--output-dir", str(tmp_path)],
+        timeout=180,
+        check=True,
+    )
+    assert_printed(
+        readme_samples(7)[0][1], result.stdout, replace=[("runs/uneven_inputs", str(tmp_path))]
+    )
     s = read_summary(tmp_path)
     assert s["batches_per_rank"][0] > s["batches_per_rank"][-1]
     assert s["steps_per_rank"] == [2 * min(s["batches_per_rank"])] * w  # 2 epochs (the default)
@@ -705,11 +1016,16 @@ def test_drop_last_runs_the_smallest_rank_count(tmp_path):
 def test_without_a_fix_uneven_inputs_time_out_naming_the_rank_that_never_arrived(tmp_path):
     """Rank 1 runs out of batches and waits at the end-of-epoch barrier while rank 0 waits in its
     next gradient all-reduce: at --timeout-s gloo's monitored_barrier names rank 0."""
-    result = run(readme_command(README_PATH, UNEVEN_NONE) + ["--output-dir", str(tmp_path)], timeout=120)
+    result = run(
+        readme_command(README_PATH, UNEVEN_NONE) + ["--output-dir", str(tmp_path)], timeout=120
+    )
     out = result.output
     assert result.returncode == 1  # torchrun's, for a failed rank
-    assert ("[rank1]: RuntimeError: Rank 1 successfully reached monitoredBarrier, but received errors while "
-            "waiting for send/recv from rank 0") in out, out[-3000:]
+    assert (
+        "[rank1]: RuntimeError: Rank 1 successfully reached monitoredBarrier, but received "
+        "errors while "
+        "waiting for send/recv from rank 0"
+    ) in out, out[-3000:]
     assert "Timed out waiting 5000ms" in out
     rank1 = "\n".join(line for line in out.splitlines() if line.startswith("[rank1]:"))
     assert "dist.monitored_barrier()" in rank1, rank1
@@ -719,19 +1035,27 @@ def test_without_a_fix_uneven_inputs_time_out_naming_the_rank_that_never_arrived
     assert "ChildFailedError" in out
     rank0 = [line for line in out.splitlines() if line.startswith("[rank0]:")]
     rank0_error = [line for line in rank0 if line.startswith("[rank0]: RuntimeError:")]
-    if rank0_error:  # rank 0, unless torchrun stopped it first: in its gradient all-reduce, rank 1 gone or timed out
+    # rank 0, unless torchrun stopped it first: in its gradient all-reduce, rank 1 gone or timed out
+    if rank0_error:
         assert any("loss.backward()" in line for line in rank0), rank0
-        assert "Connection closed by peer" in rank0_error[0] or "Timed out waiting 5000ms for recv" in rank0_error[0]
+        assert (
+            "Connection closed by peer" in rank0_error[0]
+            or "Timed out waiting 5000ms for recv" in rank0_error[0]
+        )
 
 
 def test_uneven_inputs_defaults_and_what_torch_does_for_join_and_barriers():
-    """The defaults the README names, and the PyTorch behaviour it describes (torch 2.14.1's source)."""
+    """The defaults the README names, and the PyTorch
+    behaviour it describes (torch 2.14.1's source)."""
     config = load_script(f"{DIR}/uneven_inputs.py", "uneven_inputs").UnevenConfig()
     assert (config.timeout_s, config.momentum, config.uneven, config.fix) == (60.0, 0.0, 64, "join")
     assert inspect.signature(DDP.join).parameters["divide_by_initial_world_size"].default is True
     ddp_source = inspect.getsource(DDP)
-    # A joined rank's all-reduces carry zeros; at the end the last rank to join is the source of the weights.
+    # A joined rank's all-reduces carry zeros; at the end
+    # the last rank to join is the source of the weights.
     assert "real tensors are substituted with\n        # zero tensors" in ddp_source
     assert "Joined processes contribute zero gradient" in ddp_source
     assert re.search(r"_find_common_rank\(\s*self._distributed_rank, is_last_joiner", ddp_source)
-    assert "only supported with the GLOO backend" in inspect.getdoc(torch.distributed.monitored_barrier)
+    assert "only supported with the GLOO backend" in inspect.getdoc(
+        torch.distributed.monitored_barrier
+    )

@@ -53,6 +53,7 @@ def test_site_file_static(path):
 
 # -- sourcing a site file --------------------------------------------------------------------------
 
+
 def stub_bin(tmp_path: Path) -> Path:
     """`module` and `conda` that record their arguments (no Lmod or conda here)."""
     bin_dir = tmp_path / "bin"
@@ -64,22 +65,34 @@ def stub_bin(tmp_path: Path) -> Path:
 
 
 def site_env(tmp_path: Path, with_module: bool = True, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in clean_env().items() if not k.startswith(("NCCL_", "FI_")) and k not in ("LD_LIBRARY_PATH", "SITE")}
+    env = {
+        k: v
+        for k, v in clean_env().items()
+        if not k.startswith(("NCCL_", "FI_")) and k not in ("LD_LIBRARY_PATH", "SITE")
+    }
     env.update(extra)
     if with_module:
         env["PATH"] = f"{stub_bin(tmp_path)}:{env['PATH']}"
     return env
 
 
-def source_site(site: str, tmp_path: Path, **extra: str) -> tuple[dict[str, str], dict[str, str], list[str]]:
+def source_site(
+    site: str, tmp_path: Path, **extra: str
+) -> tuple[dict[str, str], dict[str, str], list[str]]:
     """Source jobs/sites/<site>.sh as the job files do (set -euo pipefail); return the variables it
     exported, the placement variables it set, and the module/conda calls."""
-    script = (f"set -euo pipefail; env -0 > {tmp_path}/before; source jobs/sites/{site}.sh; env -0 > {tmp_path}/after; "
-              "for v in NRANKS_PER_NODE MPIEXEC_BIND GPUS_PER_NODE; do [[ -v $v ]] && printf '%s=%s\\n' $v \"${!v}\"; done; true")
+    script = (
+        f"set -euo pipefail; env -0 > {tmp_path}/before; source jobs/sites/{site}.sh; env -0 "
+        f"> {tmp_path}/after; "
+        "for v in NRANKS_PER_NODE MPIEXEC_BIND GPUS_PER_NODE; do [[ -v $v ]] && printf "
+        "'%s=%s\\n' $v \"${!v}\"; done; true"
+    )
     result = run(["bash", "-c", script], 30, env=site_env(tmp_path, **extra), check=True)
 
     def read(name):
-        return dict(item.split("=", 1) for item in (tmp_path / name).read_text().split("\0") if "=" in item)
+        return dict(
+            item.split("=", 1) for item in (tmp_path / name).read_text().split("\0") if "=" in item
+        )
 
     before, after = read("before"), read("after")
     exported = {k: v for k, v in after.items() if before.get(k) != v and k not in ("_", "SHLVL")}
@@ -89,14 +102,21 @@ def source_site(site: str, tmp_path: Path, **extra: str) -> tuple[dict[str, str]
 
 
 def readme_table() -> dict[str, dict[str, object]]:
-    """jobs/sites/README.md's table: per site, the modules, the exported variables and the placement."""
+    """jobs/sites/README.md's table: per site, the modules,
+    the exported variables and the placement."""
     rows = {}
     for line in (SITES_DIR / "README.md").read_text().splitlines():
         m = re.match(r"\| \[`(\w+)\.sh`\]", line)
         if m:
             cells = [c.strip() for c in line.strip("|").split("|")]
-            pairs = [dict(re.findall(r"`([A-Z_]+)=([^`]*)`", cell)) for cell in (cells[3], cells[4])]
-            rows[m.group(1)] = {"modules": re.findall(r"`([^`]+)`", cells[2]), "exported": pairs[0], "placement": pairs[1]}
+            pairs = [
+                dict(re.findall(r"`([A-Z_]+)=([^`]*)`", cell)) for cell in (cells[3], cells[4])
+            ]
+            rows[m.group(1)] = {
+                "modules": re.findall(r"`([^`]+)`", cells[2]),
+                "exported": pairs[0],
+                "placement": pairs[1],
+            }
     return rows
 
 
@@ -112,16 +132,31 @@ def test_site_file_exports_and_loads_what_the_readme_lists(site, tmp_path):
 
 
 def test_your_own_values_and_the_switches_win(tmp_path):
-    """A variable exported before keeps its value; the switches change what is exported or loaded."""
+    """A variable exported before keeps its value; the
+    switches change what is exported or loaded."""
     for sub in "abcd":
         (tmp_path / sub).mkdir()
-    exported, placement, calls = source_site("derecho", tmp_path / "a", NCCL_SOCKET_IFNAME="hsn0",
-                                             MPIEXEC_BIND="", DERECHO_NCCL_OFI="1", DERECHO_MODULES="cuda")
+    exported, placement, calls = source_site(
+        "derecho",
+        tmp_path / "a",
+        NCCL_SOCKET_IFNAME="hsn0",
+        MPIEXEC_BIND="",
+        DERECHO_NCCL_OFI="1",
+        DERECHO_MODULES="cuda",
+    )
     assert "NCCL_SOCKET_IFNAME" not in exported  # unchanged: the value given
-    assert exported["NCCL_NET"] == "AWS Libfabric" and placement["MPIEXEC_BIND"] == "" and calls == ["module load cuda"]
-    exported, _, calls = source_site("polaris", tmp_path / "b", POLARIS_NCCL_OFI="0", POLARIS_CONDA_ENV="myenv")
+    assert (
+        exported["NCCL_NET"] == "AWS Libfabric"
+        and placement["MPIEXEC_BIND"] == ""
+        and calls == ["module load cuda"]
+    )
+    exported, _, calls = source_site(
+        "polaris", tmp_path / "b", POLARIS_NCCL_OFI="0", POLARIS_CONDA_ENV="myenv"
+    )
     assert exported == {} and calls[-1] == "conda activate myenv"
-    exported, _, calls = source_site("polaris", tmp_path / "c", LD_LIBRARY_PATH="/mine", POLARIS_MODULES="conda/2025")
+    exported, _, calls = source_site(
+        "polaris", tmp_path / "c", LD_LIBRARY_PATH="/mine", POLARIS_MODULES="conda/2025"
+    )
     assert exported["LD_LIBRARY_PATH"].endswith(":/mine") and "module load conda/2025" in calls
     _, _, calls = source_site("perlmutter", tmp_path / "d", PERLMUTTER_MODULES="pytorch/2.9 nccl")
     assert calls == ["module load pytorch/2.9 nccl"]
@@ -131,10 +166,14 @@ def test_your_own_values_and_the_switches_win(tmp_path):
 def test_site_file_without_module_command_is_one_error_line(site, tmp_path):
     env = site_env(tmp_path, with_module=False)
     env["PATH"] = "/usr/bin:/bin"  # no `module` anywhere
-    result = run(["bash", "-c", f"set -euo pipefail; source jobs/sites/{site}.sh; echo after"], 30, env=env)
+    result = run(
+        ["bash", "-c", f"set -euo pipefail; source jobs/sites/{site}.sh; echo after"], 30, env=env
+    )
     assert result.returncode == 2 and "after" not in result.stdout
     assert result.stderr.strip().splitlines() == [
-        f"error: SITE={site} needs the 'module' command: start the job file as a login shell (#!/bin/bash -l)"]
+        f"error: SITE={site} needs the 'module' command: start the job file as a login shell "
+        "(#!/bin/bash -l)"
+    ]
 
 
 def test_job_files_that_source_a_site_start_a_login_shell():
@@ -145,21 +184,27 @@ def test_job_files_that_source_a_site_start_a_login_shell():
 
 # -- the job files with SITE=..., under stubs of the launchers ------------------------------------
 
+
 def launcher_stubs(tmp_path: Path) -> Path:
     """mpiexec and srun record their arguments and environment; scontrol answers as Slurm would."""
     bin_dir = stub_bin(tmp_path)
     for name in ("mpiexec", "srun"):
-        (bin_dir / name).write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{tmp_path}/{name}.args"\n'
-                                    f'env > "{tmp_path}/{name}.env"\n')
+        (bin_dir / name).write_text(
+            f'#!/bin/sh\nprintf "%s\\n" "$@" > "{tmp_path}/{name}.args"\n'
+            f'env > "{tmp_path}/{name}.env"\n'
+        )
         (bin_dir / name).chmod(0o755)
-    (bin_dir / "scontrol").write_text('#!/bin/sh\ncase "$1 $2" in\n  "show hostnames") echo node1 ;;\n'
-                                      '  "show node") echo "NodeName=node1 NodeAddr=10.1.2.3 State=IDLE" ;;\nesac\n')
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/sh\ncase "$1 $2" in\n  "show hostnames") echo node1 ;;\n'
+        '  "show node") echo "NodeName=node1 NodeAddr=10.1.2.3 State=IDLE" ;;\nesac\n'
+    )
     (bin_dir / "scontrol").chmod(0o755)
     return bin_dir
 
 
 def run_job(name: str, tmp_path: Path, site: str | None, with_module: bool = True):
-    """Run jobs/<name> under bash as its scheduler would start it; return (result, launcher argv, launcher env)."""
+    """Run jobs/<name> under bash as its scheduler would start
+    it; return (result, launcher argv, launcher env)."""
     bin_dir = launcher_stubs(tmp_path)
     env = site_env(tmp_path, with_module=False, RUN_DIR=str(tmp_path / "run"), PYTHON="python")
     env["PATH"] = f"{bin_dir}:{env['PATH']}"
@@ -169,31 +214,46 @@ def run_job(name: str, tmp_path: Path, site: str | None, with_module: bool = Tru
         env["SITE"] = site
     if name.startswith("pbs"):
         (tmp_path / "nodefile").write_text(f"{socket.gethostname()}\nlocalhost\n")
-        env.update(PBS_NODEFILE=str(tmp_path / "nodefile"), PBS_JOBID="4400.pbs01", PBS_O_WORKDIR=str(REPO),
-                   MPIEXEC=str(bin_dir / "mpiexec"))
+        env.update(
+            PBS_NODEFILE=str(tmp_path / "nodefile"),
+            PBS_JOBID="4400.pbs01",
+            PBS_O_WORKDIR=str(REPO),
+            MPIEXEC=str(bin_dir / "mpiexec"),
+        )
         launcher = "mpiexec"
     else:
-        env.update(SLURM_JOB_ID="4400", SLURM_JOB_NODELIST="node1", SLURM_JOB_NUM_NODES="1", SLURM_CPUS_PER_TASK="32")
+        env.update(
+            SLURM_JOB_ID="4400",
+            SLURM_JOB_NODELIST="node1",
+            SLURM_JOB_NUM_NODES="1",
+            SLURM_CPUS_PER_TASK="32",
+        )
         launcher = "srun"
     result = run(["bash", REPO / "jobs" / name], 60, env=env)
     args_file, env_file = tmp_path / f"{launcher}.args", tmp_path / f"{launcher}.env"
     argv = args_file.read_text().splitlines() if args_file.exists() else None
-    launcher_env = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line) \
-        if env_file.exists() else None
+    launcher_env = (
+        dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line)
+        if env_file.exists()
+        else None
+    )
     return result, argv, launcher_env
 
 
-@pytest.mark.parametrize("site,name", [(s, n) for s, jobs in sorted(SITE_JOBS.items()) for n in jobs])
+@pytest.mark.parametrize(
+    "site,name", [(s, n) for s, jobs in sorted(SITE_JOBS.items()) for n in jobs]
+)
 def test_job_file_sources_its_site_and_the_launcher_gets_it(site, name, tmp_path):
     result, argv, env = run_job(name, tmp_path, site)
     assert result.returncode == 0, result.output
     row = readme_table()[site]
-    assert {k: env.get(k) for k in row["exported"]} == row["exported"]  # the NCCL variables reach the ranks
+    # the NCCL variables reach the ranks
+    assert {k: env.get(k) for k in row["exported"]} == row["exported"]
     calls = (tmp_path / "calls").read_text().splitlines()
     assert f"module load {row['modules'][0]}" in calls, calls
     if name == "pbs_mpiexec.pbs":
         bind = row["placement"]["MPIEXEC_BIND"].split()
-        assert argv[argv.index("--ppn") + 2:argv.index("--ppn") + 2 + len(bind)] == bind, argv
+        assert argv[argv.index("--ppn") + 2 : argv.index("--ppn") + 2 + len(bind)] == bind, argv
     if name.startswith("slurm"):
         assert "--cpus-per-task=32" in argv, argv
     if name == "slurm_torchrun.sbatch":
@@ -208,7 +268,11 @@ def test_job_file_without_site_loads_nothing(name, tmp_path):
     assert not (tmp_path / "calls").exists()
     assert not any(k.startswith(("NCCL_", "FI_")) for k in env)
     if name == "pbs_mpiexec.pbs":
-        assert argv[argv.index("--ppn") + 2:argv.index("--ppn") + 5] == ["--depth=8", "--cpu-bind", "depth"]
+        assert argv[argv.index("--ppn") + 2 : argv.index("--ppn") + 5] == [
+            "--depth=8",
+            "--cpu-bind",
+            "depth",
+        ]
 
 
 @pytest.mark.parametrize("name", ["pbs_mpiexec.pbs", "slurm_srun.sbatch"])
@@ -217,17 +281,22 @@ def test_unknown_site_or_no_module_command_stops_the_job_before_launch(name, tmp
     result, argv, _ = run_job(name, tmp_path / "unknown", "nowhere")
     assert result.returncode == 2 and argv is None, result.output
     assert result.stderr.strip().splitlines() == [
-        "error: SITE=nowhere: no jobs/sites/nowhere.sh (sites: derecho.sh perlmutter.sh polaris.sh)"]
+        "error: SITE=nowhere: no jobs/sites/nowhere.sh (sites: derecho.sh perlmutter.sh polaris.sh)"
+    ]
     site = "derecho" if name.startswith("pbs") else "perlmutter"
     (tmp_path / "login").mkdir()
     result, argv, _ = run_job(name, tmp_path / "login", site, with_module=False)
-    assert result.returncode == 2 and argv is None and "#!/bin/bash -l" in result.stderr, result.output
+    assert result.returncode == 2 and argv is None and "#!/bin/bash -l" in result.stderr, (
+        result.output
+    )
 
 
 # -- the header blocks each site file offers ------------------------------------------------------
 
+
 def header_blocks(text: str) -> list[list[str]]:
-    """Runs of disabled directives (##PBS / ##SBATCH lines), one '#' dropped: as the user copies them."""
+    """Runs of disabled directives (##PBS / ##SBATCH
+    lines), one '#' dropped: as the user copies them."""
     blocks, current = [], []
     for line in text.splitlines() + [""]:
         if line.startswith(("##PBS ", "##SBATCH ")):
@@ -258,15 +327,29 @@ def seconds(hms: str) -> int:
     return h * 3600 + m * 60 + s
 
 
-POLARIS_QUEUES = {"debug": (1, 2, 1), "debug-scaling": (1, 10, 1), "prod": (10, 496, 24), "preemptable": (1, 10, 72)}
-JOB_WALLTIME_S = {name: int(re.search(r"WALLTIME_S=\$\{WALLTIME_S:-(\d+)\}", (REPO / "jobs" / name).read_text()).group(1))
-                  for name in PBS_JOBS}
+POLARIS_QUEUES = {
+    "debug": (1, 2, 1),
+    "debug-scaling": (1, 10, 1),
+    "prod": (10, 496, 24),
+    "preemptable": (1, 10, 72),
+}
+JOB_WALLTIME_S = {
+    name: int(
+        re.search(r"WALLTIME_S=\$\{WALLTIME_S:-(\d+)\}", (REPO / "jobs" / name).read_text()).group(
+            1
+        )
+    )
+    for name in PBS_JOBS
+}
 
 
 def header_problems(site: str, block: list[str]) -> list[str]:
     """What is wrong with one header block for `site` (empty: nothing)."""
-    problems = [f"not a directive: {line}" for line in block
-                if not (PBS_LINE.fullmatch(line) or SBATCH_LINE.fullmatch(line))]
+    problems = [
+        f"not a directive: {line}"
+        for line in block
+        if not (PBS_LINE.fullmatch(line) or SBATCH_LINE.fullmatch(line))
+    ]
     opts = dict(options(block))
     if site in ("derecho", "polaris"):
         for key in ("-A", "-q", "select", "walltime"):
@@ -274,8 +357,13 @@ def header_problems(site: str, block: list[str]) -> list[str]:
                 problems.append(f"no {key}")
         if problems:
             return problems
-        # The PBS files stop WALLTIME_S - SAVE_MARGIN_S into the job: WALLTIME_S must be this walltime.
-        walltime_s = int(dict(re.findall(r"(\w+)=(\S+)", opts.get("-v", ""))).get("WALLTIME_S", JOB_WALLTIME_S[PBS_JOBS[0]]))
+        # The PBS files stop WALLTIME_S - SAVE_MARGIN_S
+        # into the job: WALLTIME_S must be this walltime.
+        walltime_s = int(
+            dict(re.findall(r"(\w+)=(\S+)", opts.get("-v", ""))).get(
+                "WALLTIME_S", JOB_WALLTIME_S[PBS_JOBS[0]]
+            )
+        )
         if seconds(opts["walltime"]) != walltime_s:
             problems.append(f"walltime {opts['walltime']} but WALLTIME_S {walltime_s}")
     if site == "derecho":
@@ -296,7 +384,11 @@ def header_problems(site: str, block: list[str]) -> list[str]:
             if not low <= int(m.group(1)) <= high or seconds(opts["walltime"]) > hours * 3600:
                 problems.append(f"{m.group(1)} nodes for {opts['walltime']} in {opts['-q']}")
     if site == "perlmutter":
-        if opts.get("--constraint") != "gpu" or opts.get("--gpus-per-node") != "4" or "--qos" not in opts:
+        if (
+            opts.get("--constraint") != "gpu"
+            or opts.get("--gpus-per-node") != "4"
+            or "--qos" not in opts
+        ):
             problems.append("not -C gpu --gpus-per-node=4 with a --qos")
         tasks, cpus = int(opts.get("--ntasks-per-node", 0)), int(opts.get("--cpus-per-task", 0))
         if tasks * cpus != 128:
@@ -317,33 +409,58 @@ def test_site_header_blocks_fit_the_site(path):
     if path.stem == "polaris":
         assert {o["-q"] for o in opts} == set(POLARIS_QUEUES)
     if path.stem == "perlmutter":
-        assert sorted(o["--ntasks-per-node"] for o in opts) == ["1", "4"]  # slurm_torchrun, slurm_srun
+        # slurm_torchrun, slurm_srun
+        assert sorted(o["--ntasks-per-node"] for o in opts) == ["1", "4"]
 
 
 def test_header_check_catches_what_each_site_forbids():
     """Negative controls: blocks that break one rule each."""
-    polaris = ["#PBS -A p", "#PBS -q prod", "#PBS -l select=2:system=polaris", "#PBS -l place=scatter",
-               "#PBS -l walltime=02:00:00", "#PBS -l filesystems=home:eagle"]
+    polaris = [
+        "#PBS -A p",
+        "#PBS -q prod",
+        "#PBS -l select=2:system=polaris",
+        "#PBS -l place=scatter",
+        "#PBS -l walltime=02:00:00",
+        "#PBS -l filesystems=home:eagle",
+    ]
     assert header_problems("polaris", polaris) == ["2 nodes for 02:00:00 in prod"]
     debug = [line.replace("prod", "debug") for line in polaris]
-    assert header_problems("polaris", debug) == ["2 nodes for 02:00:00 in debug"]  # debug: 1 h at most
+    # debug: 1 h at most
+    assert header_problems("polaris", debug) == ["2 nodes for 02:00:00 in debug"]
     assert header_problems("polaris", [*debug[:4], "#PBS -l walltime=01:00:00", debug[5]]) == [
-        "walltime 01:00:00 but WALLTIME_S 7200"]
-    derecho = ["#PBS -A p", "#PBS -q main", "#PBS -l select=2:ncpus=64:mpiprocs=4", "#PBS -l walltime=02:00:00"]
+        "walltime 01:00:00 but WALLTIME_S 7200"
+    ]
+    derecho = [
+        "#PBS -A p",
+        "#PBS -q main",
+        "#PBS -l select=2:ncpus=64:mpiprocs=4",
+        "#PBS -l walltime=02:00:00",
+    ]
     assert header_problems("derecho", derecho) == ["select 2:ncpus=64:mpiprocs=4"]
-    perlmutter = ["#SBATCH --qos=regular", "#SBATCH --gpus-per-node=4", "#SBATCH --ntasks-per-node=4",
-                  "#SBATCH --cpus-per-task=32"]
-    assert header_problems("perlmutter", perlmutter) == ["not -C gpu --gpus-per-node=4 with a --qos"]
+    perlmutter = [
+        "#SBATCH --qos=regular",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --cpus-per-task=32",
+    ]
+    assert header_problems("perlmutter", perlmutter) == [
+        "not -C gpu --gpus-per-node=4 with a --qos"
+    ]
     assert header_problems("perlmutter", [*perlmutter, "#SBATCH --constraint=gpu"]) == []
 
 
-# -- srun passes --cpus-per-task on -----------------------------------------------------------------
+# -- srun passes --cpus-per-task on
+# -----------------------------------------------------------------
+
 
 def srun_commands(text: str) -> list[str]:
     """Every srun command line of a shell file, continuation lines joined, comments left out."""
     joined = re.sub(r"\s*\\\n\s*", " ", text)
-    return [line.strip() for line in joined.splitlines()
-            if not line.lstrip().startswith("#") and re.search(r"(^|[\s;&|(])srun\s", line)]
+    return [
+        line.strip()
+        for line in joined.splitlines()
+        if not line.lstrip().startswith("#") and re.search(r"(^|[\s;&|(])srun\s", line)
+    ]
 
 
 def test_every_srun_passes_cpus_per_task():
@@ -353,5 +470,9 @@ def test_every_srun_passes_cpus_per_task():
     assert len(commands) == len(SLURM_JOBS)
     assert all('--cpus-per-task="${SLURM_CPUS_PER_TASK:-1}"' in c for c in commands), commands
     # Negative control: the check sees an srun without it, across a continuation line.
-    sample = srun_commands('x=1\nsrun --kill-on-bad-exit=1 \\\n    python t.py &\n# srun in a comment\n')
-    assert sample == ["srun --kill-on-bad-exit=1 python t.py &"] and "--cpus-per-task" not in sample[0]
+    sample = srun_commands(
+        "x=1\nsrun --kill-on-bad-exit=1 \\\n    python t.py &\n# srun in a comment\n"
+    )
+    assert (
+        sample == ["srun --kill-on-bad-exit=1 python t.py &"] and "--cpus-per-task" not in sample[0]
+    )

@@ -19,8 +19,10 @@ from torch import nn
 from tests.helpers import REPO, load_script, read_summary, readme_sample, torchrun
 
 cpu_sync_batchnorm = load_script("04_syncbn/cpu_sync_batchnorm.py", "cpu_sync_batchnorm_under_test")
-CpuSyncBatchNorm, convert_to_cpu_sync_batchnorm = (cpu_sync_batchnorm.CpuSyncBatchNorm,
-                                                   cpu_sync_batchnorm.convert_to_cpu_sync_batchnorm)
+CpuSyncBatchNorm, convert_to_cpu_sync_batchnorm = (
+    cpu_sync_batchnorm.CpuSyncBatchNorm,
+    cpu_sync_batchnorm.convert_to_cpu_sync_batchnorm,
+)
 
 SCRIPT = "04_syncbn/train.py"
 WORKER = "tests/syncbn_worker.py"
@@ -32,11 +34,12 @@ TOLERANCE = 1e-5
 def math() -> dict:
     result = torchrun(WORKER, timeout=150)
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def relative_difference(a: dict, b: dict) -> float:
-    """Largest ||a - b|| / ||b|| over parameters and running statistics (num_batches_tracked compared exactly)."""
+    """Largest ||a - b|| / ||b|| over parameters and running
+    statistics (num_batches_tracked compared exactly)."""
     assert a.keys() == b.keys()
     worst = 0.0
     for k in a:
@@ -56,7 +59,8 @@ def test_sync_batchnorm_on_two_ranks_equals_batchnorm_on_the_full_batch(math):
 
 
 def test_running_statistics_are_the_same_on_every_rank_only_when_synchronized(math):
-    """The README: eval mode communicates nothing because the running statistics are identical on every rank."""
+    """The README: eval mode communicates nothing because the
+    running statistics are identical on every rank."""
     assert math["identical_running_stats"] == {"sync": True, "plain": False}
 
 
@@ -69,7 +73,8 @@ def test_plain_batchnorm_on_two_ranks_differs(math):
 
 def test_one_all_reduce_per_layer_in_training_and_none_in_eval_mode(math):
     assert math["sync_layers"] == 2
-    assert math["train_forward_all_reduces"] == 2  # per layer: sum, sum of squares and count in one tensor
+    # per layer: sum, sum of squares and count in one tensor
+    assert math["train_forward_all_reduces"] == 2
     assert math["train_backward_all_reduces"] == 2  # the differentiable all-reduce's backward
     assert math["eval_forward_all_reduces"] == 0  # running statistics: nothing to communicate
 
@@ -77,8 +82,18 @@ def test_one_all_reduce_per_layer_in_training_and_none_in_eval_mode(math):
 def test_conversion_happens_before_the_ddp_wrap(tmp_path):
     """The probe records the BatchNorm classes of each model the lesson hands to DDP."""
     result_file = tmp_path / "probe.json"
-    torchrun(PROBE, str(result_file), SCRIPT, "--batch-norm", "compare", "--max-steps", "1",
-             "--output-dir", str(tmp_path / "out"), timeout=150)
+    torchrun(
+        PROBE,
+        str(result_file),
+        SCRIPT,
+        "--batch-norm",
+        "compare",
+        "--max-steps",
+        "1",
+        "--output-dir",
+        str(tmp_path / "out"),
+        timeout=150,
+    )
     probe = json.loads(result_file.read_text())
     # compare mode: the plain run wraps BatchNorm2d, the sync run wraps the converted layers only.
     assert probe["wrapped"] == [["BatchNorm2d"], ["CpuSyncBatchNorm"]]
@@ -86,40 +101,81 @@ def test_conversion_happens_before_the_ddp_wrap(tmp_path):
 
 
 def test_script_sync_run_equals_one_process_and_plain_run_does_not(tmp_path):
-    """The training script: 2 ranks x 4 samples with synced BN == 1 process x 8 samples with plain BN."""
+    """The training script: 2 ranks x 4 samples with synced
+    BN == 1 process x 8 samples with plain BN."""
     two, one = tmp_path / "two_ranks", tmp_path / "one_process"
-    result = torchrun(SCRIPT, "--batch-norm", "compare", "--batch-size", "4", "--max-steps", "3",
-                      "--output-dir", str(two), timeout=180)
+    result = torchrun(
+        SCRIPT,
+        "--batch-norm",
+        "compare",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "3",
+        "--output-dir",
+        str(two),
+        timeout=180,
+    )
     assert "sync: 2 x CpuSyncBatchNorm, statistics over 8 samples per channel" in result.stdout
     assert "plain: 2 x BatchNorm2d, statistics over 4 samples per channel" in result.stdout
-    torchrun(SCRIPT, "--batch-norm", "plain", "--batch-size", "8", "--max-steps", "3",
-             "--output-dir", str(one), nproc=1, timeout=120)
+    torchrun(
+        SCRIPT,
+        "--batch-norm",
+        "plain",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "3",
+        "--output-dir",
+        str(one),
+        nproc=1,
+        timeout=120,
+    )
     summary = read_summary(two)
     runs = summary["runs"]
-    assert summary["norm_layer"] == "CpuSyncBatchNorm" and summary["replicas_identical"]  # top level: the sync run
+    # top level: the sync run
+    assert summary["norm_layer"] == "CpuSyncBatchNorm" and summary["replicas_identical"]
     assert runs["sync"]["norm_layer"] == "CpuSyncBatchNorm" and runs["sync"]["normalized_over"] == 8
     assert runs["plain"]["norm_layer"] == "BatchNorm2d" and runs["plain"]["normalized_over"] == 4
     assert runs["sync"]["steps"] == runs["plain"]["steps"] == 3
     reference = torch.load(one / "model_plain.pt", weights_only=True)
-    assert relative_difference(torch.load(two / "model_sync.pt", weights_only=True), reference) < TOLERANCE
-    assert relative_difference(torch.load(two / "model_plain.pt", weights_only=True), reference) > 1e-3
+    assert (
+        relative_difference(torch.load(two / "model_sync.pt", weights_only=True), reference)
+        < TOLERANCE
+    )
+    assert (
+        relative_difference(torch.load(two / "model_plain.pt", weights_only=True), reference) > 1e-3
+    )
     # The README: per run, losses and accuracy; the model files hold the running statistics too.
     for run in runs.values():
         assert {"final_train_loss", "eval_loss", "eval_accuracy"} <= run.keys()
-    assert any(k.endswith("running_mean") for k in reference) and any(k.endswith("running_var") for k in reference)
-    # The README's sample output, defaults with --log-every 1000: the same banners (this run has the default batch
+    assert any(k.endswith("running_mean") for k in reference) and any(
+        k.endswith("running_var") for k in reference
+    )
+    # The README's sample output, defaults with --log-every
+    # 1000: the same banners (this run has the default batch
     # 4 on 2 ranks), and closing lines of the same shape.
     sample = readme_sample(README, "## Output")
-    banners = [line for line in result.stdout.splitlines() if line.startswith(("plain: ", "sync: "))]
+    banners = [
+        line for line in result.stdout.splitlines() if line.startswith(("plain: ", "sync: "))
+    ]
     assert banners == [line for line in sample if line.startswith(("plain: ", "sync: "))]
-    closing = re.compile(r" *(BatchNorm2d|CpuSyncBatchNorm) normalizes over (4|8) samples: train loss \d\.\d{4}, "
-                         r"eval loss \d\.\d{4}, eval acc \d\.\d{4}")
-    assert [m[1] for m in map(closing.fullmatch, sample) if m] == ["BatchNorm2d", "CpuSyncBatchNorm"]
-    assert [m[1] for m in map(closing.fullmatch, result.stdout.splitlines()) if m] == ["BatchNorm2d",
-                                                                                      "CpuSyncBatchNorm"]
+    closing = re.compile(
+        r" *(BatchNorm2d|CpuSyncBatchNorm) normalizes over (4|8) samples: train loss \d\.\d{4}, "
+        r"eval loss \d\.\d{4}, eval acc \d\.\d{4}"
+    )
+    assert [m[1] for m in map(closing.fullmatch, sample) if m] == [
+        "BatchNorm2d",
+        "CpuSyncBatchNorm",
+    ]
+    assert [m[1] for m in map(closing.fullmatch, result.stdout.splitlines()) if m] == [
+        "BatchNorm2d",
+        "CpuSyncBatchNorm",
+    ]
 
 
-# --- what the README says, in this process ------------------------------------------------------------
+# --- what the README says, in this process
+# ------------------------------------------------------------
 
 README = REPO / "04_syncbn" / "README.md"
 
@@ -137,19 +193,28 @@ def test_the_readmes_code_is_the_scripts():
 
 def test_defaults_are_the_readmes():
     folder = str(REPO / "04_syncbn")
-    sys.path.insert(0, folder)  # the script imports its neighbour cpu_sync_batchnorm.py, as when run
+    # the script imports its neighbour cpu_sync_batchnorm.py, as when run
+    sys.path.insert(0, folder)
     try:
         syncbn_config = load_script(SCRIPT, "syncbn_for_defaults").SyncBNConfig()
     finally:
         sys.path.remove(folder)
-    assert (syncbn_config.batch_norm, syncbn_config.batch_size, syncbn_config.epochs, syncbn_config.lr) == (
-        "compare", 4, 3, 0.01)
-    assert "`--batch-norm compare|plain|sync`; defaults: 4 samples per rank, 3 epochs, lr 0.01" in README.read_text()
+    assert (
+        syncbn_config.batch_norm,
+        syncbn_config.batch_size,
+        syncbn_config.epochs,
+        syncbn_config.lr,
+    ) == ("compare", 4, 3, 0.01)
+    assert (
+        "`--batch-norm compare|plain|sync`; defaults: 4 samples per rank, 3 epochs, lr 0.01"
+        in README.read_text()
+    )
 
 
 def test_cpu_sync_batchnorm_is_a_batchnorm2d_and_plain_batchnorm_without_a_process_group():
-    """Same parameters, buffers and state_dict keys as BatchNorm2d; with no process group (or in eval mode) it
-    is BatchNorm2d, bitwise. It converts only BatchNorm2d; nn.SyncBatchNorm's conversion also takes 1d and 3d."""
+    """Same parameters, buffers and state_dict keys as BatchNorm2d; with no
+    process group (or in eval mode) it is BatchNorm2d, bitwise. It converts
+    only BatchNorm2d; nn.SyncBatchNorm's conversion also takes 1d and 3d."""
     torch.manual_seed(0)
     plain = nn.BatchNorm2d(3)
     with torch.no_grad():
@@ -158,8 +223,14 @@ def test_cpu_sync_batchnorm_is_a_batchnorm2d_and_plain_batchnorm_without_a_proce
     model = nn.Sequential(nn.BatchNorm1d(3), copy.deepcopy(plain), nn.BatchNorm3d(3))
     converted = convert_to_cpu_sync_batchnorm(copy.deepcopy(model))
     assert [type(m) for m in converted] == [nn.BatchNorm1d, CpuSyncBatchNorm, nn.BatchNorm3d]
-    assert isinstance(converted[1], nn.BatchNorm2d) and converted.state_dict().keys() == model.state_dict().keys()
-    assert all(torch.equal(a, b) for a, b in zip(converted.state_dict().values(), model.state_dict().values()))
+    assert (
+        isinstance(converted[1], nn.BatchNorm2d)
+        and converted.state_dict().keys() == model.state_dict().keys()
+    )
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(converted.state_dict().values(), model.state_dict().values())
+    )
     x = torch.randn(4, 3, 5, 5)
     assert not dist.is_initialized()
     for mode in ("train", "eval"):
@@ -169,20 +240,28 @@ def test_cpu_sync_batchnorm_is_a_batchnorm2d_and_plain_batchnorm_without_a_proce
     synced = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
     assert [type(m) for m in synced] == [nn.SyncBatchNorm] * 3
     # convert_sync_batchnorm keeps the parameters and running statistics.
-    assert all(torch.equal(a, b) for a, b in zip(synced.state_dict().values(), model.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(synced.state_dict().values(), model.state_dict().values())
+    )
 
 
 def test_nn_syncbatchnorm_kernels_are_gpu_only():
-    """Why nn.SyncBatchNorm refuses CPU tensors: its statistics kernel has no CPU implementation (torch 2.14.1)."""
-    with pytest.raises(NotImplementedError, match="'aten::batch_norm_stats' with arguments from the 'CPU' backend"):
+    """Why nn.SyncBatchNorm refuses CPU tensors: its statistics
+    kernel has no CPU implementation (torch 2.14.1)."""
+    with pytest.raises(
+        NotImplementedError, match="'aten::batch_norm_stats' with arguments from the 'CPU' backend"
+    ):
         torch.batch_norm_stats(torch.randn(4, 3, 2, 2), 1e-5)
 
 
-@pytest.mark.parametrize("norm", [nn.LayerNorm([3, 4, 4]), nn.GroupNorm(1, 3), nn.RMSNorm([3, 4, 4])],
-                         ids=["LayerNorm", "GroupNorm", "RMSNorm"])
+@pytest.mark.parametrize(
+    "norm",
+    [nn.LayerNorm([3, 4, 4]), nn.GroupNorm(1, 3), nn.RMSNorm([3, 4, 4])],
+    ids=["LayerNorm", "GroupNorm", "RMSNorm"],
+)
 def test_per_sample_norms_have_no_batch_statistics(norm):
-    """Each sample is normalized on its own: its output does not depend on the rest of the batch, in training
-    mode too. BatchNorm in training mode is the control."""
+    """Each sample is normalized on its own: its output does not depend on the rest of
+    the batch, in training mode too. BatchNorm in training mode is the control."""
     x = torch.randn(8, 3, 4, 4)
     assert torch.allclose(norm.train()(x)[:2], norm(x[:2]), atol=1e-6)
     batch_norm = nn.BatchNorm2d(3).train()
@@ -190,7 +269,8 @@ def test_per_sample_norms_have_no_batch_statistics(norm):
 
 
 def test_resnet50_has_53_batchnorm_layers_and_vit_and_convnext_none():
-    """The README: a ResNet-50 has 53 BatchNorm layers; ViT and ConvNeXt (torchvision's) use LayerNorm only."""
+    """The README: a ResNet-50 has 53 BatchNorm layers; ViT
+    and ConvNeXt (torchvision's) use LayerNorm only."""
     from torchvision.models import convnext_tiny, resnet50, vit_b_16
 
     with torch.device("meta"):  # the layers, without initializing their weights

@@ -11,7 +11,8 @@ It registers a global optimizer step hook (torch.optim.optimizer.register_optimi
 when torch.optim is first imported, so it works in every example without touching its loop.
 
     DDP_TEST_SLOW_ALL_REDUCE_S=S  sleep S seconds before every torch.distributed.all_reduce in this
-                                  process: a slow node, for comm_check, when set for one node's ranks only
+                                  process: a slow node, for comm_check, when set for one node's
+                                  ranks only
 """
 
 import importlib.abc
@@ -40,7 +41,11 @@ def _install(optim=None) -> None:
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    fail_rank, mode, steps = os.environ.get("DDP_TEST_FAIL_RANK", "0"), os.environ.get("DDP_TEST_FAIL_MODE", "raise"), []
+    fail_rank, mode, steps = (
+        os.environ.get("DDP_TEST_FAIL_RANK", "0"),
+        os.environ.get("DDP_TEST_FAIL_MODE", "raise"),
+        [],
+    )
 
     def hook(optimizer, args, kwargs):
         import torch.distributed as dist
@@ -53,7 +58,11 @@ def _install(optim=None) -> None:
         what = f"step {AT_STEP} on rank {fail_rank} (test injection, t={time.time():.2f})"
         if mode == "raise":
             raise RuntimeError(f"injected failure at {what}")
-        print(f"injecting {'SIGKILL' if mode == 'kill' else 'a hang'} at {what}", file=sys.stderr, flush=True)
+        print(
+            f"injecting {'SIGKILL' if mode == 'kill' else 'a hang'} at {what}",
+            file=sys.stderr,
+            flush=True,
+        )
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         while True:
@@ -63,8 +72,8 @@ def _install(optim=None) -> None:
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Calls install(module) right after `module_name` is imported (importing torch here would slow every
-    process the tests start, torchrun's own agent included)."""
+    """Calls install(module) right after `module_name` is imported (importing torch here
+    would slow every process the tests start, torchrun's own agent included)."""
 
     def __init__(self, module_name, install):
         self.module_name, self.install = module_name, install

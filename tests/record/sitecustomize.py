@@ -1,21 +1,21 @@
-"""Test-only record of the training samples every rank reads, loaded by Python at start-up when this
-folder is on PYTHONPATH (as tests/inject is; Python imports one `sitecustomize`, so a process gets
-either this one or that one).
+"""Test-only record of the training samples every rank reads, loaded by Python
+at start-up when this folder is on PYTHONPATH (as tests/inject is; Python
+imports one `sitecustomize`, so a process gets either this one or that one).
 
     DDP_TEST_RECORD_DIR=D   append one line per training batch to D/batches.rank<RANK>.txt:
                             "<epoch> <sample index>,<sample index>,..."
                             and one line per randomly augmented sample to D/augment.rank<RANK>.txt:
                             "<process> <hash of the augmented view of one fixed image>"
 
-A training batch is one that a DataLoader takes from a DistributedSampler (or a subclass, such as
-05's ResumableSampler): the hook wraps BatchSampler.__iter__, which hands the DataLoader the indices
-of each batch as it loads it. Evaluation loaders (other samplers) are not recorded.
+A training batch is one that a DataLoader takes from a DistributedSampler (or a subclass, such
+as 05's ResumableSampler): the hook wraps BatchSampler.__iter__, which hands the DataLoader the
+indices of each batch as it loads it. Evaluation loaders (other samplers) are not recorded.
 
-An augmented sample is one that goes through a torchvision Compose holding a Random* transform (CIFAR-10's
-RandomCrop + RandomHorizontalFlip, ImageFolder's). The hook saves torch's RNG state, applies the same
-Compose to a fixed reference image, restores the state and then transforms the real sample: the
-reference view shows exactly the random draws the real sample gets (in the main process, or in a
-DataLoader worker: <process> is "main" or "worker<id>"), and training is unchanged.
+An augmented sample is one that goes through a torchvision Compose holding a Random* transform
+(CIFAR-10's RandomCrop + RandomHorizontalFlip, ImageFolder's). The hook saves torch's RNG state,
+applies the same Compose to a fixed reference image, restores the state and then transforms the real
+sample: the reference view shows exactly the random draws the real sample gets (in the main process,
+or in a DataLoader worker: <process> is "main" or "worker<id>"), and training is unchanged.
 
 Nothing in the lessons changes; real runs never see this file.
 """
@@ -40,7 +40,8 @@ def _install(sampler_module) -> None:
             yield from original(self)
             return
         for batch in original(self):
-            with open(path, "a") as f:  # one write per line, flushed on close: readers poll this file
+            # one write per line, flushed on close: readers poll this file
+            with open(path, "a") as f:
                 f.write(f"{self.sampler.epoch} {','.join(map(str, batch))}\n")
             yield batch
 
@@ -73,14 +74,19 @@ def _install_augment_record(transforms_module) -> None:
         torch.set_rng_state(state)
         worker = get_worker_info()
         with open(path, "a") as f:
-            f.write(f"{'main' if worker is None else f'worker{worker.id}'} "
-                    f"{hashlib.sha256(view.numpy().tobytes()).hexdigest()[:16]}\n")
+            f.write(
+                f"{'main' if worker is None else f'worker{worker.id}'} "
+                f"{hashlib.sha256(view.numpy().tobytes()).hexdigest()[:16]}\n"
+            )
         return original(self, img)
 
     compose.__call__ = recording_call
 
 
-HOOKS = {"torch.utils.data.sampler": _install, "torchvision.transforms.transforms": _install_augment_record}
+HOOKS = {
+    "torch.utils.data.sampler": _install,
+    "torchvision.transforms.transforms": _install_augment_record,
+}
 
 
 class _AfterModules(importlib.abc.MetaPathFinder):
