@@ -2,12 +2,12 @@
 ImageFolder, FakeData. Rank 0 downloads while others wait, or a login node runs
 `python -m common.prepare` first (compute nodes are often offline)."""
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import Dataset, TensorDataset
 
 from common.errors import DataError, exit_on_bad_input
@@ -187,19 +187,21 @@ def check_data(cfg, world_size: int) -> None:
             )
 
 
-def load_datasets(cfg, rank: int) -> DataBundle:
-    """Collective when downloading (rank 0 downloads, the others
-    wait); a data problem exits with 2 on every rank."""
+def download_datasets(cfg) -> None:
+    """Download cfg.dataset into cfg.data_dir (call it on one rank, while the others wait at a
+    barrier). A failure is printed here and not raised: load_datasets then stops every rank alike,
+    so no rank is left waiting at the barrier."""
+    if cfg.dataset not in DOWNLOADABLE:
+        return
+    try:
+        build_datasets(cfg.dataset, cfg.data_dir, cfg.image_size, download=True)
+    except DataError as exc:
+        print(str(exc), file=sys.stderr, flush=True)
+
+
+def load_datasets(cfg, world_size: int) -> DataBundle:
+    """Open the data set on disk; a data problem exits with 2 (one `error:` line per node)."""
     with exit_on_bad_input():
-        if cfg.download and cfg.dataset in DOWNLOADABLE:
-            try:
-                if rank == 0:
-                    build_datasets(cfg.dataset, cfg.data_dir, cfg.image_size, download=True)
-            finally:
-                # the others wait; released even when the download failed (then all fail alike)
-                dist.barrier()
         data = build_datasets(cfg.dataset, cfg.data_dir, cfg.image_size, download=False)
-        check_world_size(
-            cfg.dataset, len(data.train), dist.get_world_size() if dist.is_initialized() else 1
-        )
+        check_world_size(cfg.dataset, len(data.train), world_size)
         return data

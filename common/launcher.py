@@ -12,6 +12,15 @@ from typing import Mapping
 
 import torch
 
+# A workaround for torch's own bug, in this one place because every script imports this module
+# before its process group exists. torch.distributed.nn.functional binds the default process group
+# as the default argument of its functions when it is first imported, and DDP's constructor
+# imports it (through torch._dynamo). Imported after init_process_group, it keeps the group, and
+# gloo's threads, alive past destroy_process_group() into interpreter shutdown, where a gloo thread
+# that frees a tensor aborts the finished run ("terminate called without an active exception";
+# debugging/README.md). Imported now, it binds None. Seen in torch 2.14.1.
+import torch.distributed.nn  # noqa: F401
+
 from common.errors import LauncherError, exit_on_bad_input
 
 # torchrun's --master-port default across nodes (one node without it: a free port)
@@ -170,32 +179,32 @@ def launch_info(
     (of the `gpus` it sees) from `env`. A process started alone, outside any
     job, gets port 0: its store takes any free port (nobody connects)."""
     scheduler, job_id = _scheduler(env)
-    name, r, lr, ws, lws = _find(env, rank, world_size)
-    ws = 1 if ws is None else ws
-    if ws < 1:
-        raise LauncherError(f"{name}: world size {ws} must be at least 1")
-    if r is None and ws > 1:
+    name, rank, local_rank, world, local_world = _find(env, rank, world_size)
+    world = 1 if world is None else world
+    if world < 1:
+        raise LauncherError(f"{name}: world size {world} must be at least 1")
+    if rank is None and world > 1:
         raise LauncherError(
-            f"{name}: world size is {ws} but this process's rank is not set; "
+            f"{name}: world size is {world} but this process's rank is not set; "
             "start it with a launcher (torchrun, srun, mpiexec) or set RANK"
         )
-    r = 0 if r is None else r
-    if not 0 <= r < ws:
+    rank = 0 if rank is None else rank
+    if not 0 <= rank < world:
         raise LauncherError(
-            f"{name}: rank {r} is outside the world size {ws} (must be 0..{ws - 1})"
+            f"{name}: rank {rank} is outside the world size {world} (must be 0..{world - 1})"
         )
-    if lws is None:
-        lws = ws if scheduler == "none" else 1 if lr is None else lr + 1
-    lr = r % lws if lr is None else lr
-    if not 0 <= lr < lws or lws > ws:
+    if local_world is None:
+        local_world = world if scheduler == "none" else 1 if local_rank is None else local_rank + 1
+    local_rank = rank % local_world if local_rank is None else local_rank
+    if not 0 <= local_rank < local_world or local_world > world:
         raise LauncherError(
-            f"{name}: local rank {lr} and local world size {lws} do not fit world size {ws}"
+            f"{name}: local rank {local_rank} and local world size {local_world} do not fit world size {world}"
         )
     # 0: per-task GPU binding (srun --gpus-per-task=1, site scripts) shows one GPU
-    gpu = lr if gpus >= lws else 0
-    if 1 < gpus < lws:  # two ranks would share a GPU, which NCCL refuses ("Duplicate GPU detected")
+    gpu = local_rank if gpus >= local_world else 0
+    if 1 < gpus < local_world:  # two ranks would share a GPU, which NCCL refuses ("Duplicate GPU detected")
         raise LauncherError(
-            f"{lws} ranks on this node but {gpus} GPUs visible to rank {r} (CUDA_VISIBLE_DEVICES="
+            f"{local_world} ranks on this node but {gpus} GPUs visible to rank {rank} (CUDA_VISIBLE_DEVICES="
             f"{env.get('CUDA_VISIBLE_DEVICES', 'unset')}): one rank per GPU, seeing all or its own"
         )
     port = (
@@ -203,7 +212,7 @@ def launch_info(
         if name == "single" and scheduler == "none" and not env.get("MASTER_PORT")
         else master_port(env)
     )
-    return LaunchInfo(name, r, lr, ws, lws, master_address(env), port, scheduler, job_id, gpu)
+    return LaunchInfo(name, rank, local_rank, world, local_world, master_address(env), port, scheduler, job_id, gpu)
 
 
 def _find(env, rank, world_size):

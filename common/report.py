@@ -1,5 +1,5 @@
-"""summary.json: a run's machine-readable result, which tests
-and benchmarks read; every rank calls write_summary."""
+"""summary.json: a run's machine-readable result, which tests and benchmarks read. No communication
+here: the scripts gather what needs every rank (the replica checksums) themselves."""
 
 import hashlib
 import json
@@ -8,30 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-
-# the last checksum gather's tensors, kept until the process exits (replica_checksums)
-_LAST_GATHER: list = []
 
 
-def replica_checksums(model: torch.nn.Module) -> list[str]:
-    """Collective: every rank's SHA-256 of its parameters, on
-    all ranks; shows that DDP replicas are identical."""
+def parameter_checksum(model: torch.nn.Module) -> str:
+    """SHA-256 of this rank's parameters; equal on every rank when the DDP replicas are identical."""
     digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().float().cpu().numpy().tobytes())
-    device = next(model.parameters()).device  # nccl gathers device tensors
-    mine = torch.tensor(list(digest.digest()), dtype=torch.uint8, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    # Usually a run's last collective: gloo's worker thread
-    # may drop its references after all_gather returns,
-    # and without Python's that drop needs the GIL, which
-    # no thread gets once the interpreter exits (torch 2.14
-    # aborts: "terminate called without an active
-    # exception"; DDP keeps gloo's threads past destroy).
-    _LAST_GATHER[:] = [mine, gathered]
-    return [bytes(t.cpu().tolist()).hex() for t in gathered]
+    for parameter in model.parameters():
+        digest.update(parameter.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def write_json_atomic(path: str | Path, data: dict) -> None:
@@ -43,16 +27,12 @@ def write_json_atomic(path: str | Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def write_summary(
-    output_dir: str | Path, model: torch.nn.Module | None = None, **fields: Any
-) -> Path:
-    """Rank 0 writes `fields` to <output_dir>/summary.json;
-    with a model, a collective adds replica checksums."""
-    if model is not None:
-        checksums = replica_checksums(model)
-        fields.update(replica_checksums=checksums, replicas_identical=len(set(checksums)) == 1)
+def write_summary(output_dir: str | Path, **fields: Any) -> Path:
+    """Write `fields` to <output_dir>/summary.json (call it on one rank). With `replica_checksums`
+    (every rank's parameter_checksum), it adds whether the replicas are identical."""
+    if "replica_checksums" in fields:
+        fields["replicas_identical"] = len(set(fields["replica_checksums"])) == 1
     path = Path(output_dir) / "summary.json"
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        write_json_atomic(path, fields)
-        print(f"summary written to {path}", flush=True)
+    write_json_atomic(path, fields)
+    print(f"summary written to {path}", flush=True)
     return path
