@@ -17,7 +17,8 @@ from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
+# make `common` importable
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
@@ -27,10 +28,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from common.config import TrainConfig, field, load_config
-from common.data import check_data, load_datasets
+from common.data import check_data, download_datasets, load_datasets
 from common.launcher import detect_launcher
 from common.models import build_model
-from common.report import write_summary
+from common.report import parameter_checksum, write_summary
 
 
 @dataclasses.dataclass
@@ -45,11 +46,12 @@ class AccumConfig(TrainConfig):
 
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Exact distributed evaluation: sums over this rank's slice of the test
-    set, all-reduced. `model` is the plain module (ddp_model.module):
-    ranks may hold different numbers of test batches."""
+    """Exact distributed evaluation: sums over this rank's slice of the test set, all-reduced.
+    `model` is the plain module (ddp_model.module): ranks may hold different numbers of test
+    batches."""
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    # loss sum, correct, count
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
@@ -60,15 +62,16 @@ def evaluate(model, loader, device):
                 torch.tensor(len(labels), device=device),
             ]
         )
-    dist.all_reduce(totals)  # sum over ranks
+    # Sum over ranks: a collective, so every rank calls it.
+    dist.all_reduce(totals)
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count, int(count)
 
 
 def train(cfg, launch):
     start_time = time.perf_counter()
-    # One GPU per process: the local rank's, or 0 where the
-    # site shows each rank only its own; else CPU (gloo).
+    # One GPU per process: the local rank's, or 0 where the site shows each rank only its own;
+    # else CPU (gloo).
     device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -81,14 +84,23 @@ def train(cfg, launch):
         world_size=launch.world_size,
         timeout=timedelta(seconds=cfg.timeout_s),
     )
-    # same initial weights on every rank (and DDP broadcasts rank 0's at the wrap)
+    # Same initial weights on every rank (and DDP broadcasts rank 0's at the wrap).
     torch.manual_seed(cfg.seed)
 
-    data = load_datasets(cfg, launch.rank)
-    # Each rank gets a disjoint 1/world_size of the training
-    # set, shuffled alike on every rank (seed + epoch).
+    if cfg.download:
+        # Rank 0 downloads while the others wait at the barrier, which every rank must call.
+        if launch.rank == 0:
+            download_datasets(cfg)
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    data = load_datasets(cfg, launch.world_size)
+    # Each rank gets a disjoint 1/world_size of the training set, shuffled alike on every rank
+    # (seed + epoch).
     train_sampler = DistributedSampler(
-        data.train, num_replicas=launch.world_size, rank=launch.rank, shuffle=True, seed=cfg.seed
+        data.train,
+        num_replicas=launch.world_size,
+        rank=launch.rank,
+        shuffle=True,
+        seed=cfg.seed,
     )
     train_loader = DataLoader(
         data.train,
@@ -97,27 +109,32 @@ def train(cfg, launch):
         num_workers=cfg.num_workers,
         pin_memory=device.type == "cuda",
     )
-    # Evaluation: a strided slice per rank covers every test
-    # sample once (DistributedSampler would pad with repeats).
+    # Evaluation: a strided slice per rank covers every test sample once (DistributedSampler
+    # would pad with repeats).
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
     test_loader = DataLoader(test_shard, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
 
-    # Move the model to this rank's device, then wrap: DDP
-    # registers the hooks that all-reduce gradients in backward().
-    model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
+    # Move the model to this rank's device, then wrap: DDP registers the hooks that all-reduce
+    # gradients in backward().
+    model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size)
+    model = model.to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(
-        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        model.parameters(),
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
     )
-    # from here on each rank its own augmentation and loader worker seeds
+    # From here on each rank its own augmentation and loader worker seeds.
     torch.manual_seed(cfg.seed + launch.rank)
     # samples per optimizer step
     effective_batch = cfg.batch_size * launch.world_size * cfg.accum_steps
 
     if launch.rank == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
         print(
-            f"launcher {launch.launcher}, {backend} on {device} (CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), world size {launch.world_size}, "
+            f"launcher {launch.launcher}, {backend} on {device} "
+            f"(CUDA_VISIBLE_DEVICES={visible}), world size {launch.world_size}, "
             f"batch {cfg.batch_size} x {launch.world_size} x accum {cfg.accum_steps} = "
             f"{effective_batch}, "
             f"{len(train_loader)} micro-batches per rank per epoch, no_sync {cfg.use_no_sync}",
@@ -125,11 +142,11 @@ def train(cfg, launch):
         )
     step, images_seen = 0, 0
     for epoch in range(cfg.epochs):
-        # a new shuffle each epoch; without it every epoch repeats epoch 0
+        # A new shuffle each epoch; without it every epoch repeats epoch 0.
         train_sampler.set_epoch(epoch)
         model.train()
-        # this rank's loss sum and sample count
-        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
+        # This rank's loss sum and sample count.
+        loss_and_count = torch.zeros(2, dtype=torch.float64, device=device)
         for i, (images, labels) in enumerate(train_loader):
             images, labels = images.to(device), labels.to(device)
             window_start = i - i % cfg.accum_steps
@@ -143,16 +160,14 @@ def train(cfg, launch):
             # backward's all-reduce, so a forward outside no_sync still communicates.
             with model.no_sync() if cfg.use_no_sync and not sync else nullcontext():
                 loss = F.cross_entropy(model(images), labels)
-                # .grad sums over the window. Weighting each
-                # micro-batch's mean loss by its share of the window's
-                # samples makes the sum the window's mean gradient:
-                # loss / accum_steps for a full window, and
-                # still exact in an epoch's shorter last window.
-                # (Not / world size: DDP already averages.)
+                # .grad sums over the window. Weighting each micro-batch's mean loss by its
+                # share of the window's samples makes the sum the window's mean gradient:
+                # loss / accum_steps for a full window, and still exact in an epoch's shorter
+                # last window. (Not / world size: DDP already averages.)
                 (loss * len(labels) / window_samples).backward()
             images_seen += len(labels)
-            loss_sum[0] += loss.detach() * len(labels)
-            loss_sum[1] += len(labels)
+            loss_and_count[0] += loss.detach() * len(labels)
+            loss_and_count[1] += len(labels)
             if not sync:
                 continue  # no step yet: keep accumulating
             # the sync backward above averaged the window's gradient over the ranks
@@ -167,49 +182,58 @@ def train(cfg, launch):
                 )
             if step == cfg.max_steps:
                 break
-        # sums and counts over all ranks: the exact mean, not a mean of means
-        dist.all_reduce(loss_sum)
-        train_loss = (loss_sum[0] / loss_sum[1]).item()
+        # Sums and counts over all ranks, the exact mean (not a mean of means); every rank calls it.
+        dist.all_reduce(loss_and_count)
+        train_loss = (loss_and_count[0] / loss_and_count[1]).item()
         eval_loss, eval_acc, eval_count = evaluate(model.module, test_loader, device)
         if launch.rank == 0:
             print(
-                f"epoch {epoch + 1} done: train loss {train_loss:.4f}, eval loss {eval_loss:.4f}, "
+                f"epoch {epoch + 1} done: train loss {train_loss:.4f}, "
+                f"eval loss {eval_loss:.4f}, "
                 f"eval accuracy {eval_acc:.4f} ({eval_count} images)",
                 flush=True,
             )
         if step == cfg.max_steps:
             break
 
-    if launch.rank == 0:  # plain file I/O on one rank; model.module drops DDP's "module." prefix
+    elapsed = time.perf_counter() - start_time
+    # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
+    checksums = [None] * launch.world_size
+    dist.all_gather_object(checksums, parameter_checksum(model))
+    # Plain file I/O on one rank; model.module drops DDP's "module." prefix.
+    if launch.rank == 0:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         torch.save(model.module.state_dict(), Path(cfg.output_dir) / "model.pt")
-    elapsed = time.perf_counter() - start_time
-    write_summary(
-        cfg.output_dir,
-        model,
-        world_size=launch.world_size,
-        launcher=launch.launcher,
-        backend=backend,
-        global_batch_size=effective_batch,
-        accum_steps=cfg.accum_steps,
-        use_no_sync=cfg.use_no_sync,
-        # every rank saw as many
-        images_per_second=images_seen * launch.world_size / elapsed,
-        device=str(device),
-        local_batch_size=cfg.batch_size,
-        lr=cfg.lr,
-        epochs=epoch + 1,
-        steps=step,
-        final_train_loss=train_loss,
-        eval_loss=eval_loss,
-        eval_accuracy=eval_acc,
-        eval_samples=eval_count,
-        wall_time_s=elapsed,
-    )
+        write_summary(
+            cfg.output_dir,
+            world_size=launch.world_size,
+            launcher=launch.launcher,
+            backend=backend,
+            global_batch_size=effective_batch,
+            accum_steps=cfg.accum_steps,
+            use_no_sync=cfg.use_no_sync,
+            # every rank saw as many
+            images_per_second=images_seen * launch.world_size / elapsed,
+            device=str(device),
+            local_batch_size=cfg.batch_size,
+            lr=cfg.lr,
+            epochs=epoch + 1,
+            steps=step,
+            final_train_loss=train_loss,
+            eval_loss=eval_loss,
+            eval_accuracy=eval_acc,
+            eval_samples=eval_count,
+            wall_time_s=elapsed,
+            replica_checksums=checksums,
+        )
+    # Release the DDP model first: it holds the process group, which would otherwise outlive
+    # destroy_process_group() and keep gloo's threads running into interpreter shutdown.
+    del model
     dist.destroy_process_group()
 
 
-@record  # under torchrun, a failing rank's exception and traceback show in torchrun's summary
+# under torchrun, a failing rank's exception and traceback show in torchrun's summary
+@record
 def main():
     cfg = load_config(AccumConfig)  # bad input (here and below): one "error:" line, exit code 2
     # rank, local rank, world size, rendezvous address: torchrun, srun, mpiexec
@@ -221,6 +245,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
-    sys.stdout.flush()
-    os._exit(0)

@@ -24,7 +24,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
+# make `common` importable
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
@@ -36,11 +37,11 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 # 05_checkpointing/checkpoint.py: atomic files, `latest`, fallback, RNG states
 import checkpoint as ckpt
 from common.config import TrainConfig, field, load_config
-from common.data import check_data, load_datasets
+from common.data import check_data, download_datasets, load_datasets
 from common.errors import ConfigError, exit_on_bad_input
 from common.launcher import detect_launcher
 from common.models import build_model
-from common.report import write_summary
+from common.report import parameter_checksum, write_summary
 
 
 @dataclasses.dataclass
@@ -122,11 +123,12 @@ class Preemption:
 
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Exact distributed evaluation: sums over this rank's slice of the test
-    set, all-reduced. `model` is the plain module (ddp_model.module):
-    ranks may hold different numbers of test batches."""
+    """Exact distributed evaluation: sums over this rank's slice of the test set, all-reduced.
+    `model` is the plain module (ddp_model.module): ranks may hold different numbers of test
+    batches."""
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    # loss sum, correct, count
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
@@ -137,50 +139,122 @@ def evaluate(model, loader, device):
                 torch.tensor(len(labels), device=device),
             ]
         )
-    dist.all_reduce(totals)  # sum over ranks
+    # Sum over ranks: a collective, so every rank calls it.
+    dist.all_reduce(totals)
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count, int(count)
 
 
-def save_checkpoint(
-    cfg, launch, device, model, optimizer, scheduler, step, position, loss_sum, model_args, stop=""
+def save_or_stop(
+    cfg, launch, device, preemption, model, optimizer, scheduler, model_args, progress
 ):
-    """Collective: every rank sends its RNG states and loss sums to rank 0, which writes the one
-    file (the replicas are identical); the barrier keeps all ranks from going on before it is
-    complete. On a stop, rank 0 also writes checkpoints/REQUEUE before the barrier: the job
-    files requeue on it, as the launcher may stop rank 0 once another rank has exited."""
+    """Collective, at every step boundary: learn whether any rank was signalled (or is past the
+    deadline), and save a checkpoint on a stop, every save_every_steps, at the end of an epoch
+    and at max_steps. `progress` is (step, epoch, batch, train_loader, loss_and_count). Every
+    rank sends its RNG states and loss sums to rank 0, which writes the one file (the replicas
+    are identical); the barrier keeps all ranks from going on before it is complete. On a stop,
+    rank 0 also writes checkpoints/REQUEUE before the barrier: the job files requeue on it, as
+    the launcher may stop rank 0 once another rank has exited. Returns why to stop ("SIGTERM",
+    "SIGUSR1", "time limit"), or "" to go on."""
+    step, epoch, batch, train_loader, loss_and_count = progress
+    stop = preemption.requested(device)
+    periodic = cfg.save_every_steps and step % cfg.save_every_steps == 0
+    epoch_done = batch == len(train_loader)
+    if not (stop or periodic or epoch_done or step == cfg.max_steps):
+        return stop
     ranks = [None] * launch.world_size if launch.rank == 0 else None
-    dist.gather_object({**ckpt.rng_state(device), "loss_sum": loss_sum.cpu()}, ranks, dst=0)
+    rank_state = {**ckpt.rng_state(device), "loss_sum": loss_and_count.cpu()}
+    dist.gather_object(rank_state, ranks, dst=0)
     if launch.rank == 0:
-        path = ckpt.save(
-            {
-                "model": model.module.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "step": step,
-                "ranks": ranks,
-                # where the next run goes on
-                "epoch": position[0],
-                "consumed": position[1],
-                "world_size": launch.world_size,
-                "batch_size": cfg.batch_size,
-                "model_args": model_args,
-            },
-            cfg.checkpoints,
-            step,
-            cfg.keep_last,
-        )
+        # Where to go on: the next epoch, or this one after the samples all ranks have read.
+        read_now = batch * cfg.batch_size * launch.world_size
+        state = {
+            "model": model.module.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "step": step,
+            "ranks": ranks,
+            "epoch": epoch + 1 if epoch_done else epoch,
+            "consumed": 0 if epoch_done else train_loader.sampler.consumed + read_now,
+            "world_size": launch.world_size,
+            "batch_size": cfg.batch_size,
+            "model_args": model_args,
+        }
+        path = ckpt.save(state, cfg.checkpoints, step, cfg.keep_last)
         print(f"saved {path}", flush=True)
         if stop:
             (cfg.checkpoints / "REQUEUE").write_text(f"{stop} at step {step}\n")
-    dist.barrier()  # nobody goes on, resumes or exits before rank 0 has finished writing
+            print(
+                f"{stop}: checkpoint at step {step} saved; exiting with code "
+                f"{ckpt.REQUEUE_EXIT_CODE} (requeue me)",
+                flush=True,
+            )
+    # Nobody goes on, resumes or exits before rank 0 has finished writing.
+    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    return stop
+
+
+def resume(cfg, launch, device, model, optimizer, scheduler, train_loader):
+    """Collective: rank 0 picks the newest checkpoint that loads and tells the others which one;
+    every rank loads it onto its own device with weights_only=True (tensors and plain values
+    only). Returns (the checkpoint or None, step, epoch, samples of that epoch already trained
+    on, this rank's share of that epoch's loss sums)."""
+    resumed_sums = torch.zeros(2, dtype=torch.float64, device=device)
+    found, state = None, None
+    if launch.rank == 0:
+        # this run's own stop will write a new one
+        (cfg.checkpoints / "REQUEUE").unlink(missing_ok=True)
+        found, state = ckpt.find_resumable(cfg.checkpoints, map_location=device)
+    choice = [found]
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None, 0, 0, 0, resumed_sums
+    if launch.rank != 0:
+        state = ckpt.load(choice[0], map_location=device)
+    # the same on every rank: rank 0 says it, all exit with code 2
+    with exit_on_bad_input():
+        if state["batch_size"] != cfg.batch_size:
+            raise ConfigError(
+                f"{choice[0]} was written with batch size {state['batch_size']} per rank; a "
+                f"resume needs the same (now {cfg.batch_size}), or start afresh with another "
+                "--checkpoint-dir"
+            )
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    # this rank's own RNG states; a new rank keeps its seed + rank
+    if launch.rank < len(state["ranks"]):
+        ckpt.set_rng_state(state["ranks"][launch.rank], device)
+    step, epoch, consumed = state["step"], state["epoch"], state["consumed"]
+    # The epoch's loss sums so far: with W ranks now, rank r adds those of the saved ranks r,
+    # r + W, ...
+    resumed_sums += sum(s["loss_sum"] for s in state["ranks"][launch.rank :: launch.world_size])
+    # Mid-epoch: the same order, without the samples trained on before the checkpoint.
+    steps_per_epoch = len(train_loader)
+    train_loader.sampler.consumed = consumed
+    # The cosine goes on from the LR it has reached and ends at this run's last step (another
+    # world size changes the number of steps left); len(train_loader) is now the resumed epoch's.
+    steps_left = len(train_loader) + (cfg.epochs - epoch - 1) * steps_per_epoch
+    scheduler.T_max = step + steps_left
+    if launch.rank == 0:
+        saved_world_size = state["world_size"]
+        change = ""
+        if saved_world_size != launch.world_size:
+            change = (
+                f"; world size {saved_world_size} -> {launch.world_size}: global batch "
+                f"{cfg.batch_size * saved_world_size} -> {cfg.batch_size * launch.world_size} "
+                f"({cfg.batch_size} per rank), learning rate not rescaled"
+            )
+        print(f"resumed from {choice[0]}: step {step}, epoch {epoch + 1}{change}", flush=True)
+    return choice[0], step, epoch, consumed, resumed_sums
 
 
 def train(cfg, launch):
     start_time = time.perf_counter()
-    preemption = Preemption(cfg.time_limit_s)  # first: a signal from now on is not lost
-    # One GPU per process: the local rank's, or 0 where the
-    # site shows each rank only its own; else CPU (gloo).
+    # First: a signal from now on is not lost.
+    preemption = Preemption(cfg.time_limit_s)
+    # One GPU per process: the local rank's, or 0 where the site shows each rank only its own;
+    # else CPU (gloo).
     device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -193,17 +267,26 @@ def train(cfg, launch):
         world_size=launch.world_size,
         timeout=timedelta(seconds=cfg.timeout_s),
     )
-    # same initial weights on every rank (and DDP broadcasts rank 0's at the wrap)
+    # Same initial weights on every rank (and DDP broadcasts rank 0's at the wrap).
     torch.manual_seed(cfg.seed)
 
-    data = load_datasets(cfg, launch.rank)
-    # Each rank gets a disjoint 1/world_size of the training
-    # set, shuffled alike on every rank (seed + epoch).
+    if cfg.download:
+        # Rank 0 downloads while the others wait at the barrier, which every rank must call.
+        if launch.rank == 0:
+            download_datasets(cfg)
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    data = load_datasets(cfg, launch.world_size)
+    # Each rank gets a disjoint 1/world_size of the training set, shuffled alike on every rank
+    # (seed + epoch).
     train_sampler = ResumableSampler(
-        data.train, num_replicas=launch.world_size, rank=launch.rank, shuffle=True, seed=cfg.seed
+        data.train,
+        num_replicas=launch.world_size,
+        rank=launch.rank,
+        shuffle=True,
+        seed=cfg.seed,
     )
-    # A DataLoader draws a seed at every iter() from `generator`, or else from the global RNG, which
-    # the checkpoint restores: its own generator keeps the loaders from shifting that stream.
+    # A DataLoader draws a seed at every iter() from `generator`, or else from the global RNG,
+    # which the checkpoint restores: its own generator keeps the loaders from shifting that stream.
     generator = torch.Generator()
     train_loader = DataLoader(
         data.train,
@@ -213,15 +296,15 @@ def train(cfg, launch):
         pin_memory=device.type == "cuda",
         generator=generator,
     )
-    # Evaluation: a strided slice per rank covers every test
-    # sample once (DistributedSampler would pad with repeats).
+    # Evaluation: a strided slice per rank covers every test sample once (DistributedSampler
+    # would pad with repeats).
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
     test_loader = DataLoader(
         test_shard, batch_size=cfg.batch_size, num_workers=cfg.num_workers, generator=generator
     )
 
-    # Move the model to this rank's device, then wrap: DDP
-    # registers the hooks that all-reduce gradients in backward().
+    # Move the model to this rank's device, then wrap: DDP registers the hooks that all-reduce
+    # gradients in backward().
     model_args = dict(
         name=cfg.model,
         num_classes=data.num_classes,
@@ -229,197 +312,137 @@ def train(cfg, launch):
         # saved, so that export_model.py can rebuild the network
         image_size=data.image_size,
     )
-    model = build_model(**model_args).to(device)
+    model = build_model(**model_args)
+    model = model.to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(
-        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        model.parameters(),
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
     )
-    # each rank its own augmentation from here on: checkpoints hold all RNGs
+    # From here on each rank its own augmentation and loader worker seeds.
     torch.manual_seed(cfg.seed + launch.rank)
-    steps_per_epoch = len(train_loader)
     # The LR changes every step, so the scheduler's position is part of the state to restore.
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
-        optimizer, T_max=cfg.epochs * steps_per_epoch
+        optimizer, T_max=cfg.epochs * len(train_loader)
     )
-
-    # Resume: rank 0 picks the newest checkpoint that loads and tells the others which one; every
-    # rank loads it onto its own device with weights_only=True (tensors and plain values only).
-    step, start_epoch, consumed = 0, 0, 0
-    resumed_sums = torch.zeros(2, dtype=torch.float64, device=device)
-    if launch.rank == 0:  # this run's own stop will write a new one
-        (cfg.checkpoints / "REQUEUE").unlink(missing_ok=True)
-    found, state = (
-        ckpt.find_resumable(cfg.checkpoints, map_location=device)
-        if launch.rank == 0
-        else (None, None)
+    checkpoint, step, start_epoch, consumed, resumed_sums = resume(
+        cfg, launch, device, model, optimizer, scheduler, train_loader
     )
-    choice = [found]
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is not None:
-        state = state if launch.rank == 0 else ckpt.load(choice[0], map_location=device)
-        with exit_on_bad_input():  # the same on every rank: rank 0 says it, all exit with code 2
-            if state["batch_size"] != cfg.batch_size:
-                raise ConfigError(
-                    f"{choice[0]} was written with batch size {state['batch_size']} per rank; a "
-                    f"resume needs the same (now {cfg.batch_size}), or start afresh with another "
-                    "--checkpoint-dir"
-                )
-        model.module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        # this rank's own RNG states; a new rank keeps its seed + rank
-        if launch.rank < len(state["ranks"]):
-            ckpt.set_rng_state(state["ranks"][launch.rank], device)
-        step, start_epoch, consumed = state["step"], state["epoch"], state["consumed"]
-        saved_world_size = state["world_size"]
-        # The epoch's loss sums so far: with W ranks now,
-        # rank r adds those of the saved ranks r, r + W, ...
-        resumed_sums += sum(s["loss_sum"] for s in state["ranks"][launch.rank :: launch.world_size])
-        del state
-        # The cosine goes on from the LR it has reached
-        # and ends at this run's last step (another world
-        # size changes the number of steps left); len(train_loader) is then the resumed epoch's.
-        train_sampler.consumed = consumed
-        scheduler.T_max = (
-            step + len(train_loader) + (cfg.epochs - start_epoch - 1) * steps_per_epoch
-        )
-        if launch.rank == 0:
-            change = (
-                ""
-                if saved_world_size == launch.world_size
-                else (
-                    f"; world size {saved_world_size} -> {launch.world_size}: global batch "
-                    f"{cfg.batch_size * saved_world_size} -> {cfg.batch_size * launch.world_size} "
-                    f"({cfg.batch_size} per rank), learning rate not rescaled"
-                )
-            )
-            print(
-                f"resumed from {choice[0]}: step {step}, epoch {start_epoch + 1}{change}",
-                flush=True,
-            )
     resumed_from = step
-    if start_epoch >= cfg.epochs or 0 < cfg.max_steps <= step:  # a finished run, started again
+    # A finished run, started again.
+    if start_epoch >= cfg.epochs or 0 < cfg.max_steps <= step:
         if launch.rank == 0:
-            print(f"nothing to do: {choice[0]} is the end of this run", flush=True)
+            print(f"nothing to do: {checkpoint} is the end of this run", flush=True)
+        del model
         dist.destroy_process_group()
         return
 
     if launch.rank == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        global_batch = cfg.batch_size * launch.world_size
         print(
-            f"launcher {launch.launcher}, {backend} on {device} (CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), world size {launch.world_size}, "
-            f"batch {cfg.batch_size} x {launch.world_size} = {cfg.batch_size * launch.world_size}",
+            f"launcher {launch.launcher}, {backend} on {device} "
+            f"(CUDA_VISIBLE_DEVICES={visible}), world size {launch.world_size}, "
+            f"batch {cfg.batch_size} x {launch.world_size} = {global_batch}",
             flush=True,
         )
-    images_seen = 0
+    images_seen, stop = 0, ""
     for epoch in range(start_epoch, cfg.epochs):
-        # a new shuffle each epoch; without it every epoch repeats epoch 0
+        # A new shuffle each epoch; without it every epoch repeats epoch 0.
         train_sampler.set_epoch(epoch)
         # Mid-epoch resume: the same order, without the samples trained on before the checkpoint.
         train_sampler.consumed = consumed if epoch == start_epoch else 0
         # worker seeds: per rank and epoch
         generator.manual_seed(cfg.seed + launch.rank + epoch * launch.world_size)
         model.train()
-        # this rank's loss sum and sample count
-        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
-        if train_sampler.consumed:  # and the sums of those batches
-            loss_sum += resumed_sums
+        # This rank's loss sum and sample count (with those of the batches before a resume).
+        loss_and_count = torch.zeros(2, dtype=torch.float64, device=device)
+        if train_sampler.consumed:
+            loss_and_count += resumed_sums
         for batch, (images, labels) in enumerate(train_loader, 1):
             images, labels = images.to(device), labels.to(device)
             loss = F.cross_entropy(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP all-reduces (averages) the gradients here: every rank steps alike
+            # DDP all-reduces (averages) the gradients here: every rank steps alike.
+            loss.backward()
             optimizer.step()
             scheduler.step()
             step += 1
             images_seen += len(labels)
-            loss_sum[0] += loss.detach() * len(labels)
-            loss_sum[1] += len(labels)
+            loss_and_count[0] += loss.detach() * len(labels)
+            loss_and_count[1] += len(labels)
             if launch.rank == 0 and step % cfg.log_every == 0:
                 print(
                     f"epoch {epoch + 1} step {step} loss {loss.item():.4f} (rank 0's batch)",
                     flush=True,
                 )
-            # Step boundary: every rank learns whether any rank was signalled.
-            stop = preemption.requested(device)
-            periodic = cfg.save_every_steps and step % cfg.save_every_steps == 0
-            epoch_done = batch == len(train_loader)
-            if stop or periodic or epoch_done or step == cfg.max_steps:
-                # Where to go on: the next epoch, or this one
-                # after the samples all ranks have read so far.
-                position = (
-                    (epoch + 1, 0)
-                    if epoch_done
-                    else (
-                        epoch,
-                        train_sampler.consumed + batch * cfg.batch_size * launch.world_size,
-                    )
-                )
-                save_checkpoint(
-                    cfg,
-                    launch,
-                    device,
-                    model,
-                    optimizer,
-                    scheduler,
-                    step,
-                    position,
-                    loss_sum,
-                    model_args,
-                    stop,
-                )
-            if stop:
-                if launch.rank == 0:
-                    print(
-                        f"{stop}: checkpoint at step {step} saved; exiting with code "
-                        f"{ckpt.REQUEUE_EXIT_CODE} (requeue me)",
-                        flush=True,
-                    )
-                sys.exit(ckpt.REQUEUE_EXIT_CODE)
-            if step == cfg.max_steps:
+            # Step boundary: every rank calls it, and every rank learns whether to stop.
+            progress = (step, epoch, batch, train_loader, loss_and_count)
+            stop = save_or_stop(
+                cfg, launch, device, preemption, model, optimizer, scheduler, model_args, progress
+            )
+            if stop or step == cfg.max_steps:
                 break
-        # sums and counts over all ranks: the exact mean, not a mean of means
-        dist.all_reduce(loss_sum)
-        train_loss = (loss_sum[0] / loss_sum[1]).item()
+        if stop:
+            break
+        # Sums and counts over all ranks, the exact mean (not a mean of means); every rank calls it.
+        dist.all_reduce(loss_and_count)
+        train_loss = (loss_and_count[0] / loss_and_count[1]).item()
         eval_loss, eval_acc, eval_count = evaluate(model.module, test_loader, device)
         if launch.rank == 0:
             print(
-                f"epoch {epoch + 1} done: train loss {train_loss:.4f}, eval loss {eval_loss:.4f}, "
+                f"epoch {epoch + 1} done: train loss {train_loss:.4f}, "
+                f"eval loss {eval_loss:.4f}, "
                 f"eval accuracy {eval_acc:.4f} ({eval_count} images)",
                 flush=True,
             )
         if step == cfg.max_steps:
             break
 
-    if launch.rank == 0:  # plain file I/O on one rank; model.module drops DDP's "module." prefix
+    if stop:
+        # Release the DDP model, destroy the group, exit with code 75: requeue me.
+        del model
+        dist.destroy_process_group()
+        sys.exit(ckpt.REQUEUE_EXIT_CODE)
+    elapsed = time.perf_counter() - start_time
+    # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
+    checksums = [None] * launch.world_size
+    dist.all_gather_object(checksums, parameter_checksum(model))
+    # Plain file I/O on one rank; model.module drops DDP's "module." prefix.
+    if launch.rank == 0:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         torch.save(model.module.state_dict(), Path(cfg.output_dir) / "model.pt")
-    elapsed = time.perf_counter() - start_time
-    write_summary(
-        cfg.output_dir,
-        model,
-        world_size=launch.world_size,
-        launcher=launch.launcher,
-        backend=backend,
-        global_batch_size=cfg.batch_size * launch.world_size,
-        # every rank saw as many
-        images_per_second=images_seen * launch.world_size / elapsed,
-        device=str(device),
-        local_batch_size=cfg.batch_size,
-        lr=cfg.lr,
-        epochs=epoch + 1,
-        steps=step,
-        resumed_from_step=resumed_from,
-        final_train_loss=train_loss,
-        eval_loss=eval_loss,
-        eval_accuracy=eval_acc,
-        eval_samples=eval_count,
-        wall_time_s=elapsed,
-    )
+        write_summary(
+            cfg.output_dir,
+            world_size=launch.world_size,
+            launcher=launch.launcher,
+            backend=backend,
+            global_batch_size=cfg.batch_size * launch.world_size,
+            # every rank saw as many
+            images_per_second=images_seen * launch.world_size / elapsed,
+            device=str(device),
+            local_batch_size=cfg.batch_size,
+            lr=cfg.lr,
+            epochs=epoch + 1,
+            steps=step,
+            resumed_from_step=resumed_from,
+            final_train_loss=train_loss,
+            eval_loss=eval_loss,
+            eval_accuracy=eval_acc,
+            eval_samples=eval_count,
+            wall_time_s=elapsed,
+            replica_checksums=checksums,
+        )
+    # Release the DDP model first: it holds the process group, which would otherwise outlive
+    # destroy_process_group() and keep gloo's threads running into interpreter shutdown.
+    del model
     dist.destroy_process_group()
 
 
-@record  # under torchrun, a failing rank's exception and traceback show in torchrun's summary
+# under torchrun, a failing rank's exception and traceback show in torchrun's summary
+@record
 def main():
     # bad input (here and below): one "error:" line, exit code 2
     cfg = load_config(CheckpointConfig)
@@ -432,6 +455,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
-    sys.stdout.flush()
-    os._exit(0)

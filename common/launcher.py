@@ -198,21 +198,35 @@ def launch_info(
     local_rank = rank % local_world if local_rank is None else local_rank
     if not 0 <= local_rank < local_world or local_world > world:
         raise LauncherError(
-            f"{name}: local rank {local_rank} and local world size {local_world} do not fit world size {world}"
+            f"{name}: local rank {local_rank} and local world size {local_world} do not fit "
+            f"world size {world}"
         )
     # 0: per-task GPU binding (srun --gpus-per-task=1, site scripts) shows one GPU
     gpu = local_rank if gpus >= local_world else 0
-    if 1 < gpus < local_world:  # two ranks would share a GPU, which NCCL refuses ("Duplicate GPU detected")
+    # two ranks would share a GPU, which NCCL refuses ("Duplicate GPU detected")
+    if 1 < gpus < local_world:
         raise LauncherError(
-            f"{local_world} ranks on this node but {gpus} GPUs visible to rank {rank} (CUDA_VISIBLE_DEVICES="
-            f"{env.get('CUDA_VISIBLE_DEVICES', 'unset')}): one rank per GPU, seeing all or its own"
+            f"{local_world} ranks on this node but {gpus} GPUs visible to rank {rank} "
+            f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}): "
+            "one rank per GPU, seeing all or its own"
         )
     port = (
         0
         if name == "single" and scheduler == "none" and not env.get("MASTER_PORT")
         else master_port(env)
     )
-    return LaunchInfo(name, rank, local_rank, world, local_world, master_address(env), port, scheduler, job_id, gpu)
+    return LaunchInfo(
+        name,
+        rank,
+        local_rank,
+        world,
+        local_world,
+        master_address(env),
+        port,
+        scheduler,
+        job_id,
+        gpu,
+    )
 
 
 def _find(env, rank, world_size):

@@ -11,7 +11,7 @@ import torch
 
 
 def parameter_checksum(model: torch.nn.Module) -> str:
-    """SHA-256 of this rank's parameters; equal on every rank when the DDP replicas are identical."""
+    """SHA-256 of this rank's parameters: the same on every rank when the replicas are identical."""
     digest = hashlib.sha256()
     for parameter in model.parameters():
         digest.update(parameter.detach().float().cpu().numpy().tobytes())
