@@ -1,0 +1,137 @@
+"""Stress check, run by hand (not part of the default suite): finished runs exit cleanly.
+
+Runs the lessons' main commands round-robin under torchrun (and one single-process run), each to
+its end, and counts every exit that is not 0: in particular the abort at interpreter shutdown
+("terminate called without an active exception", exit code -6) that a process group outliving
+destroy_process_group() can cause (debugging/README.md). Busy processes on every core (--load)
+make the race likelier, as on a loaded CI machine.
+
+    python tests/stress_exit.py --runs 100 --load 2
+    python tests/stress_exit.py --control --runs 20 --load 2
+
+--control runs a few-line DDP script instead, which imports torch.distributed.nn only after its
+process group exists, as DDP's constructor does when nothing imported it earlier: the same
+machine then shows the abort, so zero aborts in the main mode are not an accident of the machine.
+Exit code 0 when every run of the chosen mode behaved as expected (main: all exit 0; control: at
+least one abort), else 1.
+"""
+
+import argparse
+import itertools
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+# The READMEs' main command of each lesson, shortened where a run is long; OUT is the output folder.
+COMMANDS = {
+    "01": [*TORCHRUN, "01_basic_ddp/train.py", "--epochs", "2"],
+    "01-alone": [sys.executable, "01_basic_ddp/train.py", "--epochs", "1"],
+    "02-uneven": [*TORCHRUN, "02_sampler_patterns/uneven_inputs.py"],
+    "03": [*TORCHRUN, "03_grad_accum/train.py", "--batch-size", "8", "--accum-steps", "4"],
+    "04": [*TORCHRUN, "04_syncbn/train.py", "--epochs", "1"],
+    "05": [*TORCHRUN, "05_checkpointing/train.py", "--save-every-steps", "20", "--epochs", "2"],
+    "06": [*TORCHRUN, "06_multinode/train.py", "--epochs", "2"],
+    "benchmark": [*TORCHRUN, "benchmark/train.py", "--epochs", "1", "--max-steps", "10"],
+}
+ABORT_TEXT = "terminate called without an active exception"
+
+# The control: DDP constructed after init_process_group, with nothing importing
+# torch.distributed.nn before it; the group then outlives destroy_process_group().
+CONTROL = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(64, 10))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(20):
+    model(torch.randn(32, 64)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+checksums = [None] * dist.get_world_size()
+dist.all_gather_object(checksums, float(sum(p.sum() for p in model.parameters())))
+del model
+dist.destroy_process_group()
+"""
+
+
+def burn() -> None:
+    while True:
+        pass
+
+
+def run_once(name: str, command: list[str], out: Path, timeout_s: float) -> tuple[int, bool, str]:
+    """(exit code, whether the abort text was printed, the output's tail)."""
+    if name != "control":
+        command = [*command, "--output-dir", str(out)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "DDP_TEST_"))}
+    try:
+        done = subprocess.run(
+            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired as exc:
+        text = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(
+            errors="replace"
+        )
+        return 124, ABORT_TEXT in text, text[-2000:]
+    text = done.stdout + done.stderr
+    return done.returncode, ABORT_TEXT in text, text[-2000:]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=100, help="runs in all")
+    parser.add_argument("--load", type=int, default=0, help="busy processes beside the runs")
+    parser.add_argument("--control", action="store_true", help="run the control script instead")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="per run")
+    args = parser.parse_args()
+
+    burners = [multiprocessing.Process(target=burn, daemon=True) for _ in range(args.load)]
+    for burner in burners:
+        burner.start()
+    if args.control:
+        script = Path(tempfile.mkdtemp()) / "control.py"
+        script.write_text(CONTROL)
+        plan = itertools.repeat(("control", [*TORCHRUN, str(script)]))
+    else:
+        plan = itertools.cycle(COMMANDS.items())
+    results: dict[str, list[int]] = {}
+    aborts, failures = 0, []
+    start = time.monotonic()
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            for number, (name, command) in zip(range(1, args.runs + 1), plan):
+                out = Path(scratch) / f"run{number}"
+                code, aborted, tail = run_once(name, command, out, args.timeout_s)
+                results.setdefault(name, []).append(code)
+                aborts += aborted
+                if code != 0:
+                    failures.append((number, name, code, tail))
+                print(f"run {number:4d} {name:10s} exit {code}{'  ABORT' if aborted else ''}")
+                sys.stdout.flush()
+    finally:
+        for burner in burners:
+            burner.terminate()
+    minutes = (time.monotonic() - start) / 60
+    print(f"\n{'command':10s} runs  non-zero exits")
+    for name, codes in results.items():
+        print(f"{name:10s} {len(codes):4d}  {sum(code != 0 for code in codes)}")
+    total = sum(len(codes) for codes in results.values())
+    print(
+        f"{total} runs in {minutes:.1f} min with {args.load} busy processes: "
+        f"{len(failures)} non-zero exits, {aborts} with '{ABORT_TEXT}'"
+    )
+    for number, name, code, tail in failures[:3]:
+        print(f"\n--- run {number} ({name}) exit {code}, last lines:\n{tail}")
+    if args.control:
+        return 0 if aborts else 1
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
