@@ -235,7 +235,8 @@ def train(cfg, launch):
 # under torchrun, a failing rank's exception and traceback show in torchrun's summary
 @record
 def main():
-    cfg = load_config(AccumConfig)  # bad input (here and below): one "error:" line, exit code 2
+    # bad input (here and below): one "error:" line, exit code 2
+    cfg = load_config(AccumConfig)
     # rank, local rank, world size, rendezvous address: torchrun, srun, mpiexec
     launch = detect_launcher()
     # before any process group, so no rank waits for a failed one

@@ -45,9 +45,7 @@ class SyncBNConfig(TrainConfig):
         "compare: train plain, then sync",
         choices=("compare", "plain", "sync"),
     )
-    batch_size: int = field(
-        4, "samples per rank per step: small, where SyncBatchNorm matters", min=1
-    )
+    batch_size: int = field(4, "samples per rank per step; small, where SyncBN matters", min=1)
     epochs: int = field(3, "passes over the training set (per run)", min=1)
     lr: float = field(0.01, "learning rate (small: the global batch is small)", min=0.0)
 
@@ -111,10 +109,8 @@ def train(cfg, launch):
             local_batch_size=cfg.batch_size,
             lr=cfg.lr,
             runs=runs,
-            # top level: the last run
-            **runs[mode],
+            **runs[mode],  # top level: the last run
         )
-    # Each run's DDP model, which holds the process group, was released when fit() returned.
     dist.destroy_process_group()
 
 

