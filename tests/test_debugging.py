@@ -271,7 +271,7 @@ def test_demo_rank0_only_barrier_ends_at_the_timeout_with_both_waits_shown(tmp_p
     # Each rank's traceback shows the line it waited in: two DIFFERENT collectives.
     rank0 = "\n".join(line for line in out.splitlines() if line.startswith("[rank0]:"))
     rank1 = "\n".join(line for line in out.splitlines() if line.startswith("[rank1]:"))
-    assert "dist.barrier()  # BUG" in rank0 and "loss.backward()" not in rank0, rank0
+    assert "dist.barrier()" in rank0 and "loss.backward()" not in rank0, rank0
     assert "loss.backward()" in rank1 and "dist.barrier()" not in rank1, rank1
     root = root_cause(out)
     assert "Timed out waiting 5000ms" in root or "Connection closed by peer" in root, root
@@ -377,64 +377,69 @@ def test_demo_bugs_default_process_group_timeout_is_10_s():
 THREADS_LEFT_AFTER_DESTROY = """
 import gc, json, os, sys
 from pathlib import Path
-import torch, torch.distributed as dist
+import torch
+
+first_import, wrap, release = sys.argv[1:]
+if first_import != "none":
+    # before any process group, as every script does by importing common.launcher
+    __import__(first_import)
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 def gloo_threads():  # ids of the threads gloo started (named gloo_tcp_loop, pt_gloo_runloop)
     return {t.name for t in Path("/proc/self/task").iterdir() if "gloo" in (t / "comm").read_text()}
 
-left = {}
-for wrap in (False, True):
-    before = gloo_threads()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    model = DDP(torch.nn.Linear(2, 2)) if wrap else None
-    if wrap:
-        model(torch.randn(3, 2)).sum().backward()
-    else:
-        dist.all_reduce(torch.ones(2))
-    started = gloo_threads() - before
-    dist.destroy_process_group()
+before = gloo_threads()
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+model = DDP(torch.nn.Linear(2, 2)) if wrap == "ddp" else None
+if model is not None:
+    model(torch.randn(3, 2)).sum().backward()
+else:
+    dist.all_reduce(torch.ones(2))
+started = gloo_threads() - before
+if release == "del":
     del model
-    gc.collect()
-    left["ddp" if wrap else "group only"] = [len(started), len(started & gloo_threads())]
-print("LEFT", json.dumps(left))
+dist.destroy_process_group()
+gc.collect()
+print("LEFT", json.dumps([len(started), len(started & gloo_threads())]))
 sys.stdout.flush()
-os._exit(0)  # this very shutdown is what can abort
+# this probe measures, so it skips the very shutdown that can abort when threads are left
+os._exit(0)
 """
+
+
+def gloo_threads_left(first_import: str, wrap: str, release: str) -> tuple[int, int]:
+    """(threads gloo started, of those still running after destroy_process_group()), in a fresh
+    process: what it imported before its process group matters."""
+    result = run(
+        [PYTHON, "-c", THREADS_LEFT_AFTER_DESTROY, first_import, wrap, release],
+        timeout=180,
+        check=True,
+    )
+    started, left = json.loads(result.stdout.split("LEFT ")[-1])
+    assert started > 0
+    return started, left
 
 
 @pytest.mark.skipif(
     not Path("/proc/self/task").is_dir(), reason="reads thread names in /proc/self/task"
 )
-def test_a_ddp_model_keeps_gloos_threads_past_destroy_process_group():
-    """Why the scripts end with os._exit(0): in a fresh process, as a script
-    runs, after destroy_process_group(), `del model` and gc.collect() the
-    threads gloo started are gone without DDP, and still there with it."""
-    result = run([PYTHON, "-c", THREADS_LEFT_AFTER_DESTROY], timeout=180, check=True)
-    left = json.loads(result.stdout.split("LEFT ")[-1])
-    started, still_there = left["group only"]
-    # negative control: the group alone leaves no thread behind
-    assert started > 0 and still_there == 0, left
-    started, still_there = left["ddp"]
-    assert started > 0 and still_there == started, left
-    # So every script that wraps a model in DDP skips
-    # the interpreter's shutdown after a finished run.
-    scripts = [
-        p
-        for pattern in ("0*/*.py", "benchmark/*.py", "debugging/*.py")
-        for p in sorted(REPO.glob(pattern))
-        if "DDP(" in p.read_text() and "dist.init_process_group(" in p.read_text()
-    ]
-    assert len(scripts) >= 10
-    for path in scripts:
-        assert (
-            path.read_text()
-            .rstrip()
-            .endswith(
-                "sys.stdout.flush()  # then skip interpreter shutdown: with gloo "
-                "it can abort a finished run (debugging/README.md)\n    os._exit(0)"
-            )
-        ), path
+def test_what_keeps_gloos_threads_past_destroy_process_group():
+    """debugging/README.md, "terminate called without an active exception": in torch 2.14.1 two
+    things keep the process group, and gloo's threads, alive past destroy_process_group(): the
+    DDP model (its reducer), and torch.distributed.nn.functional imported after the group exists
+    (DDP's constructor imports it; its functions bind the default group as a default argument).
+    Released model and early import (common.launcher does it): no thread left."""
+    # the group alone leaves none
+    assert gloo_threads_left("none", "none", "keep")[1] == 0
+    # the fix: the model released, torch.distributed.nn imported first (by common.launcher)
+    assert gloo_threads_left("common.launcher", "ddp", "del")[1] == 0
+    assert gloo_threads_left("torch.distributed.nn", "ddp", "del")[1] == 0
+    # each half alone is not enough
+    started, left = gloo_threads_left("none", "ddp", "del")
+    assert left == started, "torch.distributed.nn imported late no longer keeps the group"
+    started, left = gloo_threads_left("common.launcher", "ddp", "keep")
+    assert left == started, "an unreleased DDP model no longer keeps the group"
 
 
 def test_every_gpu_example_sets_its_device_right_before_the_process_group():
@@ -530,15 +535,21 @@ _DIST_COLLECTIVES = {
 }
 
 
-def _documented_collectives(paths: list[Path]) -> set[str]:
-    """Functions whose docstring says they are collectives ("Collective: ...")."""
-    names = set()
-    for path in paths:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                if (ast.get_docstring(node) or "").startswith("Collective"):
-                    names.add(node.name)
-    return names
+def communicating_functions(paths: list[Path]) -> set[str]:
+    """Functions that communicate: whose docstring says so ("Collective: ..."), or that call a
+    torch.distributed collective or another such function (followed to a fixed point)."""
+    functions = [
+        node
+        for path in paths
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+    names = {f.name for f in functions if (ast.get_docstring(f) or "").startswith("Collective")}
+    while True:
+        more = {f.name for f in functions if _collective_calls(f.body, names)} - names
+        if not more:
+            return names
+        names |= more
 
 
 def _rank_test(test: ast.expr) -> bool:
@@ -572,9 +583,9 @@ def _collective_calls(nodes: list[ast.stmt], collectives: set[str]) -> list[str]
 def rank_only_collectives(path: Path) -> list[str]:
     """`file:line: calls` for collectives inside rank-dependent `if` blocks that the other branch
     does not match call for call (an if/else that calls the same collectives on both sides is fine).
-    Collectives: torch.distributed's, and the functions of common/ and of the file itself whose
-    docstring starts with "Collective"."""
-    collectives = _documented_collectives(sorted((REPO / "common").glob("*.py")) + [path])
+    Collectives: torch.distributed's, and the functions of common/ and of the file itself that
+    communicate (communicating_functions)."""
+    collectives = communicating_functions(sorted((REPO / "common").glob("*.py")) + [path])
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.If) and _rank_test(node.test):
@@ -593,6 +604,12 @@ def test_no_rank0_only_block_calls_a_collective():
     assert problems == [], "collectives inside rank-only blocks:\n" + "\n".join(problems)
 
 
+def test_common_does_no_communication():
+    """Every collective is called where a reader sees it, in the script: a helper of common/ that
+    communicated would be called like plain code (and moved under `if rank == 0:`)."""
+    assert communicating_functions(sorted((REPO / "common").glob("*.py"))) == set()
+
+
 def test_static_check_finds_the_deliberate_bugs_of_the_demo(tmp_path):
     # The same check flags the deliberate bugs, so it would flag one in an example too.
     problems = rank_only_collectives(REPO / DEMO)
@@ -604,6 +621,13 @@ def test_static_check_finds_the_deliberate_bugs_of_the_demo(tmp_path):
         'def helper():\n    """Collective: sums."""\n\n\nif rank == 0:\n    helper()\n'
     )
     assert rank_only_collectives(script) == [f"{script}:5: ['helper']"]
+    # So does a helper that communicates without saying so, through another helper.
+    script.write_text(
+        "import torch.distributed as dist\n\n\ndef inner(t):\n    dist.all_reduce(t)\n\n\n"
+        "def outer(t):\n    inner(t)\n\n\nif rank == 0:\n    outer(t)\n"
+    )
+    assert rank_only_collectives(script) == [f"{script}:12: ['outer']"]
+    assert communicating_functions([script]) == {"inner", "outer"}
 
 
 def evaluation_problems(source: str) -> list[str]:
