@@ -163,7 +163,7 @@ def save_or_stop(
     if not (stop or periodic or epoch_done or step == cfg.max_steps):
         return stop
     ranks = [None] * launch.world_size if launch.rank == 0 else None
-    rank_state = {**ckpt.rng_state(device), "loss_sum": loss_and_count.cpu()}
+    rank_state = {**ckpt.rng_state(device), "loss_and_count": loss_and_count.cpu()}
     dist.gather_object(rank_state, ranks, dst=0)
     if launch.rank == 0:
         # Where to go on: the next epoch, or this one after the samples all ranks have read.
@@ -228,7 +228,9 @@ def resume(cfg, launch, device, model, optimizer, scheduler, train_loader):
     step, epoch, consumed = state["step"], state["epoch"], state["consumed"]
     # The epoch's loss sums so far: with W ranks now, rank r adds those of the saved ranks r,
     # r + W, ...
-    resumed_sums += sum(s["loss_sum"] for s in state["ranks"][launch.rank :: launch.world_size])
+    resumed_sums += sum(
+        s["loss_and_count"] for s in state["ranks"][launch.rank :: launch.world_size]
+    )
     # Mid-epoch: the same order, without the samples trained on before the checkpoint.
     steps_per_epoch = len(train_loader)
     train_loader.sampler.consumed = consumed

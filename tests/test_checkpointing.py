@@ -561,7 +561,7 @@ def test_resume_on_another_number_of_processes_reads_the_rest_of_the_epoch(
     epoch_end = next(
         state for state in checkpoints if state["epoch"] == 1 and state["consumed"] == 0
     )
-    assert sum(rank["loss_sum"][1].item() for rank in epoch_end["ranks"]) == TRAIN_SIZE + len(
+    assert sum(rank["loss_and_count"][1].item() for rank in epoch_end["ranks"]) == TRAIN_SIZE + len(
         padding
     )
     # RNG: the saved ranks' own states on the ranks both runs have; a new rank has its seed + rank.
@@ -997,7 +997,7 @@ def test_a_checkpoint_holds_what_the_readme_table_lists(reference):
     ) == (TOTAL_STEPS, 2, 0, 2, 16)
     # torch CPU, Python, NumPy (and CUDA on GPUs), and the epoch's loss sums
     for rank in state["ranks"]:
-        assert {"torch", "python", "numpy", "loss_sum"} <= rank.keys()
+        assert {"torch", "python", "numpy", "loss_and_count"} <= rank.keys()
         assert all(rank[k].dtype == torch.uint8 for k in ("torch", "python", "numpy"))
     # seeded seed + rank
     assert not torch.equal(state["ranks"][0]["torch"], state["ranks"][1]["torch"])
