@@ -6,7 +6,6 @@ calls a collective (a static check that also finds the demo's deliberate bugs).
 from __future__ import annotations
 
 import ast
-import gc
 import inspect
 import json
 import re

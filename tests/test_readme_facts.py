@@ -1,27 +1,24 @@
 """The top-level README's own statements that no folder's test shows: each test names its sentence.
 
-All in this process or with small subprocesses (no launcher): DistributedSampler's padding,
---download's order on rank 0 and the others,
+All in this process or with small subprocesses: DistributedSampler's padding,
+--download's order on rank 0 and the others (01 under torchrun),
 a virtual environment on top of this Python, the defaults the README quotes.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import importlib.metadata as metadata
 import math
 import re
 import subprocess
-from types import SimpleNamespace
 
 import pytest
-import torch
 from torch.utils.data.distributed import DistributedSampler
 
-import common.data
 from common.config import DATASETS, TrainConfig
-from common.errors import DataError
-from tests.helpers import PYTHON, REPO
+from tests.helpers import PYTHON, REPO, clean_env, torchrun
 
 README = " ".join((REPO / "README.md").read_text().split())  # line breaks as spaces
 
@@ -57,43 +54,75 @@ def test_distributed_sampler_pads_the_last_ranks_with_the_epochs_first_samples()
                 assert sorted(x for shard in shards for x in shard) == list(range(n))
 
 
-def recorded_load(monkeypatch, rank: int, fail: bool = False) -> list:
-    """common.data.load_datasets(--download) on `rank`,
-    with the data set and the barrier recorded."""
-    calls = []
+# Stands in for the network (the one thing this machine cannot reach): in each rank, before the
+# lesson runs, build_datasets records its calls; a "download" takes a second (or fails), and
+# opening the data set gives the digits.
+NO_NETWORK_SITECUSTOMIZE = """
+import json, os, time
+if "RANK" in os.environ:
+    import common.data
 
-    def build(name, data_dir, image_size=0, download=False):
-        calls.append(("download" if download else "open", name))
-        if download and fail:
-            raise DataError(f"{name}: download failed")
-        return SimpleNamespace(train=range(100))
+    opened = common.data.build_datasets
 
-    monkeypatch.setattr(common.data, "build_datasets", build)
-    monkeypatch.setattr(common.data.dist, "barrier", lambda: calls.append(("barrier",)))
-    cfg = SimpleNamespace(dataset="cifar10", data_dir="data", image_size=0, download=True)
-    try:
-        common.data.load_datasets(cfg, rank)
-    except SystemExit as exc:
-        calls.append(("exit", exc.code))
-    return calls
+    def build_datasets(name, data_dir="data", image_size=0, download=False):
+        log = os.path.join(os.environ["DOWNLOAD_LOG"], "rank" + os.environ["RANK"])
+        start = time.time()
+        if download:
+            time.sleep(1)
+        if download and os.environ.get("DOWNLOAD_FAILS"):
+            raise common.data.DataError(name + ": download failed (no network)")
+        if not download and not os.path.exists(os.environ["DOWNLOAD_LOG"] + "/downloaded"):
+            raise common.data.DataError(name + ": not on disk")
+        if download:
+            open(os.environ["DOWNLOAD_LOG"] + "/downloaded", "w").close()
+        with open(log, "a") as f:
+            f.write(json.dumps(["download" if download else "open", start, time.time()]) + "\\n")
+        return opened("digits", data_dir, image_size)
+
+    common.data.build_datasets = build_datasets
+"""
 
 
-def test_download_rank_0_downloads_while_the_others_wait_at_a_barrier(monkeypatch):
-    """ "Data sets": pass --download: rank 0 downloads while the other ranks wait at a barrier."""
+def run_01_with_download(tmp_path, fail: bool):
+    site, log = tmp_path / "site", tmp_path / "log"
+    site.mkdir()
+    log.mkdir()
+    (site / "sitecustomize.py").write_text(NO_NETWORK_SITECUSTOMIZE)
+    env = clean_env(PYTHONPATH=f"{site}:{REPO}", DOWNLOAD_LOG=str(log))
+    if fail:
+        env["DOWNLOAD_FAILS"] = "1"
+    args = ["--dataset", "cifar10", "--download", "--epochs", "1", "--max-steps", "1"]
+    result = torchrun(
+        "01_basic_ddp/train.py", *args, "--output-dir", tmp_path / "out", env=env, check=False
+    )
+    calls = {
+        path.name: [json.loads(line) for line in path.read_text().splitlines()]
+        for path in sorted(log.glob("rank*"))
+    }
+    return result, calls
+
+
+def test_download_rank_0_downloads_while_the_others_wait_at_a_barrier(tmp_path):
+    """ "Data sets": pass --download: rank 0 downloads while the other ranks wait at a barrier.
+    01 under torchrun, the download replaced by a one-second stand-in (no network here)."""
     assert "rank 0 downloads while the other ranks wait at a barrier" in README
-    assert recorded_load(monkeypatch, 0) == [
-        ("download", "cifar10"),
-        ("barrier",),
-        ("open", "cifar10"),
-    ]
-    # no download of its own
-    assert recorded_load(monkeypatch, 1) == [("barrier",), ("open", "cifar10")]
-    # A failed download still releases the others; every rank then exits with code 2.
-    assert recorded_load(monkeypatch, 0, fail=True) == [
-        ("download", "cifar10"),
-        ("barrier",),
-        ("exit", 2),
-    ]
+    result, calls = run_01_with_download(tmp_path, fail=False)
+    assert result.returncode == 0, result.output[-3000:]
+    assert [call[0] for call in calls["rank0"]] == ["download", "open"]
+    # no download of its own, and it opens the data only after rank 0's download ended
+    assert [call[0] for call in calls["rank1"]] == ["open"]
+    download_end, rank1_open = calls["rank0"][0][2], calls["rank1"][0][1]
+    assert rank1_open >= download_end
+
+
+def test_a_failed_download_still_releases_the_others_and_every_rank_exits_with_2(tmp_path):
+    result, calls = run_01_with_download(tmp_path, fail=True)
+    assert result.returncode != 0
+    assert "cifar10: download failed (no network)" in result.output
+    assert calls == {}
+    # each rank's own `error:` line, then exit code 2 (torchrun's summary names it)
+    assert len(re.findall(r"^(\[rank\d\]:)?error: cifar10: not on disk", result.output, re.M)) >= 1
+    assert re.search(r"exitcode\s*: 2", result.output), result.output[-3000:]
 
 
 def test_a_venv_sees_this_pythons_torch_only_with_system_site_packages(tmp_path):
@@ -118,7 +147,7 @@ def test_a_venv_sees_this_pythons_torch_only_with_system_site_packages(tmp_path)
 def test_the_defaults_and_choices_the_readme_quotes():
     """ "Troubleshooting": `--timeout-s` (60 s); "Data sets": digits is the
     default, then the other five; "Concepts": --batch-size is per rank;
-    "Examples" and "Each numbered script": 01's and common/'s sizes."""
+    """
     defaults = TrainConfig()
     assert f"`--timeout-s` ({defaults.timeout_s:.0f} s)" in README
     assert defaults.dataset == "digits" and "`--dataset digits` (default;" in README
@@ -126,10 +155,6 @@ def test_the_defaults_and_choices_the_readme_quotes():
         assert re.search(rf"`{name}`", README.split("## Data sets")[1].split("## Output")[0]), name
     help_text = TrainConfig.__dataclass_fields__["batch_size"].metadata["help"]
     assert "per rank" in help_text and "`--batch-size` is per rank (the local batch)" in README
-    lesson_lines = len((REPO / "01_basic_ddp" / "train.py").read_text().splitlines())
-    assert f"the minimal complete DDP script ({lesson_lines} lines," in README
-    common_lines = sum(len(p.read_text().splitlines()) for p in (REPO / "common").glob("*.py"))
-    assert common_lines <= 600 and "at most 600 lines" in README
 
 
 def test_the_messages_the_troubleshooting_section_quotes_are_torchs_own():
