@@ -10,14 +10,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
+# make `common` importable
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, RandomSampler
 
 from common.config import TrainConfig, load_config
-from common.data import check_data, load_datasets
+from common.data import check_data, download_datasets, load_datasets
 from common.models import build_model
 from common.report import write_summary
 
@@ -26,7 +27,8 @@ from common.report import write_summary
 def evaluate(model, loader, device):
     """Loss and accuracy over the whole test set, from sums and a count."""
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    # loss sum, correct, count
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
@@ -44,9 +46,12 @@ def evaluate(model, loader, device):
 def train(cfg):
     start_time = time.perf_counter()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    # Same initial weights as the DDP script.
     torch.manual_seed(cfg.seed)
 
-    data = load_datasets(cfg, rank=0)
+    if cfg.download:
+        download_datasets(cfg)
+    data = load_datasets(cfg, 1)
     # The same permutations as the DDP script with one process (randperm seeded with seed + epoch).
     shuffle = torch.Generator()
     train_sampler = RandomSampler(data.train, generator=shuffle)
@@ -59,9 +64,13 @@ def train(cfg):
     )
     test_loader = DataLoader(data.test, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
 
-    model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
+    model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size)
+    model = model.to(device)
     optimizer = torch.optim.SGD(
-        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        model.parameters(),
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
     )
     # augmentation and loader workers from here on, as train.py's rank 0 (seed + 0)
     torch.manual_seed(cfg.seed)
@@ -69,9 +78,11 @@ def train(cfg):
     print(f"one process on {device}, batch {cfg.batch_size}, train {len(data.train)}", flush=True)
     step, images_seen = 0, 0
     for epoch in range(cfg.epochs):
-        shuffle.manual_seed(cfg.seed + epoch)  # a new shuffle each epoch
+        # A new shuffle each epoch; without it every epoch repeats epoch 0.
+        shuffle.manual_seed(cfg.seed + epoch)
         model.train()
-        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum and sample count
+        # The loss sum and sample count.
+        loss_and_count = torch.zeros(2, dtype=torch.float64, device=device)
         for images, labels in train_loader:
             images, labels = images.to(device), labels.to(device)
             loss = F.cross_entropy(model(images), labels)
@@ -80,27 +91,28 @@ def train(cfg):
             optimizer.step()
             step += 1
             images_seen += len(labels)
-            loss_sum[0] += loss.detach() * len(labels)
-            loss_sum[1] += len(labels)
+            loss_and_count[0] += loss.detach() * len(labels)
+            loss_and_count[1] += len(labels)
             if step % cfg.log_every == 0:
-                print(f"epoch {epoch + 1} step {step} loss {loss.item():.4f}", flush=True)
+                print(
+                    f"epoch {epoch + 1} step {step} loss {loss.item():.4f}",
+                    flush=True,
+                )
             if step == cfg.max_steps:
                 break
-        train_loss = (loss_sum[0] / loss_sum[1]).item()
+        train_loss = (loss_and_count[0] / loss_and_count[1]).item()
         eval_loss, eval_acc, eval_count = evaluate(model, test_loader, device)
         print(
-            f"epoch {epoch + 1} done: train loss {train_loss:.4f}, eval loss {eval_loss:.4f}, "
+            f"epoch {epoch + 1} done: train loss {train_loss:.4f}, "
+            f"eval loss {eval_loss:.4f}, "
             f"eval accuracy {eval_acc:.4f} ({eval_count} images)",
             flush=True,
         )
         if step == cfg.max_steps:
             break
 
-    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), Path(cfg.output_dir) / "model.pt")
     elapsed = time.perf_counter() - start_time
-    write_summary(
-        cfg.output_dir,
+    summary = dict(
         world_size=1,
         launcher="none",
         backend="none",
@@ -117,11 +129,15 @@ def train(cfg):
         eval_samples=eval_count,
         wall_time_s=elapsed,
     )
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), Path(cfg.output_dir) / "model.pt")
+    write_summary(cfg.output_dir, **summary)
 
 
 def main():
-    cfg = load_config(TrainConfig)  # bad input (here and below): one "error:" line, exit code 2
-    check_data(cfg, world_size=1)
+    # bad input (here and below): one "error:" line, exit code 2
+    cfg = load_config(TrainConfig)
+    check_data(cfg, 1)
     train(cfg)
 
 

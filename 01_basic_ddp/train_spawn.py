@@ -32,9 +32,6 @@ def worker(rank: int, world_size: int, cfg: SpawnConfig) -> None:
     """Runs in each spawned process; mp.spawn passes the rank as the first argument. It must be
     importable by the children (a module-level function, not one defined in a notebook cell)."""
     train(cfg, detect_launcher(rank=rank, world_size=world_size))
-    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
-    sys.stdout.flush()
-    os._exit(0)
 
 
 def main():

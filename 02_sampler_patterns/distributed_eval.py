@@ -13,7 +13,6 @@ Run (CPU, 3 processes, embedded digits: 359 test images, 359 = 3 x 119 + 2):
 """
 
 import dataclasses
-import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -28,10 +27,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from common.config import TrainConfig, field, load_config
-from common.data import check_data, load_datasets
+from common.data import check_data, download_datasets, load_datasets
 from common.launcher import detect_launcher
 from common.models import build_model
-from common.report import write_summary
+from common.report import parameter_checksum, write_summary
 
 
 @dataclasses.dataclass
@@ -77,7 +76,12 @@ def train_and_evaluate(cfg, launch):
         timeout=timedelta(seconds=cfg.timeout_s),
     )
     w, rank = launch.world_size, launch.rank
-    data = load_datasets(cfg, rank)
+    if cfg.download:
+        # Rank 0 downloads while the others wait at the barrier, which every rank must call.
+        if rank == 0:
+            download_datasets(cfg)
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    data = load_datasets(cfg, w)
     test = data.test
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
@@ -135,7 +139,19 @@ def train_and_evaluate(cfg, launch):
             )
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         torch.save(net.state_dict(), Path(cfg.output_dir) / "model.pt")
-    write_summary(cfg.output_dir, model, world_size=w, test_size=len(test), **summary)
+    # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
+    checksums = [None] * w
+    dist.all_gather_object(checksums, parameter_checksum(model))
+    if rank == 0:
+        write_summary(
+            cfg.output_dir,
+            world_size=w,
+            test_size=len(test),
+            replica_checksums=checksums,
+            **summary,
+        )
+    # Release the DDP model (it holds the process group) before destroying the group.
+    del model, net
     dist.destroy_process_group()
 
 
@@ -171,6 +187,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
-    sys.stdout.flush()
-    os._exit(0)

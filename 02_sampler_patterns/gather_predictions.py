@@ -15,7 +15,6 @@ Every world size evaluates the same weights file, the model.pt that 01 writes:
 
 import csv
 import dataclasses
-import os
 import pickle
 import sys
 from datetime import timedelta
@@ -29,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from common.config import TrainConfig, field, load_config
-from common.data import check_data, load_datasets
+from common.data import check_data, download_datasets, load_datasets
 from common.errors import DataError, exit_on_bad_input
 from common.launcher import detect_launcher
 from common.models import build_model
@@ -155,7 +154,12 @@ def predict_and_gather(cfg, launch, weights):
         timeout=timedelta(seconds=cfg.timeout_s),
     )
     w, rank = launch.world_size, launch.rank
-    data = load_datasets(cfg, rank)
+    if cfg.download:
+        # Rank 0 downloads while the others wait at the barrier, which every rank must call.
+        if rank == 0:
+            download_datasets(cfg)
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    data = load_datasets(cfg, w)
     test, n = WithIndex(data.test), len(data.test)
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size)
     # the same on every rank: each exits with code 2 before any collective
@@ -218,7 +222,7 @@ def predict_and_gather(cfg, launch, weights):
             macro_f1=f1,
             predictions=str(path),
         )
-    write_summary(cfg.output_dir, **summary)
+        write_summary(cfg.output_dir, **summary)
     dist.destroy_process_group()
 
 
@@ -252,6 +256,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
-    sys.stdout.flush()
-    os._exit(0)

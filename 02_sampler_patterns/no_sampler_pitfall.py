@@ -10,7 +10,6 @@ Run (CPU, 2 processes, embedded digits data):
 """
 
 import dataclasses
-import os
 import sys
 from collections import Counter
 from datetime import timedelta
@@ -26,10 +25,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from common.config import TrainConfig, field, load_config
-from common.data import check_data, load_datasets
+from common.data import check_data, download_datasets, load_datasets
 from common.launcher import detect_launcher
 from common.models import build_model
-from common.report import write_summary
+from common.report import parameter_checksum, write_summary
 
 
 @dataclasses.dataclass
@@ -64,7 +63,12 @@ def compare(cfg, launch):
         world_size=launch.world_size,
         timeout=timedelta(seconds=cfg.timeout_s),
     )
-    data = load_datasets(cfg, launch.rank)
+    if cfg.download:
+        # Rank 0 downloads while the others wait at the barrier, which every rank must call.
+        if launch.rank == 0:
+            download_datasets(cfg)
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    data = load_datasets(cfg, launch.world_size)
     dataset = WithIndex(data.train)
 
     # WRONG: what many single-GPU scripts (and some tutorials) do. Nothing here knows about ranks.
@@ -100,9 +104,19 @@ def compare(cfg, launch):
                 "repeated",
                 flush=True,
             )
-    write_summary(
-        cfg.output_dir, model, world_size=launch.world_size, dataset_size=len(dataset), **results
-    )
+    # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
+    checksums = [None] * launch.world_size
+    dist.all_gather_object(checksums, parameter_checksum(model))
+    if launch.rank == 0:
+        write_summary(
+            cfg.output_dir,
+            world_size=launch.world_size,
+            dataset_size=len(dataset),
+            replica_checksums=checksums,
+            **results,
+        )
+    # Release the DDP model (it holds the process group) before destroying the group.
+    del model
     dist.destroy_process_group()
 
 
@@ -135,6 +149,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
-    sys.stdout.flush()
-    os._exit(0)

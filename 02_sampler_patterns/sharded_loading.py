@@ -16,7 +16,6 @@ Run (CPU, 2 processes, embedded digits data):
 import dataclasses
 import json
 import math
-import os
 import sys
 from datetime import timedelta
 from itertools import islice
@@ -35,7 +34,7 @@ from common.config import TrainConfig, field, load_config
 from common.errors import ConfigError, DataError, exit_on_bad_input
 from common.launcher import detect_launcher
 from common.models import build_model
-from common.report import write_summary
+from common.report import parameter_checksum, write_summary
 
 
 @dataclasses.dataclass
@@ -159,14 +158,20 @@ def train(cfg, launch, manifest):
                 f"{[g['shards'] for g in gathered]}",
                 flush=True,
             )
-    write_summary(
-        cfg.output_dir,
-        model,
-        world_size=w,
-        total=manifest["total"],
-        shards=len(files),
-        epochs=epochs,
-    )
+    # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
+    checksums = [None] * w
+    dist.all_gather_object(checksums, parameter_checksum(model))
+    if rank == 0:
+        write_summary(
+            cfg.output_dir,
+            world_size=w,
+            total=manifest["total"],
+            shards=len(files),
+            epochs=epochs,
+            replica_checksums=checksums,
+        )
+    # Release the DDP model (it holds the process group) before destroying the group.
+    del model
     dist.destroy_process_group()
 
 
@@ -188,6 +193,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
-    sys.stdout.flush()
-    os._exit(0)

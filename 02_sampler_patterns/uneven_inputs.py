@@ -20,7 +20,6 @@ Run (CPU, 3 processes, embedded digits data):
 import dataclasses
 import hashlib
 import math
-import os
 import sys
 from datetime import timedelta
 from itertools import islice
@@ -37,10 +36,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 
 from common.config import TrainConfig, field, load_config
-from common.data import check_data, load_datasets
+from common.data import check_data, download_datasets, load_datasets
 from common.launcher import detect_launcher
 from common.models import build_model
-from common.report import write_summary
+from common.report import parameter_checksum, write_summary
 
 
 @dataclasses.dataclass
@@ -80,7 +79,12 @@ def train(cfg, launch):
         timeout=timedelta(seconds=cfg.timeout_s),
     )
     w, rank = launch.world_size, launch.rank
-    data = load_datasets(cfg, rank)
+    if cfg.download:
+        # Rank 0 downloads while the others wait at the barrier, which every rank must call.
+        if rank == 0:
+            download_datasets(cfg)
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    data = load_datasets(cfg, w)
     sizes = [len(range(r, len(data.train), w)) - r * cfg.uneven for r in range(w)]
     batches = [math.ceil(n / cfg.batch_size) for n in sizes]
     mine = Subset(data.train, list(range(rank, len(data.train), w))[: sizes[rank]])
@@ -119,7 +123,7 @@ def train(cfg, launch):
         if backend == "gloo":
             dist.monitored_barrier()
         else:
-            dist.barrier()
+            dist.barrier(device_ids=[device.index])
         if rank == 0:
             print(
                 f"epoch {epoch + 1}: ranks ran "
@@ -127,18 +131,24 @@ def train(cfg, launch):
                 flush=True,
             )
 
+    # Every rank's step digests and parameter checksum: collectives, so every rank calls them.
     everyone = [None] * w
     dist.all_gather_object(everyone, digests)
-    write_summary(
-        cfg.output_dir,
-        model,
-        world_size=w,
-        fix=cfg.fix,
-        samples_per_rank=sizes,
-        batches_per_rank=batches,
-        steps_per_rank=[len(d) for d in everyone],
-        digests=everyone,
-    )
+    checksums = [None] * w
+    dist.all_gather_object(checksums, parameter_checksum(model))
+    if rank == 0:
+        write_summary(
+            cfg.output_dir,
+            world_size=w,
+            fix=cfg.fix,
+            samples_per_rank=sizes,
+            batches_per_rank=batches,
+            steps_per_rank=[len(d) for d in everyone],
+            digests=everyone,
+            replica_checksums=checksums,
+        )
+    # Release the DDP model (it holds the process group) before destroying the group.
+    del model
     dist.destroy_process_group()
 
 
@@ -152,6 +162,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
-    sys.stdout.flush()
-    os._exit(0)

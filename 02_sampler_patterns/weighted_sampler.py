@@ -14,7 +14,6 @@ Run (CPU, 2 processes, embedded digits data):
 
 import dataclasses
 import math
-import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -29,11 +28,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Sampler, Subset
 
 from common.config import TrainConfig, field, load_config
-from common.data import check_data, load_datasets
+from common.data import check_data, download_datasets, load_datasets
 from common.errors import ConfigError
 from common.launcher import detect_launcher
 from common.models import build_model
-from common.report import write_summary
+from common.report import parameter_checksum, write_summary
 
 
 @dataclasses.dataclass
@@ -116,7 +115,12 @@ def train(cfg, launch):
         world_size=launch.world_size,
         timeout=timedelta(seconds=cfg.timeout_s),
     )
-    data = load_datasets(cfg, launch.rank)
+    if cfg.download:
+        # Rank 0 downloads while the others wait at the barrier, which every rank must call.
+        if launch.rank == 0:
+            download_datasets(cfg)
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    data = load_datasets(cfg, launch.world_size)
     k = data.num_classes
     dataset, labels = imbalanced(data.train, labels_of(data.train), k, cfg.imbalance)
     before = torch.bincount(labels, minlength=k)
@@ -170,15 +174,21 @@ def train(cfg, launch):
                 f"ranks: {overlap}",
                 flush=True,
             )
-    write_summary(
-        cfg.output_dir,
-        model,
-        world_size=launch.world_size,
-        dataset_size=len(dataset),
-        labels=labels.tolist(),
-        class_counts_before=before.tolist(),
-        epochs=epochs,
-    )
+    # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
+    checksums = [None] * launch.world_size
+    dist.all_gather_object(checksums, parameter_checksum(model))
+    if launch.rank == 0:
+        write_summary(
+            cfg.output_dir,
+            world_size=launch.world_size,
+            dataset_size=len(dataset),
+            labels=labels.tolist(),
+            class_counts_before=before.tolist(),
+            epochs=epochs,
+            replica_checksums=checksums,
+        )
+    # Release the DDP model (it holds the process group) before destroying the group.
+    del model
     dist.destroy_process_group()
 
 
@@ -192,6 +202,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
-    sys.stdout.flush()
-    os._exit(0)

@@ -52,9 +52,8 @@ class SyncBNConfig(TrainConfig):
 
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Exact distributed evaluation: sums over this rank's slice of the test set, all-reduced.
-    `model` is the plain module (ddp_model.module): ranks may hold different numbers of test
-    batches."""
+    """Exact distributed evaluation: this rank's sums, all-reduced. `model` is the plain module
+    (ddp_model.module): ranks may hold different numbers of test batches."""
     model.eval()
     # loss sum, correct, count
     totals = torch.zeros(3, dtype=torch.float64, device=device)
@@ -126,8 +125,7 @@ def fit(cfg, launch, device, mode):
             download_datasets(cfg)
         dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
     data = load_datasets(cfg, launch.world_size)
-    # Each rank gets a disjoint 1/world_size of the training set, shuffled alike on every rank
-    # (seed + epoch).
+    # Each rank a disjoint 1/world_size of the training set, shuffled alike (seed + epoch).
     train_sampler = DistributedSampler(
         data.train,
         num_replicas=launch.world_size,
@@ -142,13 +140,11 @@ def fit(cfg, launch, device, mode):
         num_workers=cfg.num_workers,
         pin_memory=device.type == "cuda",
     )
-    # Evaluation: a strided slice per rank covers every test sample once (DistributedSampler
-    # would pad with repeats).
+    # A strided slice per rank: every test sample once (DistributedSampler pads with repeats).
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
     test_loader = DataLoader(test_shard, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
 
-    # Move the model to this rank's device, then wrap: DDP registers the hooks that all-reduce
-    # gradients in backward().
+    # To this rank's device, then wrap: DDP's hooks all-reduce the gradients in backward().
     model = build_model(
         cfg.model, data.num_classes, data.in_channels, data.image_size, norm="batch"
     )

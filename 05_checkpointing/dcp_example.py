@@ -15,7 +15,6 @@ when a single-writer save of a large model takes too long.
 """
 
 import dataclasses
-import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -32,11 +31,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common.config import TrainConfig, field, load_config
-from common.data import check_data, load_datasets
+from common.data import check_data, download_datasets, load_datasets
 from common.errors import ConfigError
 from common.launcher import detect_launcher
 from common.models import build_model
-from common.report import write_summary
+from common.report import parameter_checksum, write_summary
 
 
 @dataclasses.dataclass
@@ -82,10 +81,19 @@ def train_and_save(cfg, launch, device, model, optimizer, data, folder):
             f"saved {folder} from {launch.world_size} rank(s) after {cfg.max_steps} steps",
             flush=True,
         )
-    dist.barrier()
-    write_summary(
-        cfg.output_dir, model, mode="save", world_size=launch.world_size, steps=cfg.max_steps
-    )
+    # Every rank waits for rank 0's copy and gathers the replicas' checksums: collectives, so every
+    # rank calls them.
+    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    checksums = [None] * launch.world_size
+    dist.all_gather_object(checksums, parameter_checksum(model))
+    if launch.rank == 0:
+        write_summary(
+            cfg.output_dir,
+            mode="save",
+            world_size=launch.world_size,
+            steps=cfg.max_steps,
+            replica_checksums=checksums,
+        )
 
 
 def load_and_check(cfg, launch, device, model, optimizer, folder):
@@ -107,21 +115,24 @@ def load_and_check(cfg, launch, device, model, optimizer, folder):
         torch.equal(optim_now["state"][k]["momentum_buffer"], v["momentum_buffer"])
         for k, v in reference["optim"]["state"].items()
     )
+    # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
+    checksums = [None] * launch.world_size
+    dist.all_gather_object(checksums, parameter_checksum(model))
     if launch.rank == 0:
         print(
             f"loaded {folder} into {launch.world_size} rank(s): parameters equal {params_equal}, "
             f"momentum buffers equal {momentum_equal}",
             flush=True,
         )
-    write_summary(
-        cfg.output_dir,
-        model,
-        mode="load",
-        world_size=launch.world_size,
-        params_equal=params_equal,
-        momentum_equal=momentum_equal,
-        momentum_buffers=len(reference["optim"]["state"]),
-    )
+        write_summary(
+            cfg.output_dir,
+            mode="load",
+            world_size=launch.world_size,
+            params_equal=params_equal,
+            momentum_equal=momentum_equal,
+            momentum_buffers=len(reference["optim"]["state"]),
+            replica_checksums=checksums,
+        )
 
 
 def save_or_load(cfg, launch):
@@ -138,7 +149,12 @@ def save_or_load(cfg, launch):
         timeout=timedelta(seconds=cfg.timeout_s),
     )
     torch.manual_seed(cfg.seed)
-    data = load_datasets(cfg, launch.rank)
+    if cfg.download:
+        # Rank 0 downloads while the others wait at the barrier, which every rank must call.
+        if launch.rank == 0:
+            download_datasets(cfg)
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    data = load_datasets(cfg, launch.world_size)
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
@@ -147,6 +163,8 @@ def save_or_load(cfg, launch):
         train_and_save(cfg, launch, device, model, optimizer, data, folder)
     else:
         load_and_check(cfg, launch, device, model, optimizer, folder)
+    # Release the DDP model (it holds the process group) before destroying the group.
+    del model
     dist.destroy_process_group()
 
 
@@ -160,6 +178,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
-    sys.stdout.flush()
-    os._exit(0)

@@ -123,9 +123,8 @@ class Preemption:
 
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Exact distributed evaluation: sums over this rank's slice of the test set, all-reduced.
-    `model` is the plain module (ddp_model.module): ranks may hold different numbers of test
-    batches."""
+    """Exact distributed evaluation: this rank's sums, all-reduced. `model` is the plain module
+    (ddp_model.module): ranks may hold different numbers of test batches."""
     model.eval()
     # loss sum, correct, count
     totals = torch.zeros(3, dtype=torch.float64, device=device)
@@ -278,8 +277,7 @@ def train(cfg, launch):
             download_datasets(cfg)
         dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
     data = load_datasets(cfg, launch.world_size)
-    # Each rank gets a disjoint 1/world_size of the training set, shuffled alike on every rank
-    # (seed + epoch).
+    # Each rank a disjoint 1/world_size of the training set, shuffled alike (seed + epoch).
     train_sampler = ResumableSampler(
         data.train,
         num_replicas=launch.world_size,
@@ -298,15 +296,13 @@ def train(cfg, launch):
         pin_memory=device.type == "cuda",
         generator=generator,
     )
-    # Evaluation: a strided slice per rank covers every test sample once (DistributedSampler
-    # would pad with repeats).
+    # A strided slice per rank: every test sample once (DistributedSampler pads with repeats).
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
     test_loader = DataLoader(
         test_shard, batch_size=cfg.batch_size, num_workers=cfg.num_workers, generator=generator
     )
 
-    # Move the model to this rank's device, then wrap: DDP registers the hooks that all-reduce
-    # gradients in backward().
+    # To this rank's device, then wrap: DDP's hooks all-reduce the gradients in backward().
     model_args = dict(
         name=cfg.model,
         num_classes=data.num_classes,
@@ -412,31 +408,31 @@ def train(cfg, launch):
     # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
     checksums = [None] * launch.world_size
     dist.all_gather_object(checksums, parameter_checksum(model))
+    summary = dict(
+        world_size=launch.world_size,
+        launcher=launch.launcher,
+        backend=backend,
+        global_batch_size=cfg.batch_size * launch.world_size,
+        # every rank saw as many
+        images_per_second=images_seen * launch.world_size / elapsed,
+        device=str(device),
+        local_batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        epochs=epoch + 1,
+        steps=step,
+        resumed_from_step=resumed_from,
+        final_train_loss=train_loss,
+        eval_loss=eval_loss,
+        eval_accuracy=eval_acc,
+        eval_samples=eval_count,
+        wall_time_s=elapsed,
+        replica_checksums=checksums,
+    )
     # Plain file I/O on one rank; model.module drops DDP's "module." prefix.
     if launch.rank == 0:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         torch.save(model.module.state_dict(), Path(cfg.output_dir) / "model.pt")
-        write_summary(
-            cfg.output_dir,
-            world_size=launch.world_size,
-            launcher=launch.launcher,
-            backend=backend,
-            global_batch_size=cfg.batch_size * launch.world_size,
-            # every rank saw as many
-            images_per_second=images_seen * launch.world_size / elapsed,
-            device=str(device),
-            local_batch_size=cfg.batch_size,
-            lr=cfg.lr,
-            epochs=epoch + 1,
-            steps=step,
-            resumed_from_step=resumed_from,
-            final_train_loss=train_loss,
-            eval_loss=eval_loss,
-            eval_accuracy=eval_acc,
-            eval_samples=eval_count,
-            wall_time_s=elapsed,
-            replica_checksums=checksums,
-        )
+        write_summary(cfg.output_dir, **summary)
     # Release the DDP model first: it holds the process group, which would otherwise outlive
     # destroy_process_group() and keep gloo's threads running into interpreter shutdown.
     del model

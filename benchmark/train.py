@@ -31,10 +31,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from common.config import TrainConfig, field, load_config
-from common.data import check_data, load_datasets
+from common.data import check_data, download_datasets, load_datasets
 from common.launcher import detect_launcher
 from common.models import build_model
-from common.report import write_summary
+from common.report import parameter_checksum, write_summary
 
 # benchmark/perf.py
 from perf import (
@@ -159,7 +159,12 @@ def train(cfg, launch):
     # same initial weights on every rank (and DDP broadcasts rank 0's at the wrap)
     torch.manual_seed(cfg.seed)
 
-    data = load_datasets(cfg, launch.rank)
+    if cfg.download:
+        # Rank 0 downloads while the others wait at the barrier, which every rank must call.
+        if launch.rank == 0:
+            download_datasets(cfg)
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    data = load_datasets(cfg, launch.world_size)
     # Each rank gets a disjoint 1/world_size of the training
     # set, shuffled alike on every rank (seed + epoch).
     train_sampler = DistributedSampler(
@@ -310,9 +315,10 @@ def train(cfg, launch):
             flush=True,
         )
     elapsed = time.perf_counter() - start_time
-    write_summary(
-        cfg.output_dir,
-        model,
+    # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
+    checksums = [None] * launch.world_size
+    dist.all_gather_object(checksums, parameter_checksum(model))
+    summary = dict(
         world_size=launch.world_size,
         launcher=launch.launcher,
         backend=backend,
@@ -334,7 +340,12 @@ def train(cfg, launch):
             perf_settings(model, scaler, train_loader, comm_hook, cfg.compile, logits, images),
             **memory,
         ),
+        replica_checksums=checksums,
     )
+    if launch.rank == 0:
+        write_summary(cfg.output_dir, **summary)
+    # Release the DDP model (it holds the process group) before destroying the group.
+    del model
     dist.destroy_process_group()
 
 
@@ -350,6 +361,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
-    sys.stdout.flush()
-    os._exit(0)

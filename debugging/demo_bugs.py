@@ -17,7 +17,6 @@ See debugging/README.md for what each prints and why.
 """
 
 import dataclasses
-import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -33,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.config import field, load_config
 from common.launcher import detect_launcher
-from common.report import write_summary
+from common.report import parameter_checksum, write_summary
 
 BUGS = ("none", "mismatched_collective", "unused_parameter", "rank0_barrier")
 FIXES = ("none", "find_unused", "use_all")
@@ -134,16 +133,21 @@ def train(cfg, launch):
                 print("rank 0 writes a checkpoint", flush=True)  # plain I/O: fine on rank 0 alone
                 # BUG: a collective inside a rank-0-only block; the others never come
                 dist.barrier()
-    write_summary(
-        cfg.output_dir,
-        model,
-        world_size=launch.world_size,
-        bug=cfg.bug,
-        fix=cfg.fix,
-        steps=cfg.steps,
-    )
+    # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
+    checksums = [None] * launch.world_size
+    dist.all_gather_object(checksums, parameter_checksum(model))
     if launch.rank == 0:
+        write_summary(
+            cfg.output_dir,
+            world_size=launch.world_size,
+            bug=cfg.bug,
+            fix=cfg.fix,
+            steps=cfg.steps,
+            replica_checksums=checksums,
+        )
         print("done: no bug", flush=True)
+    # Release the model (DDP holds the process group) before destroying the group.
+    del model
     dist.destroy_process_group()
 
 
@@ -156,6 +160,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
-    sys.stdout.flush()
-    os._exit(0)

@@ -21,7 +21,6 @@ before each forward), so the error shows on any version. See debugging/README.md
 """
 
 import dataclasses
-import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -37,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.config import field, load_config
 from common.launcher import detect_launcher
-from common.report import write_summary
+from common.report import parameter_checksum, write_summary
 
 
 @dataclasses.dataclass
@@ -120,17 +119,22 @@ def train(cfg, launch):
         optimizer.step()
         if launch.rank == 0:
             print(f"step {step} discriminator loss {loss.item():.4f}", flush=True)
-    write_summary(
-        cfg.output_dir,
-        model,
-        world_size=launch.world_size,
-        forward=cfg.forward,
-        buffers=cfg.buffers,
-        final_loss=loss.item(),
-        torch_version=torch.__version__,
-    )
+    # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
+    checksums = [None] * launch.world_size
+    dist.all_gather_object(checksums, parameter_checksum(model))
     if launch.rank == 0:
+        write_summary(
+            cfg.output_dir,
+            world_size=launch.world_size,
+            forward=cfg.forward,
+            buffers=cfg.buffers,
+            final_loss=loss.item(),
+            torch_version=torch.__version__,
+            replica_checksums=checksums,
+        )
         print(f"done: {cfg.forward} forward(s), buffers {cfg.buffers}", flush=True)
+    # Release the DDP model (it holds the process group) before destroying the group.
+    del model
     dist.destroy_process_group()
 
 
@@ -142,6 +146,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
-    sys.stdout.flush()
-    os._exit(0)

@@ -20,13 +20,16 @@ do, seen in the installed torch. Each rank prints one line `RESULT <rank> <json>
 
 import hashlib
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# before any process group: torch.distributed.nn would otherwise keep the group alive past
+# destroy_process_group() (common/launcher.py explains)
+import torch.distributed.nn  # noqa: F401
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -187,10 +190,8 @@ def main():
     # PYTHONUNBUFFERED writes the text and the newline
     # separately, and the two ranks' lines could interleave).
     sys.stdout.write(f"RESULT {rank} {json.dumps(result)}\n")
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
-    sys.stdout.flush()
-    os._exit(0)

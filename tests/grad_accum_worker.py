@@ -9,13 +9,16 @@ the gradient; zeroing the gradients between micro-batches keeps only the last on
 BatchNorm, accumulated micro-batches do not give the large batch's gradient (a model without does).
 """
 
-import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# before any process group: torch.distributed.nn would otherwise keep the group alive past
+# destroy_process_group() (common/launcher.py explains)
+import torch.distributed.nn  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -117,11 +120,10 @@ def main():
             f"accumulation vs the large batch, {label}: relative difference "
             f"{((accumulated - large).norm() / large.norm()).item():.1e}"
         )
+    # the DDP model (and the output whose graph it made) hold the process group
+    del model, out
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
-    sys.stdout.flush()
-    os._exit(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -264,3 +265,30 @@ def readme_commands() -> list[Command]:
                 pending = ""
             i += 1
     return commands
+
+
+def summary_fields(script: str | Path) -> set[str]:
+    """The fields a script's write_summary(...) call writes to summary.json: its keyword arguments,
+    and those of the `dict(...)` it unpacks with `**name` (as the lessons pass `**summary`)."""
+    tree = ast.parse((REPO / script).read_text())
+    [call] = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "write_summary"
+    ]
+    dicts = {
+        target.id: node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Call)
+        and getattr(node.value.func, "id", "") == "dict"
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    fields = {kw.arg for kw in call.keywords if kw.arg}
+    for kw in call.keywords:
+        if kw.arg is None and isinstance(kw.value, ast.Name) and kw.value.id in dicts:
+            fields |= {k.arg for k in dicts[kw.value.id].keywords if k.arg}
+    if "replica_checksums" in fields:
+        fields.add("replicas_identical")
+    return fields

@@ -7,7 +7,6 @@ Everything else is the script's own: its config class (minus
 validate), its train() and the launcher detection its main() uses.
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -29,5 +28,3 @@ class UncheckedConfig(train_script.PerfConfig):
 
 if __name__ == "__main__":
     train_script.train(load_config(UncheckedConfig), detect_launcher())
-    sys.stdout.flush()
-    os._exit(0)

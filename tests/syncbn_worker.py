@@ -11,12 +11,15 @@ are the same on every rank; and the number of all-reduces in train and eval mode
 
 import copy
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# before any process group: torch.distributed.nn would otherwise keep the group alive past
+# destroy_process_group() (common/launcher.py explains)
+import torch.distributed.nn  # noqa: F401
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -159,6 +162,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # then skip interpreter shutdown: with gloo it can abort a finished run (debugging/README.md)
-    sys.stdout.flush()
-    os._exit(0)

@@ -38,6 +38,7 @@ from tests.helpers import (
     read_summary,
     readme_command,
     run,
+    summary_fields,
     torchrun,
 )
 
@@ -915,15 +916,8 @@ README = REPO / "05_checkpointing" / "README.md"
 
 
 def _summary_fields(script: str) -> set[str]:
-    """The keyword arguments of the script's write_summary(...)
-    call: the fields of its summary.json."""
-    tree = ast.parse((REPO / script).read_text())
-    [call] = [
-        n
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "write_summary"
-    ]
-    return {kw.arg for kw in call.keywords}
+    """The fields of the script's summary.json (tests/helpers.py)."""
+    return summary_fields(script)
 
 
 def test_readme_sample_and_summary_are_the_reference_runs(reference):

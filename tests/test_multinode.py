@@ -11,7 +11,6 @@ import re
 import socket
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -23,6 +22,7 @@ from tests.helpers import (
     load_script,
     read_summary,
     run,
+    summary_fields,
     torchrun,
 )
 from tests.launcher_tools import need_root, need_tools, openmpi_env, unavailable
@@ -128,18 +128,6 @@ def test_torchrun_two_nodes_c10d_agrees_with_one_node(tmp_path):
         "master_port",
     }
     assert summary_fields(TRAIN) <= two.keys()
-
-
-def summary_fields(script) -> set[str]:
-    """The keyword arguments of the script's write_summary(...)
-    call: the fields of its summary.json."""
-    tree = ast.parse(Path(script).read_text())
-    [call] = [
-        n
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "write_summary"
-    ]
-    return {kw.arg for kw in call.keywords}
 
 
 def test_placement_table_warns_when_two_ranks_share_a_gpu(capsys):

@@ -149,7 +149,7 @@ def test_scripts_are_laid_out_like_01(script):
     else:  # the training scripts: NCCL on GPUs, gloo on CPU, as 01; summary.json
         assert 'backend = "nccl" if device.type == "cuda" else "gloo"' in source
         assert (
-            "dist.init_process_group(backend," in source
+            "dist.init_process_group(\n        backend," in source
             and "write_summary(cfg.output_dir" in source
         )
         # the data, checked
