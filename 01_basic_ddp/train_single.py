@@ -54,7 +54,10 @@ def train(cfg):
     data = load_datasets(cfg, 1)
     # The same permutations as the DDP script with one process (randperm seeded with seed + epoch).
     shuffle = torch.Generator()
-    train_sampler = RandomSampler(data.train, generator=shuffle)
+    train_sampler = RandomSampler(
+        data.train,
+        generator=shuffle,
+    )
     train_loader = DataLoader(
         data.train,
         batch_size=cfg.batch_size,
@@ -62,7 +65,9 @@ def train(cfg):
         num_workers=cfg.num_workers,
         pin_memory=device.type == "cuda",
     )
-    test_loader = DataLoader(data.test, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
+    # One process reads the whole test set.
+    test_shard = data.test
+    test_loader = DataLoader(test_shard, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
 
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size)
     model = model.to(device)

@@ -120,11 +120,11 @@ class PerfConfig(TrainConfig):
 
 @torch.no_grad()
 def evaluate(model, loader, device, memory_format=torch.preserve_format):
-    """Exact distributed evaluation: sums over this rank's slice of the test
-    set, all-reduced. `model` is the plain module (ddp_model.module):
-    ranks may hold different numbers of test batches."""
+    """Exact distributed evaluation: this rank's sums, all-reduced. `model` is the plain module
+    (ddp_model.module): ranks may hold different numbers of test batches."""
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    # loss sum, correct, count
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:
         images, labels = images.to(device, memory_format=memory_format), labels.to(device)
         logits = model(images)
@@ -135,7 +135,8 @@ def evaluate(model, loader, device, memory_format=torch.preserve_format):
                 torch.tensor(len(labels), device=device),
             ]
         )
-    dist.all_reduce(totals)  # sum over ranks
+    # Sum over ranks: a collective, so every rank calls it.
+    dist.all_reduce(totals)
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count, int(count)
 
@@ -156,7 +157,7 @@ def train(cfg, launch):
         world_size=launch.world_size,
         timeout=timedelta(seconds=cfg.timeout_s),
     )
-    # same initial weights on every rank (and DDP broadcasts rank 0's at the wrap)
+    # Same initial weights on every rank (and DDP broadcasts rank 0's at the wrap).
     torch.manual_seed(cfg.seed)
 
     if cfg.download:
@@ -165,24 +166,26 @@ def train(cfg, launch):
             download_datasets(cfg)
         dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
     data = load_datasets(cfg, launch.world_size)
-    # Each rank gets a disjoint 1/world_size of the training
-    # set, shuffled alike on every rank (seed + epoch).
+    # Each rank a disjoint 1/world_size of the training set, shuffled alike (seed + epoch).
     train_sampler = DistributedSampler(
-        data.train, num_replicas=launch.world_size, rank=launch.rank, shuffle=True, seed=cfg.seed
+        data.train,
+        num_replicas=launch.world_size,
+        rank=launch.rank,
+        shuffle=True,
+        seed=cfg.seed,
     )
     # num_workers, pin_memory (GPU only), persistent_workers
     # and prefetch_factor (with workers) from the config.
     train_loader = DataLoader(
         data.train, batch_size=cfg.batch_size, sampler=train_sampler, **loader_kwargs(cfg, device)
     )
-    # Evaluation: a strided slice per rank covers every test
-    # sample once (DistributedSampler would pad with repeats).
+    # A strided slice per rank: every test sample once (DistributedSampler pads with repeats).
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
     test_loader = DataLoader(test_shard, batch_size=cfg.batch_size, **loader_kwargs(cfg, device))
 
-    # Move the model to this rank's device, then wrap: DDP
-    # registers the hooks that all-reduce gradients in backward().
-    model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size).to(device)
+    # To this rank's device, then wrap: DDP's hooks all-reduce the gradients in backward().
+    model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size)
+    model = model.to(device)
     # NHWC, the fast layout for convolutions on tensor cores; the inputs follow in the loop.
     memory_format = torch.channels_last if cfg.channels_last else torch.preserve_format
     model = model.to(memory_format=memory_format)
@@ -213,9 +216,12 @@ def train(cfg, launch):
     else:  # the baseline: the same loop without gradient communication (replicas drift apart)
         model = NoDDP(model)
     optimizer = torch.optim.SGD(
-        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        model.parameters(),
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
     )
-    # from here on each rank its own augmentation and loader worker seeds
+    # From here on each rank its own augmentation and loader worker seeds.
     torch.manual_seed(cfg.seed + launch.rank)
     # Mixed precision: autocast runs the forward pass in bf16/fp16; fp16 also needs a GradScaler,
     # which scales the loss so small gradients do not underflow (a no-op when disabled).
@@ -230,10 +236,12 @@ def train(cfg, launch):
         writer = SummaryWriter(str(Path(cfg.output_dir) / "tensorboard"))
 
     if launch.rank == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        global_batch = cfg.batch_size * launch.world_size
         print(
-            f"launcher {launch.launcher}, {backend} on {device} (CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), world size {launch.world_size}, "
-            f"batch {cfg.batch_size} x {launch.world_size} = {cfg.batch_size * launch.world_size}; "
+            f"launcher {launch.launcher}, {backend} on {device} "
+            f"(CUDA_VISIBLE_DEVICES={visible}), world size {launch.world_size}, "
+            f"batch {cfg.batch_size} x {launch.world_size} = {global_batch}; "
             f"{type(model).__name__}, precision {cfg.precision}, comm hook {cfg.comm_hook}, "
             f"compile {cfg.compile}, channels_last {cfg.channels_last}, "
             f"activation checkpointing {cfg.activation_checkpointing}",
@@ -241,11 +249,11 @@ def train(cfg, launch):
         )
     step, images_seen = 0, 0
     for epoch in range(cfg.epochs):
-        # a new shuffle each epoch; without it every epoch repeats epoch 0
+        # A new shuffle each epoch; without it every epoch repeats epoch 0.
         train_sampler.set_epoch(epoch)
         model.train()
-        # this rank's loss sum and sample count
-        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
+        # This rank's loss sum and sample count.
+        loss_and_count = torch.zeros(2, dtype=torch.float64, device=device)
         for images, labels in timer.iterate(train_loader):
             images = images.to(device, non_blocking=True, memory_format=memory_format)
             labels = labels.to(device, non_blocking=True)
@@ -255,14 +263,14 @@ def train(cfg, launch):
                 logits = model(images)
                 loss = F.cross_entropy(logits, labels)
             optimizer.zero_grad(set_to_none=True)
-            # DDP all-reduces (averages) the gradients here: every rank steps alike
+            # DDP all-reduces (averages) the gradients here: every rank steps alike.
             scaler.scale(loss).backward()
             scaler.step(optimizer)  # fp16: unscales, and skips the step if a gradient overflowed
             scaler.update()
             step += 1
             images_seen += len(labels)
-            loss_sum[0] += loss.detach() * len(labels)
-            loss_sum[1] += len(labels)
+            loss_and_count[0] += loss.detach() * len(labels)
+            loss_and_count[1] += len(labels)
             if step % cfg.log_every == 0:
                 # collective: every rank logs at the same steps
                 images_per_s, data_wait = timer.rates()
@@ -278,9 +286,9 @@ def train(cfg, launch):
                     writer.add_scalar("perf/data_wait_fraction", data_wait, step)
             if step == cfg.max_steps:
                 break
-        # sums and counts over all ranks: the exact mean, not a mean of means
-        dist.all_reduce(loss_sum)
-        train_loss = (loss_sum[0] / loss_sum[1]).item()
+        # Sums and counts over all ranks, the exact mean (not a mean of means); every rank calls it.
+        dist.all_reduce(loss_and_count)
+        train_loss = (loss_and_count[0] / loss_and_count[1]).item()
         images_per_s, data_wait = timer.rates()  # this epoch's training loop
         eval_loss, eval_acc, eval_count = evaluate(model.module, test_loader, device, memory_format)
         if launch.rank == 0:
@@ -299,7 +307,8 @@ def train(cfg, launch):
         if step == cfg.max_steps:
             break
 
-    if launch.rank == 0:  # plain file I/O on one rank; model.module drops DDP's "module." prefix
+    # Plain file I/O on one rank; model.module drops DDP's "module." prefix.
+    if launch.rank == 0:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         torch.save(model.module.state_dict(), Path(cfg.output_dir) / "model.pt")
         writer.close()
@@ -344,14 +353,17 @@ def train(cfg, launch):
     )
     if launch.rank == 0:
         write_summary(cfg.output_dir, **summary)
-    # Release the DDP model (it holds the process group) before destroying the group.
+    # Release the DDP model first: it holds the process group, which would otherwise outlive
+    # destroy_process_group() and keep gloo's threads running into interpreter shutdown.
     del model
     dist.destroy_process_group()
 
 
-@record  # under torchrun, a failing rank's exception and traceback show in torchrun's summary
+# under torchrun, a failing rank's exception and traceback show in torchrun's summary
+@record
 def main():
-    cfg = load_config(PerfConfig)  # bad input (here and below): one "error:" line, exit code 2
+    # bad input (here and below): one "error:" line, exit code 2
+    cfg = load_config(PerfConfig)
     # rank, local rank, world size, rendezvous address: torchrun, srun, mpiexec
     launch = detect_launcher()
     # before any process group, so no rank waits for a failed one
