@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +69,115 @@ class Result(subprocess.CompletedProcess):
         return (self.stdout or "") + (self.stderr or "")
 
 
+# Every process a test starts carries this variable (a fresh value per start), so that its whole
+# tree can be found and killed: torchrun starts its workers in sessions of their own, and a worker
+# whose parent died is no longer anyone's child.
+TREE_MARKER = "TESTS_PROCESS_TREE"
+
+
+def start(cmd: list, env: dict[str, str] | None = None, cwd: Path = REPO, **popen_kwargs):
+    """subprocess.Popen in a new session, with text pipes for stdout and stderr unless given, and
+    the marker that tree_pids() and kill_group() find its whole tree by."""
+    marker = uuid.uuid4().hex
+    popen_kwargs.setdefault("stdout", subprocess.PIPE)
+    popen_kwargs.setdefault("stderr", subprocess.PIPE)
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env={**(env or clean_env()), TREE_MARKER: marker},
+        text=True,
+        start_new_session=True,
+        **popen_kwargs,
+    )
+    proc.tree_marker = marker
+    return proc
+
+
+def _parent_pids() -> dict[int, int]:
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # the command name (field 2) may hold spaces: the fields after its ")" are plain
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    return parents
+
+
+def _marked_pids(marker: str) -> set[int]:
+    found = set()
+    needle = f"{TREE_MARKER}={marker}".encode()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if needle in environ.read_bytes().split(b"\0"):
+                found.add(int(environ.parent.name))
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def tree_pids(proc: subprocess.Popen) -> list[int]:
+    """The pids of `proc` and all its descendants: by parent links, plus (for processes started by
+    start()) every process that carries its marker, orphans in other sessions included."""
+    parents = _parent_pids()
+    pids = {proc.pid}
+    marker = getattr(proc, "tree_marker", None)
+    if marker:
+        pids |= _marked_pids(marker)
+    grew = True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in pids} - pids
+        grew = bool(more)
+        pids |= more
+    return sorted(pid for pid in pids if pid == proc.pid or pid in parents)
+
+
+def dump_stacks(proc: subprocess.Popen) -> str:
+    """Python and native stacks of every process in `proc`'s tree (py-spy dump --native), to
+    show where a hung run waits."""
+    parts = []
+    for pid in tree_pids(proc):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        try:
+            dump = subprocess.run(
+                ["py-spy", "dump", "--native", "--pid", str(pid)],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            text = dump.stdout + dump.stderr
+        except FileNotFoundError:
+            text = "(py-spy is not installed: pip install -r requirements-test.txt)"
+        except subprocess.TimeoutExpired:
+            text = "(py-spy dump timed out)"
+        parts.append(f"--- pid {pid}: {cmdline.strip()}\n{text.strip()}")
+    return "\n".join(parts)
+
+
+def finish(proc: subprocess.Popen, timeout: float, what: str) -> tuple[str, str]:
+    """proc.communicate(timeout); on a timeout, the stacks of its whole tree, then the whole tree
+    killed, and the test failed with both. Never waits unbounded on a pipe."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stacks = dump_stacks(proc)
+        kill_group(proc)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            # something outside the tree still holds a pipe: give up on the rest of the output
+            out, err = "", "(the output pipes stayed open after the process tree was killed)"
+        pytest.fail(
+            f"timed out after {timeout}s: {what}\n--- stdout\n{(out or '')[-4000:]}"
+            f"\n--- stderr\n{(err or '')[-4000:]}\n--- stacks (py-spy dump --native)\n{stacks}",
+            pytrace=False,
+        )
+
+
 def run(
     cmd: list[str],
     timeout: float,
@@ -75,30 +185,14 @@ def run(
     cwd: Path = REPO,
     check: bool = False,
 ) -> Result:
-    """Run `cmd` in its own process group; on timeout kill the whole group and fail the test.
+    """Run `cmd` in its own session; on timeout dump the stacks of its whole process tree, kill
+    the tree and fail the test.
 
     A hang (a missed collective, a rendezvous that never completes) thus fails one test
-    within `timeout` seconds instead of stalling the suite.
+    within `timeout` seconds, with where every process waited, instead of stalling the suite.
     """
-    proc = subprocess.Popen(
-        [str(c) for c in cmd],
-        cwd=cwd,
-        env=env or clean_env(),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        out, err = proc.communicate()
-        pytest.fail(
-            f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n--- stdout\n{out[-4000:]}"
-            f"\n--- stderr\n{err[-4000:]}",
-            pytrace=False,
-        )
+    proc = start(cmd, env=env, cwd=cwd)
+    out, err = finish(proc, timeout, " ".join(map(str, cmd)))
     result = Result(proc.args, proc.returncode, out, err)
     if check and result.returncode != 0:
         pytest.fail(
@@ -110,10 +204,18 @@ def run(
 
 
 def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc`'s whole tree: its process group, its descendants, and (if start() began it)
+    every process with its marker, such as torchrun's workers in their own sessions."""
+    pids = tree_pids(proc)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         pass
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def torchrun(

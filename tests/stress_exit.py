@@ -32,6 +32,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 COMMANDS = {
     "01": [*TORCHRUN, "01_basic_ddp/train.py", "--epochs", "2"],
     "01-alone": [sys.executable, "01_basic_ddp/train.py", "--epochs", "1"],
+    "01-spawn": [sys.executable, "01_basic_ddp/train_spawn.py", "--epochs", "1"],
+    "02-eval": [*TORCHRUN, "02_sampler_patterns/distributed_eval.py"],
     "02-uneven": [*TORCHRUN, "02_sampler_patterns/uneven_inputs.py"],
     "03": [*TORCHRUN, "03_grad_accum/train.py", "--batch-size", "8", "--accum-steps", "4"],
     "04": [*TORCHRUN, "04_syncbn/train.py", "--epochs", "1"],

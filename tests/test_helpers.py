@@ -1,0 +1,59 @@
+"""The suite's own guard against hangs (tests/helpers.py): a launcher that runs past its timeout
+fails its test with the Python and native stacks of every process it started, and leaves none
+of them behind, torchrun's workers in their own sessions included. Shown on a real torchrun
+whose two workers sleep, so that the test has a known line to find in the stacks."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.helpers import PYTHON, REPO, _marked_pids, kill_group, run, start
+
+HANGS = "import time\nprint('started', flush=True)\ntime.sleep(3600)  # the line a hang waits on\n"
+
+
+def torchrun_that_hangs(tmp_path):
+    script = tmp_path / "hangs.py"
+    script.write_text(HANGS)
+    return [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]
+
+
+def test_a_timeout_records_every_processs_stacks_and_kills_the_whole_tree(tmp_path):
+    cmd = torchrun_that_hangs(tmp_path)
+    with pytest.raises(pytest.fail.Exception) as failure:
+        run(cmd, timeout=25)
+    message = str(failure.value)
+    assert message.startswith("timed out after 25s")
+    # torchrun and both workers, each with the Python line it waits on
+    assert message.count("--- pid ") >= 3, message[-3000:]
+    assert message.count("<module> (hangs.py:3)") == 2, message[-3000:]
+    # native frames too
+    assert "libc.so" in message or "libpython" in message, message[-3000:]
+
+
+def test_kill_group_reaches_workers_in_their_own_sessions(tmp_path):
+    """torchrun starts each worker with setsid: killing torchrun's process group alone leaves
+    them running (the control), kill_group() ends them too."""
+    proc = start(torchrun_that_hangs(tmp_path), cwd=REPO)
+    deadline = time.monotonic() + 60
+    while len(_marked_pids(proc.tree_marker)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    workers = _marked_pids(proc.tree_marker) - {proc.pid}
+    assert len(workers) >= 2
+    assert all(os.getsid(pid) != os.getsid(proc.pid) for pid in workers if pid != proc.pid)
+    try:
+        # the control: the process group alone
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        time.sleep(1)
+        survivors = _marked_pids(proc.tree_marker)
+        assert survivors, "torchrun's workers no longer outlive its process group"
+    finally:
+        kill_group(proc)
+    deadline = time.monotonic() + 30
+    while _marked_pids(proc.tree_marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _marked_pids(proc.tree_marker) == set()
+    proc.communicate(timeout=30)
