@@ -8,17 +8,19 @@ a virtual environment on top of this Python, the defaults the README quotes.
 from __future__ import annotations
 
 import ast
-import json
 import importlib.metadata as metadata
+import json
 import math
 import re
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from torch.utils.data.distributed import DistributedSampler
 
 from common.config import DATASETS, TrainConfig
-from tests.helpers import PYTHON, REPO, clean_env, torchrun
+from tests.helpers import REPO, clean_env, torchrun
 
 README = " ".join((REPO / "README.md").read_text().split())  # line breaks as spaces
 
@@ -125,23 +127,33 @@ def test_a_failed_download_still_releases_the_others_and_every_rank_exits_with_2
     assert re.search(r"exitcode\s*: 2", result.output), result.output[-3000:]
 
 
-def test_a_venv_sees_this_pythons_torch_only_with_system_site_packages(tmp_path):
+def test_a_venv_sees_the_site_pythons_torch_only_with_system_site_packages(tmp_path):
     """ "On a cluster": a virtual environment on top of the site's Python needs
-    `python -m venv --system-site-packages` to see the site's torch (here: this Python's torch)."""
+    `python -m venv --system-site-packages` to see the site's torch. The site's Python is the base
+    interpreter of the one running the tests (itself, unless the suite runs in a venv, whose own
+    packages a venv made from it would not see anyway); its torch, or where the base has none,
+    another package of the base's own site-packages (pip), stands for the site's torch."""
     assert "needs `python -m venv --system-site-packages` to see the site's torch" in README
-    finds_torch = (
-        "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('torch') else 3)"
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    find = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.argv[1]) else 3)"
+    package = next(
+        (
+            name
+            for name in ("torch", "pip")
+            if subprocess.run([base, "-c", find, name], timeout=120).returncode == 0
+        ),
+        None,
     )
+    if package is None:
+        pytest.skip(f"{base} has neither torch nor pip in its own site-packages")
     codes = {}
     for flags in ([], ["--system-site-packages"]):
         venv = tmp_path / ("system" if flags else "plain")
-        subprocess.run(
-            [PYTHON, "-m", "venv", "--without-pip", *flags, venv], check=True, timeout=120
-        )
+        subprocess.run([base, "-m", "venv", "--without-pip", *flags, venv], check=True, timeout=120)
         codes[bool(flags)] = subprocess.run(
-            [venv / "bin" / "python", "-c", finds_torch], timeout=120
+            [venv / "bin" / "python", "-c", find, package], timeout=120
         ).returncode
-    assert codes == {False: 3, True: 0}
+    assert codes == {False: 3, True: 0}, package
 
 
 def test_the_defaults_and_choices_the_readme_quotes():
