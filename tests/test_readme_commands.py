@@ -489,6 +489,8 @@ def test_ci_runs_the_readmes_test_command():
         "ruff format --check . && ruff check .",
     ]
     assert set(ci_commands[-2:]) <= readme
+    # The quick start shows the same test command.
+    assert (REPO / "README.md").read_text().count(ci_commands[-2]) >= 2
 
 
 def test_commands_run_elsewhere_are_read_from_the_readme_by_that_test():

@@ -1,24 +1,10 @@
-"""The repository keeps its promises about itself: CI runs the README's command."""
+"""The repository keeps its promises about itself: a torch pair that works, parallel test files.
+(That CI runs the README's test command: tests/test_readme_commands.py.)"""
 
 import os
 import re
 
 from tests.helpers import PYTHON, REPO, clean_env, run
-
-
-def readme_test_command():
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Tests") :]
-    return re.search(r"```bash\n(.+?)\n```", section, re.S).group(1).strip()
-
-
-def test_ci_runs_the_readme_test_command():
-    command = readme_test_command()
-    assert "pytest" in command
-    ci_lines = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
-    assert command in ci_lines
-    # The quick start shows the same command.
-    assert (REPO / "README.md").read_text().count(command) >= 2
 
 
 def test_requirements_pin_a_torch_torchvision_pair_whose_compiled_ops_work():
@@ -47,7 +33,7 @@ def test_the_suite_runs_files_in_parallel_workers_and_n0_in_one_process():
     # not one of our workers
     env = {k: v for k, v in clean_env().items() if not k.startswith("PYTEST_")}
     one_test = [
-        "tests/test_repo.py::test_ci_runs_the_readme_test_command",
+        "tests/test_repo.py::test_requirements_pin_a_torch_torchvision_pair_whose_compiled_ops_work",
         "-p",
         "no:cacheprovider",
     ]
