@@ -287,14 +287,18 @@ def preempted_jobs(cluster, tmp_path_factory):
                 )
                 job["delivered"] = True
             state = cluster.job_state(job["job"])
-            if state[0] == "PENDING" and job["delivered"]:
-                # Slurm holds a requeued job back for a while (BeginTime); release it now.
+            if state[0] == "PENDING" and job["delivered"] and not job.get("released"):
+                # Slurm holds a requeued job back for a while (BeginTime); bring that forward, once,
+                # but not to "now": a slurmd refuses to launch a job whose credential is not newer
+                # (in whole seconds) than its kill of the previous run ("Job N already killed, do
+                # not launch batch job", and the job fails), which the hold is there to prevent.
                 subprocess.run(
-                    ["scontrol", "update", f"JobId={job['job']}", "StartTime=now"],
+                    ["scontrol", "update", f"JobId={job['job']}", "StartTime=now+5"],
                     env=cluster.env(),
                     capture_output=True,
                     timeout=30,
                 )
+                job["released"] = True
             if state[0] in cluster.FINAL_STATES:
                 job["state"] = state
                 shown = subprocess.run(
