@@ -8,10 +8,16 @@ make the race likelier, as on a loaded CI machine.
 
     python tests/stress_exit.py --runs 100 --load 2
     python tests/stress_exit.py --control --runs 20 --load 2
+    python tests/stress_exit.py --loader-workers --runs 400 --load 2
 
 --control runs a few-line DDP script instead, which imports torch.distributed.nn only after its
 process group exists, as DDP's constructor does when nothing imported it earlier: the same
 machine then shows the abort, so zero aborts in the main mode are not an accident of the machine.
+--loader-workers runs, in turn, the two commands whose DataLoader workers were seen to hang in the
+test suite: 02's sharded_loading.py with --num-workers 2 on 3 ranks, and 05 with --num-workers 1.
+A run past --timeout-s is a hang: the Python and native stacks of its whole process tree
+(py-spy dump --native) are printed, then the tree is killed.
+
 Exit code 0 when every run of the chosen mode behaved as expected (main: all exit 0; control: at
 least one abort), else 1.
 """
@@ -27,6 +33,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from tests.helpers import dump_stacks, kill_group, start  # noqa: E402
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 # The READMEs' main command of each lesson, shortened (the exit is what is tested, not the result).
 COMMANDS = {
@@ -47,6 +56,34 @@ COMMANDS = {
     "05": [*TORCHRUN, "05_checkpointing/train.py", "--save-every-steps", "10", "--max-steps", "30"],
     "06": [*TORCHRUN, "06_multinode/train.py", "--epochs", "1", "--max-steps", "20"],
     "benchmark": [*TORCHRUN, "benchmark/train.py", "--epochs", "1", "--max-steps", "10"],
+}
+# The commands whose loader workers hung in the suite (tests/test_sampler_patterns.py,
+# tests/test_randomness.py), each forking DataLoader workers in a rank that already runs gloo.
+SHARDS_DIR = Path(tempfile.gettempdir()) / "stress_exit_shards"
+LOADER_COMMANDS = {
+    "02-shards": [
+        *TORCHRUN[:-1],
+        "--nproc_per_node=3",
+        "02_sampler_patterns/sharded_loading.py",
+        "--shards-dir",
+        str(SHARDS_DIR),
+        "--epochs",
+        "2",
+        "--num-workers",
+        "2",
+    ],
+    "05-workers": [
+        *TORCHRUN,
+        "05_checkpointing/train.py",
+        "--num-workers",
+        "1",
+        "--epochs",
+        "2",
+        "--save-every-steps",
+        "10",
+        "--max-steps",
+        "30",
+    ],
 }
 ABORT_TEXT = "terminate called without an active exception"
 
@@ -75,21 +112,23 @@ def burn() -> None:
 
 
 def run_once(name: str, command: list[str], out: Path, timeout_s: float) -> tuple[int, bool, str]:
-    """(exit code, whether the abort text was printed, the output's tail)."""
+    """(exit code, whether the abort text was printed, the output's tail); on a hang (exit 124)
+    the tail holds the stacks of every process of the run."""
     if name != "control":
         command = [*command, "--output-dir", str(out)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "DDP_TEST_"))}
+    proc = start(command, env=env, cwd=REPO, stderr=subprocess.STDOUT)
     try:
-        done = subprocess.run(
-            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
-        )
-    except subprocess.TimeoutExpired as exc:
-        text = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(
-            errors="replace"
-        )
-        return 124, ABORT_TEXT in text, text[-2000:]
-    text = done.stdout + done.stderr
-    return done.returncode, ABORT_TEXT in text, text[-2000:]
+        text, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stacks = dump_stacks(proc)
+        kill_group(proc)
+        try:
+            text, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            text = "(the output pipe stayed open after the process tree was killed)"
+        return 124, ABORT_TEXT in (text or ""), f"{(text or '')[-2000:]}\n--- stacks\n{stacks}"
+    return proc.returncode, ABORT_TEXT in text, text[-2000:]
 
 
 def main() -> int:
@@ -97,6 +136,11 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=100, help="runs in all")
     parser.add_argument("--load", type=int, default=0, help="busy processes beside the runs")
     parser.add_argument("--control", action="store_true", help="run the control script instead")
+    parser.add_argument(
+        "--loader-workers",
+        action="store_true",
+        help="run the two commands whose DataLoader workers hung in the suite",
+    )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per run")
     args = parser.parse_args()
 
@@ -107,6 +151,10 @@ def main() -> int:
         script = Path(tempfile.mkdtemp()) / "control.py"
         script.write_text(CONTROL)
         plan = itertools.repeat(("control", [*TORCHRUN, str(script)]))
+    elif args.loader_workers:
+        prepare = [sys.executable, "02_sampler_patterns/prepare_shards.py", "--num-shards", "12"]
+        subprocess.run([*prepare, "--out-dir", str(SHARDS_DIR)], cwd=REPO, check=True)
+        plan = itertools.cycle(LOADER_COMMANDS.items())
     else:
         plan = itertools.cycle(COMMANDS.items())
     results: dict[str, list[int]] = {}
@@ -133,10 +181,12 @@ def main() -> int:
     total = sum(len(codes) for codes in results.values())
     print(
         f"{total} runs in {minutes:.1f} min with {args.load} busy processes: "
-        f"{len(failures)} non-zero exits, {aborts} with '{ABORT_TEXT}'"
+        f"{len(failures)} non-zero exits, {aborts} with '{ABORT_TEXT}', "
+        f"{sum(code == 124 for _, _, code, _ in failures)} hangs (past {args.timeout_s:.0f} s)"
     )
     for number, name, code, tail in failures[:3]:
         print(f"\n--- run {number} ({name}) exit {code}, last lines:\n{tail}")
+        sys.stdout.flush()
     if args.control:
         return 0 if aborts else 1
     return 0 if not failures else 1
