@@ -254,6 +254,14 @@ def read_summary(output_dir: Path) -> dict:
     return json.loads((Path(output_dir) / "summary.json").read_text())
 
 
+def repeated_lines(output: str) -> list[str]:
+    """The non-blank lines that `output` holds more than once. A script whose ranks all print
+    would repeat its banner and its per-epoch lines (the same on every rank): under a launcher,
+    an empty list shows that one rank printed, whatever the lines say."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    return sorted({line for line in lines if lines.count(line) > 1})
+
+
 def root_cause(output: str) -> str:
     """The part of torchrun's closing summary that names the first failure (its "Root Cause")."""
     assert "Root Cause" in output, output[-3000:]
@@ -286,10 +294,73 @@ def readme_command(readme: str, command: str) -> list[str]:
     return launchers.get(argv[0], argv[:1]) + argv[1:]
 
 
+# --- Markdown: the one reader of the READMEs (fenced blocks, sections, tables) for every test
+# -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Block:
+    info: str  # the fence's info string: "bash", "python", or "" for a sample output
+    lines: tuple[str, ...]  # the lines between the fences
+    start: int  # the index of the opening fence's line in the text's lines
+
+
+def markdown_blocks(text: str) -> list[Block]:
+    """The fenced code blocks of `text`, in order (a fence is a line starting with ```)."""
+    blocks, info, start, body = [], None, 0, []
+    for number, line in enumerate(text.splitlines()):
+        if info is None and line.lstrip().startswith("```"):
+            info, start, body = line.strip()[3:].strip(), number, []
+        elif info is not None and line.strip() == "```":
+            blocks.append(Block(info, tuple(body), start))
+            info = None
+        elif info is not None:
+            body.append(line)
+    return blocks
+
+
+def markdown_section(text: str, heading: str) -> str:
+    """The text of the section whose heading line starts with `heading` (e.g. "## 3." or
+    "## Output"), up to the next heading of the same or a higher level."""
+    level = heading.split(" ", 1)[0]
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith(heading))
+    rest = lines[first + 1 :]
+    ends = [
+        i
+        for i, line in enumerate(rest)
+        if line.startswith("#") and len(line.split(" ", 1)[0]) <= len(level)
+    ]
+    # a '#' comment inside a fenced block is not a heading
+    fenced = {
+        i
+        for b in markdown_blocks("\n".join(rest))
+        for i in range(b.start, b.start + len(b.lines) + 2)
+    }
+    end = next((i for i in ends if i not in fenced), len(rest))
+    return "\n".join([lines[first], *rest[:end]])
+
+
+def markdown_table(text: str, after: str) -> list[list[str]]:
+    """The body rows, as stripped cells, of the first Markdown table at or after the first line
+    that contains `after`."""
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if after in line)
+    header = next(i for i in range(first, len(lines)) if lines[i].startswith("|"))
+    rows = []
+    for line in lines[header + 2 :]:  # after the header and the |---| line
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
 def readme_sample(readme: Path, after: str) -> list[str]:
-    """The lines of the first plain ``` block (a sample
-    output) after the text `after` in `readme`."""
-    return readme.read_text().split(after, 1)[1].split("```\n", 2)[1].splitlines()
+    """The lines of the first sample-output block (a fence without a language) after the first
+    occurrence of the text `after` in `readme`."""
+    text = Path(readme).read_text()
+    line = text[: text.index(after)].count("\n")
+    return next(list(b.lines) for b in markdown_blocks(text) if b.start >= line and not b.info)
 
 
 # --- the commands of the READMEs' ```bash blocks
@@ -330,31 +401,31 @@ def _open_quote(text: str) -> bool:
     return bool(quote)
 
 
+def _paragraph_before(lines: list[str], index: int) -> str:
+    """The non-blank lines just above line `index` (blank lines between skipped), joined."""
+    j = index - 1
+    while j >= 0 and not lines[j].strip():
+        j -= 1
+    paragraph = []
+    while j >= 0 and lines[j].strip():
+        paragraph.insert(0, lines[j])
+        j -= 1
+    return " ".join(paragraph)
+
+
 def readme_commands() -> list[Command]:
     files = subprocess.run(
         ["git", "ls-files", "*.md"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout.split()
     commands = []
     for readme in files:
-        lines = (REPO / readme).read_text().splitlines()
-        i = 0
-        while i < len(lines):
-            if lines[i].strip() != "```bash":
-                i += 1
+        text = (REPO / readme).read_text()
+        for block in markdown_blocks(text):
+            if block.info != "bash":
                 continue
-            start = i
-            paragraph = []
-            j = start - 1
-            while j >= 0 and not lines[j].strip():
-                j -= 1
-            while j >= 0 and lines[j].strip():
-                paragraph.insert(0, lines[j])
-                j -= 1
-            i += 1
+            before = _paragraph_before(text.splitlines(), block.start)
             pending = ""
-            while lines[i].strip() != "```":
-                line = lines[i]
-                i += 1
+            for line in block.lines:
                 if not pending and (not line.strip() or line.lstrip().startswith("#")):
                     continue
                 pending = f"{pending}\n{line}" if pending else line
@@ -362,10 +433,9 @@ def readme_commands() -> list[Command]:
                 source, comment = _split_comment(pending)
                 if source.endswith("\\") or _open_quote(source):
                     continue
-                text = " ".join(source.replace("\\\n", " ").split())
-                commands.append(Command(text, source, comment, " ".join(paragraph), readme))
+                command = " ".join(source.replace("\\\n", " ").split())
+                commands.append(Command(command, source, comment, before, readme))
                 pending = ""
-            i += 1
     return commands
 
 

@@ -226,6 +226,7 @@ def test_batchnorm_in_a_checkpointed_block_updates_its_statistics_twice(variant)
     torch.testing.assert_close(model.bn1.running_mean, plain.bn1.running_mean)  # outside: the same
 
 
+@pytest.mark.torch_text
 def test_reentrant_needs_an_input_that_requires_grad_and_is_torchs_fallback():
     """Why the first layers run outside any checkpoint: under the reentrant variant a
     block whose inputs need no gradient (the images) gives its parameters none. torch
@@ -303,6 +304,7 @@ class SharedTwice(nn.Module):
         return x
 
 
+@pytest.mark.torch_text
 @pytest.mark.parametrize(
     "use_reentrant,static_graph,fails",
     [(True, False, True), (True, True, False), (False, False, False)],
@@ -382,6 +384,7 @@ def test_the_benchmark_sweeps_both_variants():
     assert "peak_memory_mib" in bench.SWEEP_COLUMNS and "peak_memory_mib" in bench.SCALING_COLUMNS
 
 
+@pytest.mark.torch_text
 def test_the_why_is_read_from_torch_source():
     """benchmark/README.md's "Why", read from torch 2.14.1: the reentrant checkpoint runs
     the block under no_grad and calls torch.autograd.backward itself in backward; the

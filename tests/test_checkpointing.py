@@ -1093,6 +1093,7 @@ def test_lesson_source_does_what_the_readme_says():
     assert "dist.all_reduce(flag, op=dist.ReduceOp.MAX)" in ast.unparse(per_step)
 
 
+@pytest.mark.torch_text
 def test_requeue_code_and_torch_facts_the_readme_names():
     assert ckpt.REQUEUE_EXIT_CODE == os.EX_TEMPFAIL == 75 and 128 + signal.SIGTERM == 143
     torch_dir = Path(torch.__file__).parent

@@ -74,6 +74,7 @@ def test_collectives_in_a_different_order_silently_mix_tensors_of_the_same_shape
     assert "if the shapes happen to match, **silently mixes the wrong tensors**" in guide
 
 
+@pytest.mark.torch_text
 def test_nn_syncbatchnorm_refuses_cpu_tensors(facts):
     assert (
         facts[0]["syncbn_cpu"]
@@ -89,6 +90,7 @@ def test_a_skipped_all_reduce_of_equal_shapes_silently_sums_the_wrong_tensors(fa
     assert facts[1]["equal_shapes_mismatch"] == {"count": 20.0 + 1.0, "extra": 0.0 + 10.0}
 
 
+@pytest.mark.torch_text
 def test_static_graph_with_no_sync_accumulation_fails(facts):
     """03's README: PyTorch issue 143580, still open in torch 2.14.1. The first backward
     inside no_sync() of a DDP(static_graph=True) model trips an internal assert. If
@@ -130,6 +132,7 @@ def concatenated(function: ast.FunctionDef) -> list[list[str]]:
     ]
 
 
+@pytest.mark.torch_text
 def test_nn_syncbatchnorm_all_gathers_mean_invstd_count_and_all_reduces_gradient_sums():
     """04's README: nn.SyncBatchNorm's forward all-gathers each rank's per-channel mean,
     inverse standard deviation and count (all_gather on gloo, all_gather_single
@@ -151,6 +154,7 @@ def test_nn_syncbatchnorm_all_gathers_mean_invstd_count_and_all_reduces_gradient
     assert collectives(ast.Module(body=branch.orelse)) == {"all_gather"}
 
 
+@pytest.mark.torch_text
 def test_the_differentiable_all_reduce_is_deprecated_with_the_warning_04_silences():
     """04_syncbn/cpu_sync_batchnorm.py: torch 2.14 marks torch.distributed.nn.functional.all_reduce
     deprecated (in favour of a private module); the lesson filters exactly that warning."""

@@ -47,6 +47,7 @@ def test_demo_runs_clean_without_a_bug(tmp_path):
     assert summary["world_size"] == 2 and summary["replicas_identical"]
 
 
+@pytest.mark.torch_text
 def test_demo_mismatched_collective_gloo_aborts_on_the_size_mismatch(tmp_path):
     """Without debugging aids: rank 1's all-reduce of 2 doubles meets rank 0's of 1 float, and gloo
     aborts the receiving process (SIGABRT) with its own message."""
@@ -80,6 +81,7 @@ def test_demo_mismatched_collective_gloo_aborts_on_the_size_mismatch(tmp_path):
     ]
 
 
+@pytest.mark.torch_text
 def test_demo_mismatched_collective_named_by_debug_detail(tmp_path):
     # TORCH_SHOW_CPP_STACKTRACES adds the C++ stack to the
     # error c10d raises (addr2line off: symbolizing is slow).
@@ -323,6 +325,7 @@ def test_unused_parameter_fails_at_the_next_forward_and_each_fix_runs(one_rank_g
     assert _error_within_three_steps(DDP(demo.TwoHeads(), static_graph=True)) is None
 
 
+@pytest.mark.torch_text
 @pytest.mark.parametrize("level", ["INFO", "DETAIL"])
 def test_torch_distributed_debug_adds_the_parameter_names_to_the_indices(
     one_rank_group, monkeypatch, level
@@ -341,6 +344,7 @@ def test_torch_distributed_debug_adds_the_parameter_names_to_the_indices(
     assert "Parameter indices which did not receive grad for rank 0: 4 5" in message
 
 
+@pytest.mark.torch_text
 def test_the_torch_documentation_the_guide_cites():
     """Read from the installed torch (2.14.1): find_unused_parameters walks the
     graph from forward's outputs, after every forward (in _post_forward);

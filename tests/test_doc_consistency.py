@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers import REPO
+from tests.helpers import REPO, markdown_blocks
 from tests.test_basic_ddp import assert_same_params
 
 DOCS = sorted(p for p in REPO.rglob("*.md") if ".git" not in p.parts)
@@ -131,7 +131,9 @@ def py_spy_problems(block: str) -> list[str]:
 def test_quoted_py_spy_dump_points_at_the_waiting_lines():
     guide = (REPO / "debugging" / "README.md").read_text()
     block = next(
-        b for b in guide.split("```") if "py-spy" not in b and re.search(r"^Process \d+:", b, re.M)
+        "\n".join(b.lines)
+        for b in markdown_blocks(guide)
+        if not b.info and b.lines and re.match(r"Process \d+:", b.lines[0])
     )
     assert py_spy_problems(block) == []
     waits = [

@@ -81,6 +81,7 @@ def test_rank_raising_mid_training_ends_job_fast_and_torchrun_names_it(script, t
     assert "train.py" not in own, own
 
 
+@pytest.mark.torch_text
 def test_without_record_the_summary_has_no_traceback(tmp_path):
     """Negative control for @record: the same failure in a copy of 01 without the decorator leaves
     torchrun's summary with `error_file: <N/A>` and no exception."""

@@ -46,6 +46,7 @@ DEBUG_README = "debugging/README.md"
 RANK_ABORT = "torchrun --standalone --nproc_per_node=2 debugging/rank_signal.py --how abort"
 
 
+@pytest.mark.torch_text
 def test_rank_aborted_is_exitcode_minus_6_sigabrt():
     result = run(readme_command("debugging/README.md", RANK_ABORT), timeout=120)
     out = result.output
@@ -73,6 +74,7 @@ def test_rank_aborted_is_exitcode_minus_6_sigabrt():
     )
 
 
+@pytest.mark.torch_text
 def test_torchrun_summary_times_are_whole_seconds_and_root_cause_is_the_earliest(tmp_path):
     """debugging/README.md: a rank killed by a signal writes no error file, so
     its time is when torchrun collected it (whole seconds); Root Cause is the
@@ -327,6 +329,7 @@ def test_the_examples_accept_and_ignore_local_rank():
     # test_two_forwards_through_ddp_work_since_torch_2_12.)
 
 
+@pytest.mark.torch_text
 def test_launch_appends_local_rank_unless_use_env_and_the_spelling_changed_in_2_0():
     """Read from the installed torch (2.14.1): torch.distributed.launch
     appends --local-rank=N unless --use-env (torchrun's use_env is
@@ -350,6 +353,7 @@ def test_launch_appends_local_rank_unless_use_env_and_the_spelling_changed_in_2_
     ) in docs
 
 
+@pytest.mark.torch_text
 def test_only_torchrun_across_nodes_defaults_to_port_29500():
     """Read from the installed torch (2.14.1), run(): --standalone, and a
     one-node torchrun given no --master-port or rendezvous endpoint, listen
@@ -537,6 +541,7 @@ def test_two_forwards_through_ddp_work_since_torch_2_12(tmp_path):
     assert tuple(int(v) for v in summary["torch_version"].split(".")[:2]) >= (2, 12)
 
 
+@pytest.mark.torch_text
 def test_ddp_syncs_buffers_without_bumping_their_version_and_forward_sync_buffers_keeps_init_sync():
     """Read from the installed torch (2.14.1): DDP's buffer sync in forward keeps
     the buffers' version counters (the 2.12 fix, pytorch/pytorch#175851);

@@ -12,7 +12,6 @@ import inspect
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from tests.helpers import (
     PYTHON,
     REPO,
     load_model,
+    markdown_blocks,
     read_summary,
     readme_sample,
     relative_difference,
@@ -228,16 +228,10 @@ def test_accum_steps_1_is_01s_loop(runs, tmp_path):
 README = REPO / "03_grad_accum" / "README.md"
 
 
-def python_blocks(readme: Path) -> list[list[str]]:
-    return [
-        block.splitlines() for block in re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)
-    ]
-
-
 def test_the_readmes_code_is_the_scripts():
     """Each line of the README's loop excerpt (without its comment) is a line of the script."""
     script = {line.split("  #")[0].strip() for line in (REPO / SCRIPT).read_text().splitlines()}
-    (block,) = python_blocks(README)
+    (block,) = [b.lines for b in markdown_blocks(README.read_text()) if b.info == "python"]
     code = [line.split("  #")[0].strip() for line in block if line.strip()]
     assert len(code) == 7 and [line for line in code if line not in script] == []
     # "a config subclass with two keys"

@@ -19,7 +19,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from tests.helpers import REPO
+from tests.helpers import REPO, markdown_section
 from tests.torch_api import (
     member_names,
     python_uses,
@@ -210,9 +210,7 @@ def test_requirements_txt_is_the_installed_pair_plus_the_site_file():
 
 
 def readme_section(title: str) -> str:
-    start = README.index(f"\n## {title}\n")
-    end = README.find("\n## ", start + 1)
-    return README[start : end if end != -1 else None]
+    return markdown_section(README, f"## {title}")
 
 
 def test_the_readme_shows_the_quick_start_and_the_cluster_install():

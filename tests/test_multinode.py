@@ -25,6 +25,7 @@ from tests.helpers import (
     summary_fields,
     torchrun,
 )
+from tests.helpers import readme_sample as helpers_readme_sample
 from tests.launcher_tools import need_root, need_tools, openmpi_env, unavailable
 
 TRAIN = REPO / "06_multinode" / "train.py"
@@ -249,9 +250,8 @@ def shapes(lines, host):
 
 
 def readme_sample(marker):
-    """The lines of the README code block that follows the paragraph containing `marker`."""
-    text = (REPO / "06_multinode" / "README.md").read_text()
-    return re.search(re.escape(marker) + r".*?\n```\n(.*?)\n```", text, re.S).group(1).splitlines()
+    """The lines of 06's README sample-output block that follows the text `marker`."""
+    return helpers_readme_sample(REPO / "06_multinode" / "README.md", marker)
 
 
 def assert_readme_sample_is_real(marker, output, skip=()):

@@ -22,6 +22,9 @@ import pytest
 
 from tests.helpers import PYTHON, REPO, clean_env, run
 
+# All of it is torch's own text and source, read again after a torch upgrade.
+pytestmark = pytest.mark.torch_text
+
 GUIDE = REPO / "debugging" / "README.md"
 TORCH_LIB = Path(__import__("torch").__file__).parent / "lib"
 C10D_HEADERS = (

@@ -38,6 +38,7 @@ from tests.helpers import (
     free_port,
     load_model,
     load_script,
+    markdown_table,
     read_summary,
     readme_command,
     relative_difference,
@@ -371,6 +372,7 @@ def compiled_graphs(ddp_kwargs: dict | None) -> int:
     return len(graphs)
 
 
+@pytest.mark.torch_text
 def test_ddp_optimizer_splits_the_module_compiled_before_the_wrap(one_rank_group):
     """README's compile row: compiled in place and then wrapped, the module still gets DDP's
     graph split: torch.compile's DDPOptimizer cuts the graph where DDP's gradient buckets end
@@ -947,15 +949,8 @@ def test_the_readme_lists_every_sweep_knob():
 
 
 def readme_table(after: str) -> list[list[str]]:
-    """The body rows of the first Markdown table after the line starting with `after`, as cells."""
-    lines = README[README.index("\n" + after) + 1 :].splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
-    rows = []
-    for line in lines[start + 2 :]:  # after the header and the |---| line
-        if not line.startswith("|"):
-            break
-        rows.append([cell.strip().strip("*") for cell in line.strip("|").split("|")])
-    return rows
+    """The body rows of the first table after the line with `after`, as cells without bold."""
+    return [[cell.strip("*") for cell in row] for row in markdown_table(README, after)]
 
 
 def test_the_published_figures_agree_with_the_formulas():
@@ -997,6 +992,7 @@ def test_the_published_figures_agree_with_the_formulas():
     assert [round(float(memory[0][3]) / float(row[3])) for row in memory[1:]] == [2, 2]
 
 
+@pytest.mark.torch_text
 def test_scaler_step_unscales_before_the_optimizer_step_and_skips_it_on_overflow():
     """Read from torch 2.14.1's source: with fp16 the unscale and the inf check happen inside
     scaler.step() before optimizer.step() (so in the profile's exposed_comm), and a step with an
@@ -1010,6 +1006,7 @@ def test_scaler_step_unscales_before_the_optimizer_step_and_skips_it_on_overflow
     )
 
 
+@pytest.mark.torch_text
 def test_what_the_help_texts_say_about_torch_is_its_documentation():
     """Read from torch 2.14.1: DDP's, DataLoader's and max_memory_allocated's docstrings,
     and inductor's C++ compiler lookup (why --compile on CPU needs a C compiler)."""

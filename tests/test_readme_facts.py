@@ -20,9 +20,14 @@ import pytest
 from torch.utils.data.distributed import DistributedSampler
 
 from common.config import DATASETS, TrainConfig
-from tests.helpers import REPO, clean_env, torchrun
+from tests.helpers import REPO, clean_env, markdown_section, torchrun
 
-README = " ".join((REPO / "README.md").read_text().split())  # line breaks as spaces
+README_TEXT = (REPO / "README.md").read_text()
+README = " ".join(README_TEXT.split())  # line breaks as spaces
+
+
+def readme_section(heading: str) -> str:
+    return " ".join(markdown_section(README_TEXT, heading).split())
 
 
 def test_distributed_sampler_pads_the_last_ranks_with_the_epochs_first_samples():
@@ -164,18 +169,19 @@ def test_the_defaults_and_choices_the_readme_quotes():
     assert f"`--timeout-s` ({defaults.timeout_s:.0f} s)" in README
     assert defaults.dataset == "digits" and "`--dataset digits` (default;" in README
     for name in DATASETS[1:]:
-        assert re.search(rf"`{name}`", README.split("## Data sets")[1].split("## Output")[0]), name
+        assert re.search(rf"`{name}`", readme_section("## Data sets")), name
     help_text = TrainConfig.__dataclass_fields__["batch_size"].metadata["help"]
     assert "per rank" in help_text and "`--batch-size` is per rank (the local batch)" in README
 
 
+@pytest.mark.torch_text
 def test_the_messages_the_troubleshooting_section_quotes_are_torchs_own():
     """ "Troubleshooting": gloo's `Timed out waiting 60000ms for recv operation to complete` and
     `Connection closed by peer` are in torch's CPU library; nccl's watchdog line is made of
     literals of its NCCL library that tests/test_nccl_docs.py finds there (torch 2.14.1)."""
     from tests.test_nccl_docs import WATCHDOG_MESSAGES, found_in_library
 
-    troubleshooting = README.split("## Troubleshooting")[1].split("## Data sets")[0]
+    troubleshooting = readme_section("## Troubleshooting")
     quoted = "`Timed out waiting 60000ms for recv operation to complete`"
     assert quoted in troubleshooting and "`Connection closed by peer`" in troubleshooting
     found = found_in_library(
@@ -231,6 +237,7 @@ def test_the_code_is_python_3_10_syntax():
         ast.parse("try:\n    pass\nexcept* ValueError:\n    pass\n", feature_version=(3, 10))
 
 
+@pytest.mark.torch_text
 def test_the_pinned_wheels_are_a_few_gb_with_their_own_nccl_and_no_network_plugin():
     """ "Quick start": the first install downloads torch, a few GB. "On a cluster":
     requirements.txt brings the wheel's own NCCL, and a generic wheel has no NCCL

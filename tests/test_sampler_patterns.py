@@ -30,6 +30,8 @@ from tests.helpers import (
     clean_env,
     free_port,
     load_script,
+    markdown_blocks,
+    markdown_section,
     read_summary,
     readme_command,
     run,
@@ -66,18 +68,14 @@ SCRIPTS = sorted(p.name for p in (REPO / DIR).glob("*.py"))
 def readme_samples(section):
     """The sample-output blocks (fenced, not bash) of README section `## <section>.`,
     each a list of paragraphs, each paragraph a list of its non-blank lines."""
-    text = README.split(f"\n## {section}. ", 1)[1].split("\n## ", 1)[0]
-    blocks, fence = [], None  # fence: the opening line of the block we are in
-    for line in text.splitlines():
-        if line.startswith("```"):
-            if fence is None and line == "```":
-                blocks.append([])
-            fence = line if fence is None else None
-        elif fence == "```":
-            blocks[-1].append(line.rstrip())
+    blocks = markdown_blocks(markdown_section(README, f"## {section}. "))
     return [
-        [para.splitlines() for para in re.split(r"\n\s*\n", "\n".join(block).strip("\n"))]
+        [
+            [line.rstrip() for line in para.splitlines()]
+            for para in re.split(r"\n\s*\n", "\n".join(block.lines).strip("\n"))
+        ]
         for block in blocks
+        if not block.info
     ]
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, clean_env, run
+from tests.helpers import REPO, clean_env, markdown_table, run
 from tests.launcher_tools import need_tools
 
 SITES_DIR = REPO / "jobs" / "sites"
@@ -105,10 +105,10 @@ def readme_table() -> dict[str, dict[str, object]]:
     """jobs/sites/README.md's table: per site, the modules,
     the exported variables and the placement."""
     rows = {}
-    for line in (SITES_DIR / "README.md").read_text().splitlines():
-        m = re.match(r"\| \[`(\w+)\.sh`\]", line)
+    text = (SITES_DIR / "README.md").read_text()
+    for cells in markdown_table(text, "| site | scheduler"):
+        m = re.match(r"\[`(\w+)\.sh`\]", cells[0])
         if m:
-            cells = [c.strip() for c in line.strip("|").split("|")]
             pairs = [
                 dict(re.findall(r"`([A-Z_]+)=([^`]*)`", cell)) for cell in (cells[3], cells[4])
             ]

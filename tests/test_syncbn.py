@@ -17,7 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.helpers import REPO, load_script, read_summary, readme_sample, torchrun
+from tests.helpers import (
+    REPO,
+    load_script,
+    markdown_blocks,
+    read_summary,
+    readme_sample,
+    torchrun,
+)
 
 cpu_sync_batchnorm = load_script("04_syncbn/cpu_sync_batchnorm.py", "cpu_sync_batchnorm_under_test")
 CpuSyncBatchNorm, convert_to_cpu_sync_batchnorm = (
@@ -189,8 +196,8 @@ def test_the_readmes_code_is_the_scripts():
         for node in ast.walk(ast.parse((REPO / SCRIPT).read_text()))
         if isinstance(node, ast.Assign)
     ]
-    (block,) = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    code = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    (block,) = [b.lines for b in markdown_blocks(README.read_text()) if b.info == "python"]
+    code = [line.split("  #")[0].strip() for line in block if line.strip()]
     assert len(code) == 3
     for line in code:
         line = line.replace('"', "'")
@@ -252,6 +259,7 @@ def test_cpu_sync_batchnorm_is_a_batchnorm2d_and_plain_batchnorm_without_a_proce
     )
 
 
+@pytest.mark.torch_text
 def test_nn_syncbatchnorm_kernels_are_gpu_only():
     """Why nn.SyncBatchNorm refuses CPU tensors: its statistics
     kernel has no CPU implementation (torch 2.14.1)."""
