@@ -4,8 +4,6 @@ and the single-process baseline is the same training."""
 import dataclasses
 import hashlib
 import json
-import os
-import re
 import subprocess
 import sys
 import time
@@ -28,6 +26,7 @@ from tests.helpers import (
     read_summary,
     readme_command,
     readme_sample,
+    repeated_lines,
     run,
     torchrun,
 )
@@ -83,17 +82,13 @@ def test_quick_start_trains_to_95_percent(quick_start):
 
 
 def test_banner_and_progress_come_from_rank_0_only(quick_start):
+    """Both ranks would print the same banner and the same per-epoch lines (their numbers are
+    all-reduced): no line twice means one rank printed. The control: the output of two ranks
+    that both print, as a copy of the output twice over stands for, is caught."""
     result, _ = quick_start
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")  # as the run inherits it from here
-    assert (
-        result.stdout.count(
-            f"launcher torchrun, gloo on cpu (CUDA_VISIBLE_DEVICES={visible}), world size 2, "
-            "batch 32 x 2 = 64"
-        )
-        == 1
-    )
-    assert result.stdout.count("epoch 1 step 10 loss") == 1
-    assert result.stdout.count("epoch 12 done") == 1
+    lines = result.stdout.splitlines()
+    assert len(lines) > 12 and repeated_lines(result.stdout) == []  # 12 epochs, each a line
+    assert repeated_lines(result.stdout * 2) == sorted(set(filter(str.strip, lines)))
     assert "Traceback" not in result.output
 
 
@@ -117,17 +112,7 @@ def test_output_has_the_lines_and_summary_fields_the_readme_lists(quick_start):
         "replica_checksums",
     ):
         assert key in summary, key
-    assert re.search(
-        r"^epoch 1 step 10 loss \d+\.\d{4} \(rank 0's batch\)$", result.stdout, re.M
-    ), result.stdout
-    last = (
-        f"epoch {summary['epochs']} done: train loss {summary['final_train_loss']:.4f}, eval loss "
-        f"{summary['eval_loss']:.4f}, eval accuracy {summary['eval_accuracy']:.4f} (359 images)"
-    )
-    assert (
-        result.stdout.count(last) == 1
-        and result.stdout.count(" done: train loss ") == summary["epochs"]
-    )
+    # the printed lines: test_readme_sample_output_is_what_the_quick_start_prints
     assert (out / "model.pt").is_file()
 
 
@@ -183,7 +168,7 @@ def test_mp_spawn_variant_matches_torchrun(ddp_two_ranks, tmp_path):
         check=True,
     )
     assert read_summary(tmp_path / "spawn")["launcher"] == "mp.spawn"
-    assert result.stdout.count("launcher mp.spawn") == 1
+    assert repeated_lines(result.stdout) == []  # rank 0 printed
     spawned = load_params(tmp_path / "spawn" / "model.pt")
     # bitwise: the same training
     assert all(torch.equal(spawned[k], ddp_two_ranks[k]) for k in spawned)
@@ -259,8 +244,9 @@ def test_two_single_processes_side_by_side_do_not_share_a_port(tmp_path):
         )
         try:
             deadline = time.monotonic() + 120
-            while "epoch 1" not in (line := first.stdout.readline()):  # the first one's store is up
-                assert line and time.monotonic() < deadline, "the first run never trained"
+            # its first line comes after init_process_group: the first one's store is up
+            while not (line := first.stdout.readline()).strip():
+                assert line and time.monotonic() < deadline, "the first run never printed"
             second = run(
                 [PYTHON, REPO / SCRIPT, "--max-steps", "3", "--output-dir", tmp_path / "second"],
                 timeout=120,
@@ -366,7 +352,7 @@ def test_runs_unchanged_under_mpiexec(tmp_path, flavour):
         2,
         True,
     )
-    assert result.stdout.count("launcher ") == 1
+    assert repeated_lines(result.stdout) == []  # rank 0 printed
 
 
 # --- what 01's README says about its run, held to
@@ -376,37 +362,18 @@ README = REPO / "01_basic_ddp" / "README.md"
 
 
 def test_readme_sample_output_is_what_the_quick_start_prints(quick_start):
-    """The sample has the run's shape line by line, the same counts, and its
-    final accuracy within 0.02 of this run's (the run reproduces the
-    sample's numbers on this machine; another CPU may round differently)."""
+    """The README's sample is what the quick start prints, abridged as tests/readme_samples.py
+    abridges it (numbers masked, the accuracy within 0.02 of this run's): the one test that a
+    reworded print line of 01 fails, naming the command that regenerates the sample."""
+    from tests.readme_samples import drift, drift_message
+
     result, out = quick_start
-    # the block after "Output (rank 0 only ..."
-    sample = readme_sample(README, "Output (rank 0 only")
-    printed = result.stdout.replace(
-        f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}",
-        "CUDA_VISIBLE_DEVICES=unset",
-    ).splitlines()
-    assert sample[0] == printed[0]  # the banner, word for word
-    number = r"\d+\.\d{4}"
-    step = re.compile(rf"epoch 1 step 10 loss {number} \(rank 0's batch\)")
-    assert step.fullmatch(sample[1]) and any(step.fullmatch(line) for line in printed)
-    assert sample[2] == "..."
-    done = re.compile(
-        rf"epoch 12 done: train loss {number}, eval loss {number}, eval accuracy ({number}) "
-        r"\(359 images\)"
+    problems = drift("01", result.stdout, str(out))
+    assert not problems, drift_message("01", problems)
+    # The sample's output folder is the default one (the test moved it).
+    assert readme_sample(README, "Output (rank 0 only")[-1].endswith(
+        f" {TrainConfig().output_dir}/summary.json"
     )
-    (ran,) = [done.fullmatch(line) for line in printed if done.fullmatch(line)]
-    assert (
-        done.fullmatch(sample[3])
-        and abs(float(done.fullmatch(sample[3])[1]) - float(ran[1])) < 0.02
-    )
-    # The sample's output folder is the default one; the test moved it.
-    assert (
-        sample[4]
-        == "summary written to runs/latest/summary.json"
-        == f"summary written to {TrainConfig().output_dir}/summary.json"
-    )
-    assert printed[-1] == f"summary written to {out}/summary.json"
     assert sorted(p.name for p in out.iterdir()) == ["model.pt", "summary.json"]
 
 

@@ -104,7 +104,7 @@ def test_each_rank_draws_its_own_augmentation_the_same_in_every_run(lesson_run, 
     # The replicas still step alike (DDP averages the
     # gradients), and the banner shows the GPU mask as set.
     assert read_summary(first)["replicas_identical"]
-    assert "launcher torchrun, gloo on cpu (CUDA_VISIBLE_DEVICES=), world size 2" in result.stdout
+    assert "(CUDA_VISIBLE_DEVICES=)" in result.stdout
 
 
 def test_without_the_per_rank_seed_every_rank_draws_the_same(lesson_run, data_dir, tmp_path):

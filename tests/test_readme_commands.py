@@ -21,7 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, clean_env, kill_group, readme_commands, run
+from tests.helpers import (
+    PYTHON,
+    REPO,
+    clean_env,
+    kill_group,
+    read_summary,
+    readme_commands,
+    run,
+)
 from tests.launcher_tools import need_root, need_tools, unavailable
 
 # --- the table
@@ -57,6 +65,8 @@ class Run:
     again_expect: tuple[str, ...] = ()  # run it a second time; the second output must contain these
     two_nodes: bool = False  # run two copies at once (06's two "nodes" on one machine)
     insert_before: str = ""
+    # fields runs/latest/summary.json must hold after the command (a str value is a regex)
+    summary: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -89,9 +99,7 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     "pip install -r requirements-site.txt": NotRun("download"),
     "python -m common.prepare --dataset cifar10 --data-dir data": NotRun("download"),
     "torchrun --standalone --nproc_per_node=2 benchmark/train.py --precision bf16 "
-    "--comm-hook bf16_compress": Run(
-        SHORT, expect=(r"world size 2",), files=("runs/latest/summary.json",)
-    ),
+    "--comm-hook bf16_compress": Run(SHORT, summary={"world_size": 2}),
     # 01_basic_ddp
     "diff 01_basic_ddp/train_single.py 01_basic_ddp/train.py": Run(
         exit_code=1, expect=(r"> .*init_process_group", r"> .*DistributedSampler", r"> .*DDP\(")
@@ -101,15 +109,17 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     ),
     "python 01_basic_ddp/train.py": Run(
         SHORT,
-        expect=(r"launcher single", r"world size 1"),
+        summary={"launcher": "single", "world_size": 1},
         files=("runs/latest/model.pt",),
         group="02-gather",
     ),
     "python 01_basic_ddp/train_single.py": Run(SHORT, files=("runs/latest/summary.json",)),
-    "python 01_basic_ddp/train_spawn.py --nprocs 2": Run(SHORT, expect=(r"world size 2",)),
+    "python 01_basic_ddp/train_spawn.py --nprocs 2": Run(
+        SHORT, summary={"launcher": "mp.spawn", "world_size": 2}
+    ),
     "mpiexec -n 2 python 01_basic_ddp/train.py": Run(
         SHORT,
-        expect=(r"launcher (openmpi|mpich|intel-mpi)", r"world size 2"),
+        summary={"launcher": "openmpi|mpich|intel-mpi", "world_size": 2},
         env=OPEN_MPI_AS_ROOT,
         tools=("mpiexec",),
     ),
@@ -162,6 +172,7 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
         OUTPUT_DIR,
     ),
     "python -m pytest tests/test_sampler_patterns.py -q": NotRun("test-suite"),
+    "python -m pytest -m torch_text": NotRun("test-suite"),
     # 05_checkpointing: stopped and started again it resumes (here: stopped by --max-steps)
     "torchrun --standalone --nproc_per_node=2 05_checkpointing/train.py --save-every-steps 20": Run(
         SHORT, group="05", again_expect=(r"resumed from",), files=("runs/latest/checkpoints",)
@@ -192,11 +203,11 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     "torchrun --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d "
     "--rdzv_endpoint=127.0.0.1:29400 --rdzv_id=demo "
     "06_multinode/train.py --max-steps 20 --epochs 1": Run(
-        two_nodes=True, expect=(r"world size 2",)
+        two_nodes=True, summary={"world_size": 2}
     ),
     "mpiexec -n 2 python 06_multinode/train.py": Run(
         SHORT,
-        expect=(r"launcher (openmpi|mpich|intel-mpi)", r"world size 2"),
+        summary={"launcher": "openmpi|mpich|intel-mpi", "world_size": 2},
         env=OPEN_MPI_AS_ROOT,
         tools=("mpiexec",),
     ),
@@ -433,6 +444,15 @@ def _run_command(text: str, cwd: Path, sources: dict[str, str]):
         )
     for name in how.files:
         assert (cwd / name).exists(), f"{script} wrote no {name}"
+    if how.summary:
+        summary = read_summary(cwd / "runs" / "latest")
+        for key, value in how.summary.items():
+            ok = (
+                re.fullmatch(value, summary[key])
+                if isinstance(value, str)
+                else summary[key] == value
+            )
+            assert ok, f"{script}: summary.json has {key}={summary[key]!r}, not {value!r}"
     return output
 
 
@@ -461,10 +481,10 @@ def test_readme_command_runs_as_written(group, tracked_tree, tmp_path):
 
 def test_test_suite_commands_collect():
     """The pytest commands are run by CI (the whole suite: test_ci_runs_the_readmes_test_command);
-    one that names a file must at least collect it without an error."""
+    one that names a file or a marker must at least collect tests without an error."""
     for text, how in COMMANDS.items():
-        if isinstance(how, NotRun) and how.reason == "test-suite" and "tests/" in text:
-            pytest_args = text.split("python -m pytest", 1)[1].split()
+        pytest_args = text.split("python -m pytest", 1)[-1].split()
+        if isinstance(how, NotRun) and how.reason == "test-suite" and pytest_args:
             result = run(
                 [PYTHON, "-m", "pytest", *pytest_args, "--collect-only", "-q", "-n", "0"],
                 timeout=240,
@@ -472,7 +492,9 @@ def test_test_suite_commands_collect():
             assert result.returncode == 0, result.output[-4000:]
             # "N tests collected", or with -q -q one "file: N" line per file
             assert re.search(
-                r"[1-9]\d* tests? collected|^tests/\S+\.py: [1-9]\d*$", result.output, re.M
+                r"(?<![\d/])[1-9]\d*(/\d+)? tests? collected|^tests/\S+\.py: [1-9]\d*$",
+                result.output,
+                re.M,
             ), result.output[-2000:]
 
 
