@@ -377,6 +377,19 @@ def test_readme_sample_output_is_what_the_quick_start_prints(quick_start):
     assert sorted(p.name for p in out.iterdir()) == ["model.pt", "summary.json"]
 
 
+def test_a_reworded_print_line_fails_the_sample_check_naming_the_regeneration_command():
+    """The README's own lines, as a run would print them (the `...` left out), agree with it; the
+    same output with one line reworded does not, and the message says how to regenerate."""
+    from tests.readme_samples import drift, drift_message
+
+    shown = readme_sample(README, "Output (rank 0 only")
+    printed = "\n".join(line for line in shown if line != "...")
+    assert drift("01", printed, "runs/latest") == []
+    problems = drift("01", printed.replace("eval accuracy", "eval acc"), "runs/latest")
+    assert len(problems) == 1 and "eval acc " in problems[0]
+    assert "python tests/readme_samples.py --write 01" in drift_message("01", problems)
+
+
 def test_evaluation_is_exact_every_test_image_once(quick_start):
     """01's strided Subset per rank + one all_reduce gives the metric of one
     process on the whole test set: the saved model evaluated here, in one
