@@ -158,19 +158,26 @@ def dump_stacks(proc: subprocess.Popen) -> str:
     return "\n".join(parts)
 
 
+def stop_hung_tree(proc: subprocess.Popen) -> tuple[str, str, str]:
+    """For a run past its timeout: the stacks of its whole tree, then the tree killed, then what
+    it printed; (stacks, stdout, stderr). Never waits unbounded on a pipe."""
+    stacks = dump_stacks(proc)
+    kill_group(proc)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        # something outside the tree still holds a pipe: give up on the rest of the output
+        out, err = "", "(the output pipes stayed open after the process tree was killed)"
+    return stacks, out or "", err or ""
+
+
 def finish(proc: subprocess.Popen, timeout: float, what: str) -> tuple[str, str]:
     """proc.communicate(timeout); on a timeout, the stacks of its whole tree, then the whole tree
     killed, and the test failed with both. Never waits unbounded on a pipe."""
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        stacks = dump_stacks(proc)
-        kill_group(proc)
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            # something outside the tree still holds a pipe: give up on the rest of the output
-            out, err = "", "(the output pipes stayed open after the process tree was killed)"
+        stacks, out, err = stop_hung_tree(proc)
         pytest.fail(
             f"timed out after {timeout}s: {what}\n--- stdout\n{(out or '')[-4000:]}"
             f"\n--- stderr\n{(err or '')[-4000:]}\n--- stacks (py-spy dump --native)\n{stacks}",

@@ -34,7 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tests.helpers import dump_stacks, kill_group, start  # noqa: E402
+from tests.helpers import start, stop_hung_tree  # noqa: E402
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 # The READMEs' main command of each lesson, shortened (the exit is what is tested, not the result).
@@ -121,13 +121,8 @@ def run_once(name: str, command: list[str], out: Path, timeout_s: float) -> tupl
     try:
         text, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        stacks = dump_stacks(proc)
-        kill_group(proc)
-        try:
-            text, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            text = "(the output pipe stayed open after the process tree was killed)"
-        return 124, ABORT_TEXT in (text or ""), f"{(text or '')[-2000:]}\n--- stacks\n{stacks}"
+        stacks, text, _ = stop_hung_tree(proc)
+        return 124, ABORT_TEXT in text, f"{text[-2000:]}\n--- stacks\n{stacks}"
     return proc.returncode, ABORT_TEXT in text, text[-2000:]
 
 
