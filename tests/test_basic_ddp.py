@@ -77,7 +77,6 @@ def test_quick_start_trains_to_95_percent(quick_start):
         "gloo",
     )
     assert summary["global_batch_size"] == 2 * summary["local_batch_size"]
-    assert f"eval accuracy {summary['eval_accuracy']:.4f}" in result.stdout
     assert summary["images_per_second"] > 0 and 0 < summary["wall_time_s"] < 180
 
 
