@@ -379,8 +379,9 @@ def test_readme_sample_output_is_what_the_quick_start_prints(quick_start):
 def test_a_reworded_print_line_fails_the_sample_check_naming_the_regeneration_command():
     """The README's own lines, as a run would print them (the `...` left out), agree with it; the
     same output with one line reworded does not, and the message says how to regenerate."""
-    from tests.readme_samples import drift, drift_message
+    from tests.readme_samples import SAMPLES, drift, drift_message
 
+    assert SAMPLES["01"].command == QUICK_START  # the command the regeneration runs
     shown = readme_sample(README, "Output (rank 0 only")
     printed = "\n".join(line for line in shown if line != "...")
     assert drift("01", printed, "runs/latest") == []
