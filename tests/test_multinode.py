@@ -205,7 +205,8 @@ def test_mpiexec_runs_train_and_comm_check(tmp_path, flavour):
 
 
 ROW = re.compile(
-    r"\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(True|False)"
+    r"\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)"
+    r"\s+([\d.]+)\s+([\d.]+)\s+(True|False)"
 )
 # tests/inject/sitecustomize.py: DDP_TEST_SLOW_ALL_REDUCE_S
 INJECT = f"{REPO}:{REPO / 'tests' / 'inject'}"

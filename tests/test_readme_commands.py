@@ -168,7 +168,8 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     ),
     "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/uneven_inputs.py --fix "
     "none --timeout-s 5": RunElsewhere(
-        f"{SAMPLER_TESTS}::test_without_a_fix_uneven_inputs_time_out_naming_the_rank_that_never_arrived",
+        f"{SAMPLER_TESTS}::"
+        "test_without_a_fix_uneven_inputs_time_out_naming_the_rank_that_never_arrived",
         OUTPUT_DIR,
     ),
     "python -m pytest tests/test_sampler_patterns.py -q": NotRun("test-suite"),

@@ -33,7 +33,8 @@ def test_the_suite_runs_files_in_parallel_workers_and_n0_in_one_process():
     # not one of our workers
     env = {k: v for k, v in clean_env().items() if not k.startswith("PYTEST_")}
     one_test = [
-        "tests/test_repo.py::test_requirements_pin_a_torch_torchvision_pair_whose_compiled_ops_work",
+        "tests/test_repo.py::"
+        "test_requirements_pin_a_torch_torchvision_pair_whose_compiled_ops_work",
         "-p",
         "no:cacheprovider",
     ]
