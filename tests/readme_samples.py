@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script: tests.helpers importable
+from tests.helpers import markdown_blocks, readme_sample  # noqa: E402
+
 DECIMAL = re.compile(r"\d+\.\d{4}\b")
 
 
@@ -67,9 +70,6 @@ def drift(name: str, stdout: str, output_dir: str) -> list[str]:
     """What differs between the README's sample `name` and the same abridgement of a run's
     output (empty when they agree): the lines with decimals masked, and the last decimal of
     the sample's second-to-last line (01: the accuracy) within 0.02 of the run's."""
-    sys.path.insert(0, str(REPO))
-    from tests.helpers import readme_sample
-
     sample = SAMPLES[name]
     shown = readme_sample(REPO / sample.readme, sample.marker)
     ran = sample.abridge(stdout, output_dir, sample.default_output_dir)
@@ -112,9 +112,6 @@ def run_command(sample: Sample, output_dir: Path) -> str:
 
 def write(name: str, stdout: str, output_dir: str) -> None:
     """Replace the lines of the README's sample block by the abridgement of `stdout`."""
-    sys.path.insert(0, str(REPO))
-    from tests.helpers import markdown_blocks
-
     sample = SAMPLES[name]
     path = REPO / sample.readme
     text = path.read_text()
