@@ -122,7 +122,8 @@ def main(argv=None):
             partitions(cfg, cfg.simulate_world_size, range(cfg.simulate_world_size)),
         )
         return
-    launch = detect_launcher()
+    # a CPU run: on a GPU node it may have more ranks than GPUs
+    launch = detect_launcher(uses_gpu=False)
     # No tensors move here (all_gather_object pickles on the CPU), so gloo suits any machine.
     dist.init_process_group(
         "gloo",

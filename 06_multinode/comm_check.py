@@ -733,10 +733,10 @@ def check(cfg, info, device, backend, table):
 @record
 def main():
     cfg = load_config(CommConfig)
-    info = detect_launcher()
     # One GPU per process, as in 01: the local rank's, or 0
     # where each rank sees only its own; CPU (gloo) without.
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    info = detect_launcher(uses_gpu=use_cuda)
     device = torch.device("cuda", info.gpu) if use_cuda else torch.device("cpu")
     backend = cfg.backend if cfg.backend != "auto" else "nccl" if use_cuda else "gloo"
     # whatever fails to connect: one "error:" line naming rank, host, address; exit code 2

@@ -365,7 +365,7 @@ def main():
     # bad input (here and below): one "error:" line, exit code 2
     cfg = load_config(PerfConfig)
     # rank, local rank, world size, rendezvous address: torchrun, srun, mpiexec
-    launch = detect_launcher()
+    launch = detect_launcher(uses_gpu=device_type(cfg) == "cuda")
     # before any process group, so no rank waits for a failed one
     check_data(cfg, launch.world_size)
     train(cfg, launch)

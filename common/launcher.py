@@ -1,7 +1,9 @@
 """Which launcher started this process, where rank 0 listens, which GPU is this rank's.
 `detect_launcher()` reads os.environ (and the GPU count) through `launch_info(env)`, so
 it is unit-tested with plain dicts. Order matters: torchrun may run in a Slurm or PBS
-job, and HPE's PALS exports MPICH's PMI_* too, so the most specific comes first."""
+job, and HPE's PALS exports MPICH's PMI_* too, so the most specific comes first. Slurm's
+cray_shasta MPI plugin (srun on HPE Cray EX) exports PALS_RANKID but no PALS_LOCAL_RANKID or
+world size: such a task is read from its SLURM_* variables."""
 
 import os
 import re
@@ -37,9 +39,10 @@ _MPI_LIKE = [  # (launcher, variables that mark it, rank, local rank, world size
         "OMPI_COMM_WORLD_SIZE",
         "OMPI_COMM_WORLD_LOCAL_SIZE",
     ),
+    # PALS' own mpiexec; srun's cray_shasta plugin sets PALS_RANKID alone
     (
         "pals",
-        ("PALS_RANKID", "PALS_LOCAL_RANKID"),
+        ("PALS_LOCAL_RANKID",),
         "PALS_RANKID",
         "PALS_LOCAL_RANKID",
         "PMI_SIZE",
@@ -160,15 +163,17 @@ def master_port(env: Mapping[str, str]) -> int:
     )
 
 
-def detect_launcher(rank: int | None = None, world_size: int | None = None) -> LaunchInfo:
-    """This process's launch from os.environ (mp.spawn workers
-    pass rank, world_size); bad input exits with code 2."""
+def detect_launcher(
+    rank: int | None = None, world_size: int | None = None, uses_gpu: bool = True
+) -> LaunchInfo:
+    """This process's launch from os.environ (mp.spawn workers pass rank, world_size); bad input
+    exits with code 2. uses_gpu=False: a CPU run, whose ranks are not checked against the GPUs."""
     with exit_on_bad_input():
         return launch_info(
             os.environ,
             rank,
             world_size,
-            torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            torch.cuda.device_count() if uses_gpu and torch.cuda.is_available() else 0,
         )
 
 
@@ -203,7 +208,8 @@ def launch_info(
         )
     # 0: per-task GPU binding (srun --gpus-per-task=1, site scripts) shows one GPU
     gpu = local_rank if gpus >= local_world else 0
-    # two ranks would share a GPU, which NCCL refuses ("Duplicate GPU detected")
+    # two ranks would share a GPU, which NCCL 2.30 refuses when the communicator is created
+    # ("Multiple Ranks are using the same GPU/Partition")
     if 1 < gpus < local_world:
         raise LauncherError(
             f"{local_world} ranks on this node but {gpus} GPUs visible to rank {rank} "
@@ -238,7 +244,8 @@ def _find(env, rank, world_size):
         return ("torchrun", *(_int(env, n) for n in torchrun_like))
     # set by hand, or by a launcher that follows torchrun
     if env.get("RANK") or env.get("WORLD_SIZE"):
-        return ("env", *(_int(env, n) for n in torchrun_like))
+        found = ("env", *(_int(env, n) for n in torchrun_like))
+        return found if found[2] is not None else _local_rank_from_job(env, *found[1:])
     for name, markers, *names in _MPI_LIKE:
         if any(env.get(m) is not None for m in markers):
             name = "intel-mpi" if name == "mpich" and env.get("I_MPI_ROOT") else name
@@ -261,4 +268,31 @@ def _find(env, rank, world_size):
         )
         lws = _slurm_tasks_on_node(spec, node) if spec and node is not None else None
         return "slurm", _int(env, "SLURM_PROCID"), _int(env, "SLURM_LOCALID"), ws, lws
+    if env.get("PALS_RANKID") is not None:
+        raise LauncherError(
+            "PALS_RANKID is set but neither PALS_LOCAL_RANKID (PALS' mpiexec) nor an srun step "
+            "(SLURM_PROCID, SLURM_STEP_ID): start the ranks with mpiexec or srun"
+        )
     return "single", None, None, None, None
+
+
+def _local_rank_from_job(env, rank, _, world, local_world):
+    """RANK/WORLD_SIZE without LOCAL_RANK (a wrapper's `export RANK=$SLURM_PROCID`): the local
+    rank is the job's own (srun's, mpiexec's). In a Slurm or PBS job without one, every rank
+    would take local rank 0, and GPU 0: refuse."""
+    if _scheduler(env)[0] == "none" or world in (None, 1):
+        return "env", rank, None, world, local_world  # one machine: the local rank is the rank
+    launched = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")}
+    name, job_rank, job_local_rank, job_world, job_local_world = _find(launched, None, None)
+    if job_local_rank is None:
+        raise LauncherError(
+            f"RANK and WORLD_SIZE are set but LOCAL_RANK is not, and this {_scheduler(env)[0]} "
+            "job has no launcher's local rank to take: export LOCAL_RANK (and LOCAL_WORLD_SIZE) "
+            "too, or unset RANK and WORLD_SIZE and start the ranks with srun or mpiexec"
+        )
+    if (job_rank, job_world) != (rank, world):
+        raise LauncherError(
+            f"RANK={rank} and WORLD_SIZE={world} disagree with {name}'s rank {job_rank} of "
+            f"{job_world}: export LOCAL_RANK too, or unset RANK and WORLD_SIZE"
+        )
+    return "env", rank, job_local_rank, world, local_world or job_local_world

@@ -2,6 +2,7 @@
 
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -514,3 +515,181 @@ def test_every_script_picks_its_gpu_with_launch_gpu():
     )
     assert _devices_by_local_rank(old) == [1]
     assert _devices_by_local_rank(old.replace("launch.local_rank", "launch.gpu")) == []
+
+
+# -- srun with Slurm's cray_shasta MPI plugin (HPE Cray EX) ---------------------------------------
+# Every PALS_* and SLURM_* variable launch_info reads, as `srun -N2 --ntasks-per-node=2
+# --mpi=cray_shasta -m block|cyclic env` printed them on the test Slurm cluster (Debian's Slurm
+# 22.05): the plugin sets PALS_RANKID but no PALS_LOCAL_RANKID, PALS_LOCAL_SIZE or PMI_SIZE.
+# tests/test_jobs.py::test_srun_with_the_cray_shasta_plugin_trains_01_and_06 runs the real thing.
+SHASTA_PLACEMENT = {  # (SLURM_LOCALID, SLURM_NODEID) of ranks 0-3
+    "block": [(0, 0), (1, 0), (0, 1), (1, 1)],
+    "cyclic": [(0, 0), (0, 1), (1, 0), (1, 1)],
+}
+
+
+def cray_shasta_task(distribution: str, rank: int) -> dict[str, str]:
+    local_rank, node = SHASTA_PLACEMENT[distribution][rank]
+    spool = f"/var/spool/slurmd/node{node + 1}/mpi_cray_shasta/1517.0"
+    return {
+        "PALS_APID": "1517.0",
+        "PALS_APINFO": f"{spool}/apinfo",
+        "PALS_NODEID": str(node),
+        "PALS_RANKID": str(rank),
+        "PALS_SPOOL_DIR": spool,
+        "SLURM_MPI_TYPE": "cray_shasta",
+        "SLURM_DISTRIBUTION": distribution,
+        "SLURM_JOB_ID": "1517",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_STEP_NODELIST": "node[1-2]",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(local_rank),
+        "SLURM_NODEID": str(node),
+        "SLURM_NTASKS": "4",
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_TASKS_PER_NODE": "2(x2)",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+    }
+
+
+@pytest.mark.parametrize("distribution", ["block", "cyclic"])
+def test_srun_with_the_cray_shasta_plugin_is_read_from_slurm(distribution):
+    """PALS_RANKID alone is not PALS' mpiexec: the world size and local rank come from Slurm,
+    so every rank of the 2 x 2 step fits (before, every rank but 0 was 'outside the world
+    size 1'), and with 2 GPUs per node each rank drives the GPU of its local rank."""
+    infos = [launch_info(cray_shasta_task(distribution, r), gpus=2) for r in range(4)]
+    assert [(i.launcher, i.rank, i.world_size, i.local_world_size) for i in infos] == [
+        ("slurm", r, 4, 2) for r in range(4)
+    ]
+    assert [(i.local_rank, i.gpu) for i in infos] == [
+        (local_rank, local_rank) for local_rank, _ in SHASTA_PLACEMENT[distribution]
+    ]
+    assert {(i.master_addr, i.master_port, i.scheduler) for i in infos} == {
+        ("node1", PORT_BASE + 1517, "slurm")
+    }
+
+
+def test_pals_rank_without_pals_mpiexec_or_an_srun_step_is_an_error():
+    with pytest.raises(LauncherError, match="PALS_RANKID is set but neither PALS_LOCAL_RANKID"):
+        launch_info({"PALS_RANKID": "1", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1"})
+
+
+# -- RANK and WORLD_SIZE exported by a wrapper, without LOCAL_RANK ---------------------------------
+def test_rank_and_world_size_without_local_rank_take_the_jobs_local_rank():
+    """`export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS` in a wrapper (or RANK=$PMI_RANK under
+    PALS): the local rank, and so the GPU, is srun's or mpiexec's. Before, every rank was local
+    rank 0 of a local world of 1 and drove cuda:0."""
+    for distribution in ("block", "cyclic"):
+        tasks = [cray_shasta_task(distribution, r) for r in range(4)]
+        for task in tasks:  # the SLURM_* of a plain srun step, without the plugin's PALS_*
+            task.update(RANK=task["SLURM_PROCID"], WORLD_SIZE=task["SLURM_NTASKS"])
+        infos = [launch_info(task, gpus=2) for task in tasks]
+        assert [(i.launcher, i.rank, i.local_rank, i.local_world_size, i.gpu) for i in infos] == [
+            ("env", r, local_rank, 2, local_rank)
+            for r, (local_rank, _) in enumerate(SHASTA_PLACEMENT[distribution])
+        ]
+    pals = {
+        "PALS_RANKID": "5",
+        "PALS_LOCAL_RANKID": "1",
+        "PALS_LOCAL_SIZE": "4",
+        "PMI_RANK": "5",
+        "PMI_SIZE": "8",
+        "PBS_JOBID": "4321.pbs01",
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+    }
+    info = launch_info(pals, gpus=4)
+    assert (info.launcher, info.local_rank, info.local_world_size, info.gpu) == ("env", 1, 4, 1)
+    # LOCAL_RANK given: it is taken as it is, as before
+    assert launch_info({**pals, "LOCAL_RANK": "3"}, gpus=4).gpu == 3
+
+
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        (  # ranks started by hand in a Slurm batch shell: nothing says which is local rank 1
+            {"RANK": "1", "WORLD_SIZE": "4", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"},
+            "^RANK and WORLD_SIZE are set but LOCAL_RANK is not, and this slurm job has no "
+            "launcher's local rank to take: export LOCAL_RANK",
+        ),
+        (
+            {"RANK": "1", "WORLD_SIZE": "4", "PBS_JOBID": "9.pbs01", "MASTER_ADDR": "x1"},
+            "this pbs job has no launcher's local rank",
+        ),
+        (
+            {**cray_shasta_task("block", 2), "RANK": "1", "WORLD_SIZE": "4"},
+            r"^RANK=1 and WORLD_SIZE=4 disagree with slurm's rank 2 of 4",
+        ),
+    ],
+)
+def test_rank_without_local_rank_in_a_job_that_has_none_is_an_error(env, message):
+    with pytest.raises(LauncherError, match=message):
+        launch_info(env, gpus=4)
+
+
+def test_rank_without_local_rank_outside_a_job_is_the_local_rank():
+    """One machine, no scheduler (ranks started by hand in terminals): as before."""
+    info = launch_info({"RANK": "2", "WORLD_SIZE": "4"}, gpus=4)
+    assert (info.local_rank, info.local_world_size, info.gpu) == (2, 4, 2)
+
+
+# -- a CPU run on a GPU node -----------------------------------------------------------------------
+def test_a_cpu_run_is_not_checked_against_the_gpus(monkeypatch):
+    """partition_viewer.py, benchmark/train.py --device cpu and comm_check.py --device cpu run 3
+    gloo ranks on a node with 2 GPUs: detect_launcher(uses_gpu=False) does not count the GPUs
+    (the GPUs are stood in for: none exists here). The control: a GPU run is refused."""
+    import torch
+
+    from common.launcher import detect_launcher
+
+    for name, value in node_of(3, 2).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert detect_launcher(uses_gpu=False).local_world_size == 3
+    with pytest.raises(SystemExit):
+        detect_launcher()
+
+
+class _PastDetection(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "script,argv,stop_at",
+    [
+        ("02_sampler_patterns/partition_viewer.py", [], "init_process_group"),
+        ("benchmark/train.py", ["--device", "cpu"], "train"),
+        ("06_multinode/comm_check.py", ["--device", "cpu"], "check_in"),
+    ],
+)
+def test_cpu_scripts_on_a_gpu_node_run_more_ranks_than_gpus(monkeypatch, script, argv, stop_at):
+    """The wiring of the test above: each CPU script's main() gets past launcher detection with
+    3 ranks on a node of 2 (stood-in) GPUs, to the process group (stopped there). The control:
+    the benchmark on the GPUs (--device auto) exits with code 2."""
+    import torch
+
+    from tests.helpers import load_script
+
+    if script == "benchmark/train.py":  # it imports its neighbour perf.py
+        monkeypatch.setitem(sys.modules, "perf", load_script("benchmark/perf.py", "perf"))
+    module = load_script(script, "cpu_script_under_test")
+    for name, value in node_of(3, 0).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+    def stop(*args, **kwargs):
+        raise _PastDetection
+
+    target = module.dist if stop_at == "init_process_group" else module
+    monkeypatch.setattr(target, stop_at, stop)
+    monkeypatch.setattr("sys.argv", [script, *argv])
+    with pytest.raises(_PastDetection):
+        module.main()
+    if script == "benchmark/train.py":
+        monkeypatch.setattr("sys.argv", [script, "--device", "auto"])
+        with pytest.raises(SystemExit) as exc:
+            module.main()
+        assert exc.value.code == 2
