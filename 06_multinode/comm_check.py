@@ -344,7 +344,7 @@ def bench(size, cfg, device, group):
     for _ in range(cfg.warmup):
         dist.all_reduce(tensor, group=group)
     _sync(device)
-    dist.barrier(group=group)
+    barrier(device, group)
     start = time.perf_counter()
     for _ in range(iters):
         dist.all_reduce(tensor, group=group)
@@ -371,6 +371,13 @@ def failing_clearly(size, backend):
             "connections "
             f"(ports other than MASTER_PORT); {hint()}"
         ) from None
+
+
+def barrier(device, group=None):
+    """dist.barrier() on this rank's GPU where `group` runs nccl: without device_ids, a barrier
+    before the group's first collective guesses the GPU from the global rank."""
+    nccl = dist.get_backend(group) == "nccl"
+    dist.barrier(group=group, device_ids=[device.index] if nccl else None)
 
 
 def _sync(device):
@@ -449,7 +456,7 @@ def measure(cfg, device, backend, group, show):
                 )
                 if show:
                     print(table_row(results[-1]), flush=True)
-            dist.barrier()
+            barrier(device)
     return results
 
 
@@ -597,7 +604,7 @@ def node_pairs(cfg, device, backend, nodes):
                                 **figures(size, iters, seconds, correct, [firsts[a], firsts[b]]),
                             )
                         )
-            dist.barrier()  # the round is over on every rank before its groups go
+            barrier(device)  # the round is over on every rank before its groups go
         for group in groups:
             # frees NCCL's communicators; a no-op where this rank is no member
             dist.destroy_process_group(group)

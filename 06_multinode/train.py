@@ -63,9 +63,13 @@ def evaluate(model, loader, device):
 
 def gather_placement(launch, device):
     """Collective: every rank's host, rank, local rank, device, CUDA_VISIBLE_DEVICES and GPU UUID
-    (which physical GPU it is, however the mask numbers it), in rank order, on every rank."""
+    (which physical GPU it is, however the mask numbers it), in rank order, on every rank. Over a
+    gloo group of its own: NCCL refuses two ranks on one GPU when it creates its communicator, at
+    the first nccl collective, so the table must not need one."""
     placement = [None] * launch.world_size
     gpu_uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
+    # Every rank creates the group (a collective call), uses it and lets it go.
+    gloo_group = dist.new_group(backend="gloo")
     dist.all_gather_object(
         placement,
         dict(
@@ -76,7 +80,9 @@ def gather_placement(launch, device):
             visible=os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
             gpu_uuid=gpu_uuid,
         ),
+        group=gloo_group,
     )
+    dist.destroy_process_group(gloo_group)
     return placement
 
 
@@ -120,6 +126,11 @@ def train(cfg, launch):
         world_size=launch.world_size,
         timeout=timedelta(seconds=cfg.timeout_s),
     )
+    # Where every rank runs, before any nccl collective: rank 0 prints it (and a warning for a GPU
+    # that two ranks share) before NCCL can refuse them.
+    placement = gather_placement(launch, device)  # a collective: every rank takes part
+    if launch.rank == 0:
+        print_placement(placement)
     # Same initial weights on every rank (and DDP broadcasts rank 0's at the wrap).
     torch.manual_seed(cfg.seed)
 
@@ -161,11 +172,9 @@ def train(cfg, launch):
     # From here on each rank its own augmentation and loader worker seeds.
     torch.manual_seed(cfg.seed + launch.rank)
 
-    placement = gather_placement(launch, device)  # a collective: every rank takes part
     if launch.rank == 0:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
         global_batch = cfg.batch_size * launch.world_size
-        print_placement(placement)
         print(
             f"launcher {launch.launcher}, {backend} on {device} "
             f"(CUDA_VISIBLE_DEVICES={visible}), world size {launch.world_size}, "

@@ -132,7 +132,7 @@ def train(cfg, launch):
             if launch.rank == 0:
                 print("rank 0 writes a checkpoint", flush=True)  # plain I/O: fine on rank 0 alone
                 # BUG: a collective inside a rank-0-only block; the others never come
-                dist.barrier()
+                dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
     # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
     checksums = [None] * launch.world_size
     dist.all_gather_object(checksums, parameter_checksum(model))

@@ -187,3 +187,54 @@ def test_the_scan_flags_unguarded_uses_only(source, expected):
     """Negative and positive controls: the scan can fail,
     and a guard silences it only for its backend."""
     assert unguarded_uses(source) == expected
+
+
+# -- barriers on nccl ------------------------------------------------------------------------------
+def barriers_without_device_ids(source: str) -> list[int]:
+    """Lines of `barrier(...)` calls (dist.barrier, torch.distributed.barrier, an imported
+    barrier) that do not pass device_ids. On nccl such a barrier, before the group's first other
+    collective, picks its GPU as the global rank modulo the visible GPUs (set_device does not
+    count): with cyclic placement two ranks then share one GPU, which NCCL refuses."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and (
+            (isinstance(node.func, ast.Attribute) and node.func.attr == "barrier")
+            or (isinstance(node.func, ast.Name) and node.func.id == "barrier")
+        )
+        and not any(k.arg == "device_ids" for k in node.keywords)
+        and not (  # comm_check's barrier(device, group), which passes device_ids itself
+            isinstance(node.func, ast.Name)
+            and node.args
+            and isinstance(node.args[0], ast.Name)
+            and node.args[0].id == "device"
+        )
+    ]
+
+
+def test_every_barrier_outside_tests_names_its_device():
+    """Every `dist.barrier` in the examples, the benchmark and the guide's scripts passes
+    device_ids (None on gloo). comm_check's own `barrier(device, group)` helper passes it too."""
+    found = [
+        f"{p.relative_to(REPO)}:{line}"
+        for p in EXAMPLES
+        for line in barriers_without_device_ids(p.read_text())
+    ]
+    assert found == []
+
+
+@pytest.mark.parametrize(
+    "source,expected",
+    [
+        ("dist.barrier()", [1]),
+        ("torch.distributed.barrier(group=g)", [1]),
+        ("from torch.distributed import barrier\nbarrier()", [2]),
+        ("dist.barrier(device_ids=[device.index])", []),
+        ("dist.barrier(device_ids=[d.index] if d.type == 'cuda' else None)", []),
+        ("barrier(device, group)", []),  # comm_check's helper, which passes device_ids itself
+        ("from torch.distributed import barrier\nbarrier(group)", [2]),
+    ],
+)
+def test_the_barrier_scan_flags_barriers_without_device_ids(source, expected):
+    assert barriers_without_device_ids(source) == expected

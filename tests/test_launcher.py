@@ -391,7 +391,7 @@ def test_gpu_of_four_local_ranks(visible, gpus):
 @pytest.mark.parametrize("visible", [2, 3])
 def test_fewer_gpus_than_local_ranks_is_one_clear_error(visible):
     """Two ranks would share a GPU; NCCL refuses that with
-    "Duplicate GPU detected", later and less clearly."""
+    "Multiple Ranks are using the same GPU/Partition", later and less clearly."""
     mask = ",".join(str(i) for i in range(visible))
     # every rank of the node says so (its local rank 0 prints it: common/errors.py)
     for r in range(4):

@@ -173,6 +173,47 @@ def test_placement_table_warns_when_two_ranks_share_a_gpu(capsys):
     assert "WARNING" not in capsys.readouterr().out  # CPU processes share the cores by design
 
 
+def test_placement_table_is_printed_before_the_first_collective_of_the_default_group(
+    tmp_path, monkeypatch, capsys
+):
+    """NCCL refuses two ranks on one GPU when it creates the default group's communicator, at
+    its first collective (the DDP wrap's broadcast, or the download barrier). 06 gathers its
+    table over a gloo group of its own and prints it before that. In-process, one rank, gloo: the
+    DDP wrap is replaced by NCCL's refusal (no GPU can exist here); the table and its gather over
+    the other group come first, and no collective reached the default group before the wrap."""
+    import torch.distributed as dist
+
+    from common.config import TrainConfig, load_config
+    from common.launcher import launch_info
+
+    train = load_script("06_multinode/train.py", "multinode_train")
+    calls = []
+    for name in ("all_gather_object", "all_reduce", "barrier", "broadcast"):
+        real = getattr(dist, name)
+
+        def recorder(*args, real=real, name=name, **kwargs):
+            group = kwargs.get("group")
+            calls.append((name, "default" if group in (None, dist.group.WORLD) else "own"))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, recorder)
+    refusal = "Multiple Ranks are using the same GPU/Partition. Set NCCL_MULTI_RANK_GPU_ENABLE=1"
+
+    def nccl_refuses(*args, **kwargs):
+        calls.append(("DDP", "default"))
+        raise RuntimeError(refusal)
+
+    monkeypatch.setattr(train, "DDP", nccl_refuses)
+    cfg = load_config(TrainConfig, ["--max-steps", "1", "--output-dir", str(tmp_path)])
+    try:
+        with pytest.raises(RuntimeError, match=refusal):
+            train.train(cfg, launch_info({}))
+    finally:
+        dist.destroy_process_group()
+    assert calls == [("all_gather_object", "own"), ("DDP", "default")]
+    assert re.search(r"^\s+0\s+0\s+\S+\s+cpu\s+unset$", capsys.readouterr().out, re.M)
+
+
 @pytest.mark.parametrize("flavour", ["openmpi", "mpich"])
 def test_mpiexec_runs_train_and_comm_check(tmp_path, flavour):
     tool = {"openmpi": "mpiexec.openmpi", "mpich": "mpiexec.mpich"}[flavour]
@@ -663,7 +704,11 @@ def test_06_is_01_line_for_line_plus_the_placement_table():
     assert removed == []
     assert added == [
         "import socket",
+        "# Where every rank runs, before any nccl collective: rank 0 prints it (and a warning for"
+        " a GPU",
+        "# that two ranks share) before NCCL can refuse them.",
         "placement = gather_placement(launch, device)  # a collective: every rank takes part",
+        "if launch.rank == 0:",
         "print_placement(placement)",
         "placement=placement,",
         "scheduler=launch.scheduler,",

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, clean_env, run
+from tests.helpers import PYTHON, REPO, clean_env, markdown_blocks, markdown_section, run
 
 # All of it is torch's own text and source, read again after a torch upgrade.
 pytestmark = pytest.mark.torch_text
@@ -354,3 +354,52 @@ def test_guide_quotes_the_analyzer_verdicts():
         "`we missed FR dumps from ranks ({1})`",
     ):
         assert verdict in guide, verdict
+
+
+def nccl_library() -> Path:
+    """The libnccl.so.2 of the nvidia-nccl wheel that torch's CUDA build loads."""
+    for dist in metadata.distributions():
+        if (dist.metadata["Name"] or "").startswith("nvidia-nccl"):
+            for file in dist.files or []:
+                if str(file).endswith("libnccl.so.2"):
+                    return Path(dist.locate_file(file))
+    pytest.skip("no nvidia-nccl wheel installed (a CPU-only torch build has no NCCL to read)")
+
+
+def found_in(path: Path, needles: list[str]) -> dict[str, bool]:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return {n: data.find(n.encode()) >= 0 for n in needles}
+
+
+def test_the_shared_gpu_refusal_the_readmes_quote_is_ncclss_and_torchs_own():
+    """The guide's "Multiple Ranks are using the same GPU/Partition" section quotes what a rank
+    prints when NCCL refuses two ranks on one GPU: torch's DistBackendError (its parts in
+    libtorch_cuda.so) around NCCL's own texts (in the bundled libnccl.so.2). The wording of older
+    NCCL releases, "Duplicate GPU detected", is not in that library (the control: the check can
+    fail); no README quotes it as what a user sees."""
+    section = markdown_section(GUIDE.read_text(), '## "Multiple Ranks are using the same GPU')
+    [quoted] = [b.lines for b in markdown_blocks(section)]
+    nccl_refusal = quoted[3]
+    nccl_texts = [nccl_refusal, "invalid usage (run with NCCL_DEBUG=WARN for details)"]
+    torch_texts = [
+        "NCCL error in: ",
+        "ncclInvalidUsage: This usually reflects invalid usage of NCCL library.",
+        "Last error:",
+    ]
+    assert quoted[0].startswith("torch.distributed.DistBackendError: " + torch_texts[0])
+    assert nccl_texts[1] in quoted[0] and quoted[1:3] == tuple(torch_texts[1:])
+    assert nccl_refusal.startswith("Multiple Ranks are using the same GPU/Partition. Set NCCL_")
+    found = found_in(nccl_library(), [*nccl_texts, "Duplicate GPU detected"])
+    assert found == {**dict.fromkeys(nccl_texts, True), "Duplicate GPU detected": False}
+    assert all(found_in_library("libtorch_cuda.so", torch_texts).values())
+    torch = __import__("torch")
+    version = ".".join(map(str, torch.cuda.nccl.version()))
+    assert quoted[0].endswith(f"NCCL version {version}")
+    torch_version = torch.__version__.split("+")[0]
+    assert f"NCCL that torch {torch_version} bundles ({version})" in " ".join(section.split())
+    multinode = " ".join((REPO / "06_multinode" / "README.md").read_text().split())
+    assert f"`{nccl_refusal}`" in multinode
+    for readme in [REPO / "README.md", *REPO.glob("*/README.md")]:
+        text = " ".join(readme.read_text().split())
+        for sentence in re.findall(r"[^.]*Duplicate GPU detected[^.]*", text):
+            assert "older NCCL releases" in sentence, (readme.name, sentence)
