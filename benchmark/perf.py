@@ -68,6 +68,20 @@ def device_type(cfg) -> str:
     return cfg.device
 
 
+def gpus_without_native_bf16() -> list[int]:
+    """The visible GPUs older than Ampere (compute capability below 8.0), where bf16 is emulated,
+    slowly. Read from each GPU's properties, which creates no CUDA context: by default
+    torch.cuda.is_bf16_supported() counts emulation as support, and finds out by creating a tensor
+    on the current GPU, GPU 0 of every rank before set_device."""
+    if torch.version.hip:  # ROCm GPUs have bf16 (as torch.cuda.is_bf16_supported says)
+        return []
+    return [
+        index
+        for index in range(torch.cuda.device_count())
+        if torch.cuda.get_device_capability(index) < (8, 0)
+    ]
+
+
 def check_knobs(cfg) -> None:
     """Refuse settings that cannot work here, with the fix in the message (ConfigError)."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -82,10 +96,11 @@ def check_knobs(cfg) -> None:
         )
     if cfg.backend == "nccl" and not dist.is_nccl_available():
         raise ConfigError("backend: this PyTorch build has no nccl (use --backend auto)")
-    if cfg.precision == "bf16" and kind == "cuda" and not torch.cuda.is_bf16_supported():
+    if cfg.precision == "bf16" and kind == "cuda" and (slow := gpus_without_native_bf16()):
         raise ConfigError(
-            "precision: this GPU has no bf16 support (use --precision fp16, which adds a "
-            "GradScaler)"
+            f"precision: GPU {slow[0]} has no native bf16 (compute capability "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability(slow[0])))}; Ampere, 8.0, and "
+            "newer have it): use --precision fp16, which adds a GradScaler"
         )
     if not cfg.ddp:
         defaults = {f.name: f.default for f in dataclasses.fields(cfg)}

@@ -83,7 +83,7 @@ class PerfConfig(TrainConfig):
     )
     bucket_cap_mb: float = field(25.0, "DDP gradient bucket size in MiB", min=0.0)
     gradient_as_bucket_view: bool = field(
-        False, "DDP: gradients are views into the buckets (saves a copy)"
+        False, "DDP: gradients are views into the buckets (saves the copies into and out of them)"
     )
     static_graph: bool = field(
         False, "DDP: the graph is the same every step (enables optimizations)"
@@ -262,7 +262,9 @@ def train(cfg, launch):
             ):
                 logits = model(images)
                 loss = F.cross_entropy(logits, labels)
-            optimizer.zero_grad(set_to_none=True)
+            # Kept (zeroed in place) under --gradient-as-bucket-view: a fresh .grad each step
+            # would be copied into the bucket again, the copy that the knob saves.
+            optimizer.zero_grad(set_to_none=not cfg.gradient_as_bucket_view)
             # DDP all-reduces (averages) the gradients here: every rank steps alike.
             scaler.scale(loss).backward()
             scaler.step(optimizer)  # fp16: unscales, and skips the step if a gradient overflowed

@@ -548,6 +548,31 @@ def test_compile_with_small_buckets_is_refused(monkeypatch):
         parse_config(train_script.PerfConfig, [*accepted, "--device", "cpu"])
 
 
+def test_bf16_is_refused_on_gpus_before_ampere_and_read_without_a_cuda_context(monkeypatch):
+    """A node of two GPUs (stood in: none exists here). One below compute capability 8.0: bf16
+    is refused, naming it, although torch.cuda.is_bf16_supported() says True there (it counts
+    emulation); it is not asked, since it creates a tensor on the current GPU (GPU 0 on every
+    rank before set_device). Both 8.0 or newer: accepted."""
+    capabilities = {0: (8, 0), 1: (7, 0)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capabilities[index])
+
+    def is_bf16_supported(including_emulation=True):
+        raise AssertionError("creates a tensor on the current GPU")
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    flags = ["--precision", "bf16", "--device", "cuda", "--backend", "gloo"]
+    with pytest.raises(ConfigError) as refused:
+        parse_config(train_script.PerfConfig, flags)
+    assert str(refused.value) == (
+        "precision: GPU 1 has no native bf16 (compute capability 7.0; Ampere, 8.0, and newer have "
+        "it): use --precision fp16, which adds a GradScaler"
+    )
+    capabilities[1] = (9, 0)
+    assert parse_config(train_script.PerfConfig, flags).precision == "bf16"
+
+
 def test_cpu_takes_bf16_and_fp16():
     for precision in ("bf16", "fp16"):
         cfg = parse_config(train_script.PerfConfig, ["--precision", precision, "--device", "cpu"])
@@ -801,7 +826,13 @@ def test_the_script_is_01_plus_the_knob_lines():
         name: re.search(r"@record.*?\n\n\n", text, re.S).group(0)
         for name, text in (("01", lesson), ("benchmark", script))
     }
-    assert main_of["benchmark"].replace("PerfConfig", "TrainConfig") == main_of["01"]
+    # and one knob: --device cpu on a GPU node is not checked against the GPUs
+    assert (
+        main_of["benchmark"]
+        .replace("PerfConfig", "TrainConfig")
+        .replace('detect_launcher(uses_gpu=device_type(cfg) == "cuda")', "detect_launcher()")
+        == main_of["01"]
+    )
 
 
 def test_the_defaults_train_as_01_does(here, tmp_path):
@@ -866,9 +897,8 @@ def test_profile_is_the_median_over_steps_of_the_mean_over_ranks(monkeypatch):
 
 
 def test_gradient_as_bucket_view_puts_the_gradients_into_the_bucket(one_rank_group):
-    """The help's "gradients are views into the buckets (saves a
-    copy)": one storage for all gradients of a one-bucket model with
-    the knob, one per parameter without it (negative control)."""
+    """The help's "gradients are views into the buckets": one storage for all gradients of a
+    one-bucket model with the knob, one per parameter without it (negative control)."""
     for view in (True, False):
         torch.manual_seed(0)
         model = DistributedDataParallel(SmallCNN(), gradient_as_bucket_view=view)
@@ -876,6 +906,60 @@ def test_gradient_as_bucket_view_puts_the_gradients_into_the_bucket(one_rank_gro
             model(torch.randn(4, 1, 8, 8)).sum().backward()
         storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
         assert len(storages) == (1 if view else len(list(model.parameters())))
+
+
+# The reducer's copy of a fresh .grad into its bucket (divided by the world size on the way), a
+# record_function in torch's reducer.cpp; and its copy back out of the bucket without bucket views.
+COPY_INTO_BUCKET = "torch::distributed::reducer::mul_out"
+COPY_OUT_OF_BUCKET = "torch.distributed.ddp.reducer::copy_bucket_to_grad"
+
+
+def bucket_copies(profiled) -> dict[str, int]:
+    names = [event.name for event in profiled.events()]
+    return {name: names.count(name) for name in (COPY_INTO_BUCKET, COPY_OUT_OF_BUCKET)}
+
+
+def test_gradient_as_bucket_view_saves_both_copies_only_with_gradients_kept(one_rank_group):
+    """What the knob saves, counted with torch.profiler in the third backward of a 4-tensor
+    model: without it the reducer copies every gradient into its bucket and back out; with it
+    the copy out is gone, and the copy in goes too only while the gradients stay between steps
+    (zero_grad(set_to_none=False)); set_to_none=True makes a fresh .grad that is copied in again."""
+    counts = {}
+    for view, set_to_none in ((False, True), (True, True), (True, False)):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)),
+            gradient_as_bucket_view=view,
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            optimizer.zero_grad(set_to_none=set_to_none)
+            with torch.profiler.profile() as profiled:
+                model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+        counts[view, set_to_none] = bucket_copies(profiled)
+    assert counts == {
+        (False, True): {COPY_INTO_BUCKET: 4, COPY_OUT_OF_BUCKET: 4},
+        (True, True): {COPY_INTO_BUCKET: 4, COPY_OUT_OF_BUCKET: 0},
+        (True, False): {COPY_INTO_BUCKET: 0, COPY_OUT_OF_BUCKET: 0},
+    }
+
+
+def test_the_benchmark_keeps_gradients_under_gradient_as_bucket_view(here, tmp_path):
+    """benchmark/train.py measures what the knob saves: over 3 steps with it, the gradients are
+    copied into the bucket in the first step only (they do not exist before it); without it,
+    into and out of the bucket in every step (the control)."""
+    counts = {}
+    for view in (True, False):
+        flags = [*FAKE, "--max-steps", "3"] + (["--gradient-as-bucket-view"] if view else [])
+        with torch.profiler.profile() as profiled:
+            here(tmp_path / str(view), *flags)
+        counts[view] = bucket_copies(profiled)
+    parameters = counts[True][COPY_INTO_BUCKET]  # one copy per parameter tensor
+    assert parameters > 0 and counts == {
+        True: {COPY_INTO_BUCKET: parameters, COPY_OUT_OF_BUCKET: 0},
+        False: {COPY_INTO_BUCKET: 3 * parameters, COPY_OUT_OF_BUCKET: 3 * parameters},
+    }
 
 
 def test_benchmark_passes_leading_arguments_extra_flags_threads_and_timeout(monkeypatch, tmp_path):
