@@ -202,20 +202,23 @@ def test_slurm_detection_batch_shell_vs_job_step(cluster, tmp_path):
     assert sorted(rows[1:]) == [["0", "slurm", 0, 2], ["0", "slurm", 1, 2]]
 
 
-def test_srun_with_the_cray_shasta_plugin_trains_01_and_06(cluster, tmp_path):
+def test_srun_with_the_cray_shasta_plugin_trains_01_and_places_cyclic_ranks(cluster, tmp_path):
     """HPE Cray EX runs srun with Slurm's cray_shasta MPI plugin, which exports PALS_RANKID but no
     PALS_LOCAL_RANKID or PMI_SIZE. The README's srun command on 2 nodes x 2 tasks trains 01
-    (block distribution, world size 4); 06 under `-m cyclic` places ranks 0 and 2 on the first
-    node as local ranks 0 and 1. Before the fix every rank but 0 exited with code 2."""
-    small = f"{SMALL} --log-every 1000"
+    (block distribution, world size 4); under `-m cyclic` the launcher places ranks 0 and 2 on
+    the first node as its local ranks 0 and 1. Before the fix every rank but 0 exited with 2."""
     srun = "srun --mpi=cray_shasta -N2 --ntasks-per-node=2 --cpus-per-task=1"
+    probe = (
+        "import json, os; from common.launcher import launch_info; i = launch_info(os.environ); "
+        "print('probe', json.dumps([os.environ['PALS_RANKID'], 'PALS_LOCAL_RANKID' in os.environ,"
+        " i.launcher, i.rank, i.local_rank, i.world_size, os.environ['SLURM_NODEID']]))"
+    )
     (tmp_path / "job.sh").write_text(
         # the test nodes' names do not resolve: their address, as the job files take it
         "#!/bin/bash\nset -euo pipefail\nexport MASTER_ADDR=127.0.0.1\n"
-        f"{srun} bash -c 'echo \"plugin $SLURM_PROCID ${{PALS_RANKID-unset}} "
-        f"${{PALS_LOCAL_RANKID-unset}} ${{PMI_SIZE-unset}}\"'\n"
-        f"{srun} {PYTHON} 01_basic_ddp/train.py {small} --output-dir {tmp_path / '01'}\n"
-        f"{srun} -m cyclic {PYTHON} 06_multinode/train.py {small} --output-dir {tmp_path / '06'}\n"
+        f'{srun} -m cyclic {PYTHON} -c "{probe}"\n'
+        f"{srun} {PYTHON} 01_basic_ddp/train.py {SMALL} --log-every 1000 "
+        f"--output-dir {tmp_path / '01'}\n"
     )
     job = cluster.sbatch(
         ["-N2", "--ntasks-per-node=2", "--cpus-per-task=1", "-o", str(tmp_path / "out")]
@@ -226,21 +229,22 @@ def test_srun_with_the_cray_shasta_plugin_trains_01_and_06(cluster, tmp_path):
     state = cluster.wait(job, 240)
     output = (tmp_path / "out").read_text()
     assert state[0] == "COMPLETED", f"{state}\n{output}\n{cluster.logs()}"
-    plugin = sorted(line.split()[1:] for line in output.splitlines() if line.startswith("plugin "))
-    assert plugin == [[str(r), str(r), "unset", "unset"] for r in range(4)]
+    cyclic = sorted(
+        json.loads(line[6:]) for line in output.splitlines() if line.startswith("probe ")
+    )
+    # [PALS_RANKID, has PALS_LOCAL_RANKID, launcher, rank, local rank, world size, node]
+    assert cyclic == [
+        ["0", False, "slurm", 0, 0, 4, "0"],
+        ["1", False, "slurm", 1, 0, 4, "1"],
+        ["2", False, "slurm", 2, 1, 4, "0"],
+        ["3", False, "slurm", 3, 1, 4, "1"],
+    ]
     basic = read_summary(tmp_path / "01")
     assert (basic["world_size"], basic["launcher"], basic["replicas_identical"]) == (
         4,
         "slurm",
         True,
     )
-    multinode = read_summary(tmp_path / "06")
-    assert [(p["rank"], p["local_rank"]) for p in multinode["placement"]] == [
-        (0, 0),
-        (1, 0),
-        (2, 1),
-        (3, 1),
-    ]
 
 
 # -- preemption and requeue: 05_checkpointing/train.py

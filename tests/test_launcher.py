@@ -521,7 +521,8 @@ def test_every_script_picks_its_gpu_with_launch_gpu():
 # Every PALS_* and SLURM_* variable launch_info reads, as `srun -N2 --ntasks-per-node=2
 # --mpi=cray_shasta -m block|cyclic env` printed them on the test Slurm cluster (Debian's Slurm
 # 22.05): the plugin sets PALS_RANKID but no PALS_LOCAL_RANKID, PALS_LOCAL_SIZE or PMI_SIZE.
-# tests/test_jobs.py::test_srun_with_the_cray_shasta_plugin_trains_01_and_06 runs the real thing.
+# tests/test_jobs.py::test_srun_with_the_cray_shasta_plugin_trains_01_and_places_cyclic_ranks
+# runs the real thing.
 SHASTA_PLACEMENT = {  # (SLURM_LOCALID, SLURM_NODEID) of ranks 0-3
     "block": [(0, 0), (1, 0), (0, 1), (1, 1)],
     "cyclic": [(0, 0), (0, 1), (1, 0), (1, 1)],
