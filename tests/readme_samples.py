@@ -5,12 +5,15 @@
     python tests/readme_samples.py --write 01  # only 01's
 
 A sample is the plain ``` block after a marker in a README, made of what the README's command
-printed, abridged the same way every time (abridge_*() below). The suite compares the same
-abridgement of its own run of the command with the README
-(tests/test_basic_ddp.py::test_readme_sample_output_is_what_the_quick_start_prints): when a print
-line of a script changes, that one test fails and names this script. Numbers with four decimals
-(losses, accuracies) differ a little from CPU to CPU: the comparison masks them, and checks the
-accuracy within 0.02 of the run's.
+printed, abridged the same way every time (abridge_*() below). The suite compares each sample with
+a run in one test per sample, whose message names this script when they drift:
+- 01 (tests/test_basic_ddp.py::test_readme_sample_output_is_what_the_quick_start_prints): the same
+  command, the same abridgement, line by line. Numbers with four decimals (losses, accuracies)
+  differ a little from CPU to CPU: the comparison masks them, and checks the accuracy within 0.02
+  of the run's.
+- 03 and 04 (tests/test_grad_accum.py, tests/test_syncbn.py): a shorter run than the README's, so
+  by shape (shape_drift): every line of the sample, numbers masked, is a line the run printed.
+When a print line of a script changes, that one test fails.
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ def _visible_devices_unset(text: str) -> str:
     return text.replace(f"CUDA_VISIBLE_DEVICES={visible}", "CUDA_VISIBLE_DEVICES=unset")
 
 
+def abridge_all(stdout: str, output_dir: str, default_output_dir: str) -> list[str]:
+    """Everything rank 0 printed, with the default output folder."""
+    text = _visible_devices_unset(stdout).replace(str(output_dir), default_output_dir)
+    return [line for line in text.splitlines() if line.strip()]
+
+
 def abridge_01(stdout: str, output_dir: str, default_output_dir: str) -> list[str]:
     """01's quick start as its README shows it: the banner, the first progress line, `...`, the
     last epoch's line and the summary line (with the default output folder)."""
@@ -63,7 +72,36 @@ SAMPLES = {
         "torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py",
         abridge_01,
     ),
+    "03": Sample(
+        "03_grad_accum/README.md",
+        "## Output",
+        "torchrun --standalone --nproc_per_node=2 03_grad_accum/train.py --batch-size 8 "
+        "--accum-steps 4 --epochs 3",
+        abridge_all,
+    ),
+    "04": Sample(
+        "04_syncbn/README.md",
+        "## Output",
+        "torchrun --standalone --nproc_per_node=2 04_syncbn/train.py --log-every 1000",
+        abridge_all,
+    ),
 }
+
+
+def shape(line: str) -> str:
+    """A line with every number as N and runs of blanks as one."""
+    return " ".join(re.sub(r"\d+(\.\d+)*", "N", line).split())
+
+
+def shape_drift(name: str, stdout: str, output_dir: str) -> list[str]:
+    """The lines of the README's sample `name` whose shape no line of a (shorter) run of its
+    script has: empty when every line the README shows is one the script prints."""
+    sample = SAMPLES[name]
+    ran = {shape(line) for line in sample.abridge(stdout, output_dir, sample.default_output_dir)}
+    shown = readme_sample(REPO / sample.readme, sample.marker)
+    return [
+        f"README: {line!r} (no such line in the run)" for line in shown if shape(line) not in ran
+    ]
 
 
 def drift(name: str, stdout: str, output_dir: str) -> list[str]:

@@ -71,7 +71,18 @@ def runs(tmp_path_factory):
         str(out["reference"]),
         nproc=1,
     )
-    torchrun(SCRIPT, *steps, "--batch-size", "4", "--output-dir", str(out["no_accum"]))
+    # step lines too, for the README sample's shapes
+    lesson = torchrun(
+        SCRIPT,
+        *steps,
+        "--batch-size",
+        "4",
+        "--log-every",
+        "1",
+        "--output-dir",
+        str(out["no_accum"]),
+    )
+    (root / "no_accum.stdout").write_text(lesson.stdout)
     return out, counts
 
 
@@ -131,7 +142,7 @@ def test_short_last_window_of_an_epoch_is_the_exact_mean(tmp_path, one_step_on_e
     window of 2 (not 3) micro-batches, and weighting each by its share
     of the window's samples gives one process's step on all 1438."""
     result = torchrun(SCRIPT, *SHORT_WINDOW, "--output-dir", str(tmp_path))
-    assert "2 micro-batches per rank per epoch" in result.stdout
+    assert re.search(r"\b2 micro-batches\b", result.stdout), result.stdout  # the banner's count
     assert read_summary(tmp_path)["steps"] == 1
     assert relative_difference(load_model(tmp_path), one_step_on_everything) < 1e-5
 
@@ -257,12 +268,23 @@ def test_the_sample_outputs_counts():
         f"last window of {per_epoch % 4}."
     ) in text
     sample = "\n".join(readme_sample(README, "## Output"))
-    assert (
-        "batch 8 x 2 x accum 4 = 64, 90 micro-batches per rank per epoch, no_sync True"
-    ) in sample
+    # the banner's numbers (its words: test_readme_sample_lines_are_what_the_script_prints)
+    assert re.search(r"\b8 x 2 x accum 4 = 64, 90 micro-batches\b", sample)
     logged = [(int(e), int(s)) for e, s in re.findall(r"epoch (\d) step (\d+) loss", sample)]
     # the epoch each step falls in
     assert logged and all((s - 1) // steps + 1 == e for e, s in logged)
+
+
+def test_readme_sample_lines_are_what_the_script_prints(runs):
+    """Every line of the README's sample output, numbers masked, is a line the lesson prints
+    (its run above: 2 ranks, 3 steps, a progress line per step). A reworded print line fails
+    here, and the message says how to regenerate the sample."""
+    from tests.readme_samples import drift_message, shape_drift
+
+    out, _ = runs
+    stdout = (out["no_accum"].parent / "no_accum.stdout").read_text()
+    problems = shape_drift("03", stdout, str(out["no_accum"]))
+    assert not problems, drift_message("03", problems)
 
 
 def test_the_script_uses_lr_as_given():

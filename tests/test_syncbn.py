@@ -22,7 +22,6 @@ from tests.helpers import (
     load_script,
     markdown_blocks,
     read_summary,
-    readme_sample,
     torchrun,
 )
 
@@ -124,8 +123,6 @@ def test_script_sync_run_equals_one_process_and_plain_run_does_not(tmp_path):
         str(two),
         timeout=180,
     )
-    assert "sync: 2 x CpuSyncBatchNorm, statistics over 8 samples per channel" in result.stdout
-    assert "plain: 2 x BatchNorm2d, statistics over 4 samples per channel" in result.stdout
     torchrun(
         SCRIPT,
         "--batch-norm",
@@ -160,26 +157,15 @@ def test_script_sync_run_equals_one_process_and_plain_run_does_not(tmp_path):
     assert any(k.endswith("running_mean") for k in reference) and any(
         k.endswith("running_var") for k in reference
     )
-    # The README's sample output, defaults with --log-every
-    # 1000: the same banners (this run has the default batch
-    # 4 on 2 ranks), and closing lines of the same shape.
-    sample = readme_sample(README, "## Output")
-    banners = [
-        line for line in result.stdout.splitlines() if line.startswith(("plain: ", "sync: "))
-    ]
-    assert banners == [line for line in sample if line.startswith(("plain: ", "sync: "))]
-    closing = re.compile(
-        r" *(BatchNorm2d|CpuSyncBatchNorm) normalizes over (4|8) samples: train loss \d\.\d{4}, "
-        r"eval loss \d\.\d{4}, eval acc \d\.\d{4}"
-    )
-    assert [m[1] for m in map(closing.fullmatch, sample) if m] == [
-        "BatchNorm2d",
-        "CpuSyncBatchNorm",
-    ]
-    assert [m[1] for m in map(closing.fullmatch, result.stdout.splitlines()) if m] == [
-        "BatchNorm2d",
-        "CpuSyncBatchNorm",
-    ]
+    # The README's sample output (defaults, --log-every 1000): every line, numbers masked, is
+    # one this shorter run printed. A reworded print line fails here, naming the regeneration.
+    from tests.readme_samples import drift_message, shape_drift
+
+    problems = shape_drift("04", result.stdout, str(two))
+    assert not problems, drift_message("04", problems)
+    # the closing comparison: a line per run, plain first (whatever its words)
+    closing = re.findall(r"^ *(BatchNorm2d|CpuSyncBatchNorm) ", result.stdout, re.M)
+    assert closing[-2:] == ["BatchNorm2d", "CpuSyncBatchNorm"], result.stdout
 
 
 # --- what the README says, in this process
