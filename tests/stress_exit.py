@@ -59,6 +59,8 @@ COMMANDS = {
 }
 # The commands whose loader workers hung in the suite (tests/test_sampler_patterns.py,
 # tests/test_randomness.py), each forking DataLoader workers in a rank that already runs gloo.
+# Their collectives wait 600 s (--timeout-s), longer than a run may take here: a rank that stalls
+# is then a hang, whose stacks are recorded, not its peers' gloo timeout after 60 s (exit 1).
 SHARDS_DIR = Path(tempfile.gettempdir()) / "stress_exit_shards"
 LOADER_COMMANDS = {
     "02-shards": [
@@ -71,6 +73,8 @@ LOADER_COMMANDS = {
         "2",
         "--num-workers",
         "2",
+        "--timeout-s",
+        "600",
     ],
     "05-workers": [
         *TORCHRUN,
@@ -83,6 +87,8 @@ LOADER_COMMANDS = {
         "10",
         "--max-steps",
         "30",
+        "--timeout-s",
+        "600",
     ],
 }
 ABORT_TEXT = "terminate called without an active exception"
