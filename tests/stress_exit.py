@@ -171,6 +171,8 @@ def main() -> int:
                 if code != 0:
                     failures.append((number, name, code, tail))
                 print(f"run {number:4d} {name:10s} exit {code}{'  ABORT' if aborted else ''}")
+                if code != 0:  # at once: a loop stopped early keeps what it found
+                    print(f"--- run {number} ({name}) exit {code}, last lines:\n{tail}\n---")
                 sys.stdout.flush()
     finally:
         for burner in burners:
@@ -185,9 +187,6 @@ def main() -> int:
         f"{len(failures)} non-zero exits, {aborts} with '{ABORT_TEXT}', "
         f"{sum(code == 124 for _, _, code, _ in failures)} hangs (past {args.timeout_s:.0f} s)"
     )
-    for number, name, code, tail in failures[:3]:
-        print(f"\n--- run {number} ({name}) exit {code}, last lines:\n{tail}")
-        sys.stdout.flush()
     if args.control:
         return 0 if aborts else 1
     return 0 if not failures else 1
