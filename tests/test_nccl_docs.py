@@ -84,8 +84,7 @@ def found_in_library(name: str, needles: list[str]) -> dict[str, bool]:
     path = TORCH_LIB / name
     if not path.exists():
         pytest.skip(f"{path} not installed (a CPU-only torch build has no NCCL backend to read)")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        return {n: data.find(n.encode()) >= 0 for n in needles}
+    return found_in(path, needles)
 
 
 def test_watchdog_messages_in_the_guide_are_torchs_own():
