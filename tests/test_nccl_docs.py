@@ -370,7 +370,7 @@ def found_in(path: Path, needles: list[str]) -> dict[str, bool]:
         return {n: data.find(n.encode()) >= 0 for n in needles}
 
 
-def test_the_shared_gpu_refusal_the_readmes_quote_is_ncclss_and_torchs_own():
+def test_the_shared_gpu_refusal_the_readmes_quote_is_nccls_and_torchs_own():
     """The guide's "Multiple Ranks are using the same GPU/Partition" section quotes what a rank
     prints when NCCL refuses two ranks on one GPU: torch's DistBackendError (its parts in
     libtorch_cuda.so) around NCCL's own texts (in the bundled libnccl.so.2). The wording of older
