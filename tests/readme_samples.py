@@ -51,9 +51,8 @@ def abridge_all(stdout: str, output_dir: str, default_output_dir: str) -> list[s
 def abridge_01(stdout: str, output_dir: str, default_output_dir: str) -> list[str]:
     """01's quick start as its README shows it: the banner, the first progress line, `...`, the
     last epoch's line and the summary line (with the default output folder)."""
-    lines = [line for line in _visible_devices_unset(stdout).splitlines() if line.strip()]
-    last = lines[-1].replace(str(output_dir), default_output_dir)
-    return [lines[0], lines[1], "...", lines[-2], last]
+    lines = abridge_all(stdout, output_dir, default_output_dir)
+    return [lines[0], lines[1], "...", lines[-2], lines[-1]]
 
 
 @dataclass(frozen=True)

@@ -284,11 +284,9 @@ def check_avg_bus_bandwidth(section):
 def shapes(lines, host):
     """Lines with numbers as N, the host name as HOST and runs
     of blanks as one: what a sample shares with a run."""
-    out = set()
-    for line in lines:
-        line = re.sub(rf"\b{re.escape(host)}\b", "HOST", line)
-        out.add(" ".join(re.sub(r"\d+(\.\d+)*", "N", line).split()))
-    return out
+    from tests.readme_samples import shape
+
+    return {shape(re.sub(rf"\b{re.escape(host)}\b", "HOST", line)) for line in lines}
 
 
 def readme_sample(marker):
