@@ -7,7 +7,8 @@ world size: such a task is read from its SLURM_* variables."""
 
 import os
 import re
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, replace
 from itertools import product
 from pathlib import Path
 from typing import Mapping
@@ -169,12 +170,24 @@ def detect_launcher(
     """This process's launch from os.environ (mp.spawn workers pass rank, world_size); bad input
     exits with code 2. uses_gpu=False: a CPU run, whose ranks are not checked against the GPUs."""
     with exit_on_bad_input():
-        return launch_info(
+        info = launch_info(
             os.environ,
             rank,
             world_size,
             torch.cuda.device_count() if uses_gpu and torch.cuda.is_available() else 0,
         )
+    if info.master_port == 0:
+        # torch up to 2.7 rejects port 0 in a tcp:// URL ("port number missing"), so a process
+        # started alone asks the OS for a free port here instead of leaving it to its store
+        info = replace(info, master_port=free_port())
+    return info
+
+
+def free_port() -> int:
+    """A TCP port free now (the OS's choice; the store binds every interface)."""
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        return probe.getsockname()[1]
 
 
 def launch_info(
@@ -182,7 +195,7 @@ def launch_info(
 ) -> LaunchInfo:
     """Rank, local rank, world sizes, master address/port, launcher name and GPU
     (of the `gpus` it sees) from `env`. A process started alone, outside any
-    job, gets port 0: its store takes any free port (nobody connects)."""
+    job, gets port 0: any free port serves (nobody connects); detect_launcher picks one."""
     scheduler, job_id = _scheduler(env)
     name, rank, local_rank, world, local_world = _find(env, rank, world_size)
     world = 1 if world is None else world

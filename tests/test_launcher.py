@@ -1,6 +1,8 @@
 """Launcher detection and host-list parsing, table-driven with plain environment dicts."""
 
+import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -472,11 +474,26 @@ def test_mp_spawn_inside_a_slurm_job_uses_its_own_rank_as_local_rank():
     ]
 
 
-def test_a_process_started_alone_takes_any_free_port():
-    """Outside any launcher and job nobody connects to its store: port 0 lets
-    the OS pick a free one, so two such runs on one machine do not collide
-    (test_basic_ddp runs two). In a job or with MASTER_PORT: as before."""
+def test_a_process_started_alone_takes_any_free_port(monkeypatch):
+    """Outside any launcher and job nobody connects to its store, so any free port serves and two
+    such runs on one machine do not collide (test_basic_ddp runs two). launch_info says 0 ("any");
+    detect_launcher asks the OS for one, because torch up to 2.7 refuses port 0 in the tcp:// URL
+    the scripts build (rendezvous.py: `if not result.port: raise ... "port number missing"`; 2.8
+    changed it to `is None`). The minimum-torch tier runs the scripts alone on such a torch.
+    In a job or with MASTER_PORT: as before."""
+    from urllib.parse import urlparse
+
+    from common.launcher import detect_launcher
+
     assert launch_info({}).master_port == 0
+    for name in list(os.environ):
+        monkeypatch.delenv(name)
+    ports = {detect_launcher().master_port for _ in range(2)}
+    for port in ports:
+        # what torch 2.3-2.7 checks, and port 0 (the control) fails
+        assert urlparse(f"tcp://127.0.0.1:{port}").port and not urlparse("tcp://127.0.0.1:0").port
+        with socket.socket() as store:  # free: a store can bind it
+            store.bind(("127.0.0.1", port))
     assert launch_info({"MASTER_PORT": "4000"}).master_port == 4000
     # a batch shell: the job's port
     assert launch_info({"SLURM_JOB_ID": "4321"}).master_port == PORT_BASE + 4321
