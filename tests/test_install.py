@@ -143,7 +143,10 @@ def installed_closure(requirements: list[str], path: list[str] | None = None) ->
             continue
         pulled[name] = f"{chain} -> {requirement.name}" if chain else requirement.name
         found = list(metadata.distributions(name=requirement.name, path=path or sys.path))
-        assert found, f"{requirement.name} is not installed (pip install -r requirements-test.txt)"
+        assert found, (
+            f"{requirement.name} is not installed "
+            "(pip install -r requirements.txt -r requirements-test.txt)"
+        )
         for spec in found[0].requires or []:
             dependency = Requirement(spec)
             extras = requirement.extras or {""}
@@ -206,7 +209,15 @@ def test_requirements_txt_is_the_installed_pair_plus_the_site_file():
     installed = {name: Version(metadata.version(name)).public for name in TORCH_PACKAGES}
     assert pins == {name: f"{name}=={version}" for name, version in installed.items()}
     assert lines == [pins["torch"], pins["torchvision"], *requirement_lines(SITE)]
-    assert "-r requirements.txt" in (REPO / "requirements-test.txt").read_text().splitlines()
+
+
+def test_the_test_requirements_install_on_top_of_any_torch():
+    """`pip install -r requirements-site.txt -r requirements-test.txt` keeps the site's torch (the
+    minimum-torch tier installs them so): the test file neither names nor pulls in torch or
+    torchvision, and holds the whole site file."""
+    lines = requirement_lines(REPO / "requirements-test.txt")
+    assert torch_pulled_in(lines) == []
+    assert set(requirement_lines(SITE)) < set(lines)
 
 
 def readme_section(title: str) -> str:

@@ -93,7 +93,9 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     # README.md
     "pip install -r requirements.txt && torchrun --standalone --nproc_per_node=2 "
     "01_basic_ddp/train.py": NotRun("download"),
-    "pip install -r requirements-test.txt && python -m pytest": NotRun("test-suite"),
+    "pip install -r requirements.txt -r requirements-test.txt && python -m pytest": NotRun(
+        "test-suite"
+    ),
     "ruff format --check . && ruff check .": Run(expect=(r"files? already formatted",)),
     "module load conda && conda activate": NotRun("scheduler"),
     "pip install -r requirements-site.txt": NotRun("download"),
@@ -508,7 +510,7 @@ def test_ci_runs_the_readmes_test_command():
         if line.strip() and not line.lstrip().startswith("#")
     ]
     assert ci_commands[-2:] == [
-        "pip install -r requirements-test.txt && python -m pytest",
+        "pip install -r requirements.txt -r requirements-test.txt && python -m pytest",
         "ruff format --check . && ruff check .",
     ]
     assert set(ci_commands[-2:]) <= readme

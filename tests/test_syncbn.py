@@ -255,14 +255,13 @@ def test_nn_syncbatchnorm_kernels_are_gpu_only():
         torch.batch_norm_stats(torch.randn(4, 3, 2, 2), 1e-5)
 
 
-@pytest.mark.parametrize(
-    "norm",
-    [nn.LayerNorm([3, 4, 4]), nn.GroupNorm(1, 3), nn.RMSNorm([3, 4, 4])],
-    ids=["LayerNorm", "GroupNorm", "RMSNorm"],
-)
-def test_per_sample_norms_have_no_batch_statistics(norm):
+@pytest.mark.parametrize("name", ["LayerNorm", "GroupNorm", "RMSNorm"])
+def test_per_sample_norms_have_no_batch_statistics(name):
     """Each sample is normalized on its own: its output does not depend on the rest of
     the batch, in training mode too. BatchNorm in training mode is the control."""
+    if not hasattr(nn, name):
+        pytest.skip(f"torch {torch.__version__} has no nn.{name} (added in torch 2.4)")
+    norm = nn.GroupNorm(1, 3) if name == "GroupNorm" else getattr(nn, name)([3, 4, 4])
     x = torch.randn(8, 3, 4, 4)
     assert torch.allclose(norm.train()(x)[:2], norm(x[:2]), atol=1e-6)
     batch_norm = nn.BatchNorm2d(3).train()
