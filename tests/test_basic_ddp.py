@@ -66,6 +66,7 @@ def quick_start(tmp_path_factory):
     return result, out
 
 
+@pytest.mark.min_torch
 def test_quick_start_trains_to_95_percent(quick_start):
     result, out = quick_start
     summary = read_summary(out)
@@ -115,6 +116,7 @@ def test_output_has_the_lines_and_summary_fields_the_readme_lists(quick_start):
     assert (out / "model.pt").is_file()
 
 
+@pytest.mark.min_torch
 def test_every_rank_ends_with_identical_parameters(quick_start):
     _, out = quick_start
     summary = read_summary(out)
@@ -139,6 +141,7 @@ def ddp_two_ranks(tmp_path_factory):
     return load_params(out / "model.pt")
 
 
+@pytest.mark.min_torch
 def test_two_ranks_equal_one_process_with_twice_the_batch(ddp_two_ranks, tmp_path):
     """DDP averages gradients, so 2 ranks x batch b == 1 process x batch 2b on the same samples."""
     torchrun(SCRIPT, "--batch-size", "32", *STEPS, "--output-dir", tmp_path / "one", nproc=1)
@@ -150,6 +153,7 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(ddp_two_ranks, tmp_pat
     assert max((small[k] - one[k]).abs().max().item() for k in one) > 1e-3
 
 
+@pytest.mark.min_torch
 def test_mp_spawn_variant_matches_torchrun(ddp_two_ranks, tmp_path):
     result = run(
         [
@@ -216,6 +220,7 @@ def test_single_process_baseline_is_the_same_training_as_one_ddp_process(tmp_pat
     assert (summary["world_size"], summary["eval_samples"], summary["steps"]) == (1, 359, 30)
 
 
+@pytest.mark.min_torch
 def test_single_process_without_launcher(tmp_path):
     run(
         [PYTHON, REPO / SCRIPT, "--max-steps", "3", "--output-dir", tmp_path],

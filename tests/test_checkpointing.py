@@ -137,6 +137,7 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.min_torch
 def test_stop_mid_epoch_and_resume_reads_every_sample_once_and_is_bitwise_identical(
     reference, tmp_path
 ):
@@ -170,6 +171,7 @@ def test_stop_mid_epoch_and_resume_reads_every_sample_once_and_is_bitwise_identi
         assert batches(tmp_path, rank) == batches(reference, rank)
 
 
+@pytest.mark.min_torch
 def test_sigkilled_worker_is_restarted_by_torchrun_and_resumes(reference, tmp_path):
     """tests/inject SIGKILLs rank 1 right after its 57th optimizer step;
     torchrun restarts the group, which resumes from step 50 (the

@@ -86,6 +86,7 @@ def runs(tmp_path_factory):
     return out, counts
 
 
+@pytest.mark.min_torch
 def test_accumulation_equals_one_process_with_the_large_batch(runs):
     out, _ = runs
     reference = load_model(out["reference"])

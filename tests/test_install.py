@@ -2,15 +2,17 @@
 the code runs with (README, "On a cluster", "Versions").
 
 requirements-site.txt is everything but torch and torchvision, so a cluster keeps its
-own build; requirements.txt is the tested pair plus that file. The minimum torch is
-the newest API the code uses: every torch and torchvision use that tests/torch_api.py
-finds must be either in tests/torch_2_0_api.txt (present in torch 2.0.1 and
-torchvision 0.15.2) or in NEWER_THAN_2_0 below, with the release it first appeared in.
+own build; requirements.txt is the tested pair plus that file. The minimum torch is the pair in
+requirements-min.txt, on which CI runs the `min_torch` tier (.ci/run). Below it, the date of the
+APIs the code uses: every torch and torchvision use that tests/torch_api.py finds must be either
+in tests/torch_2_0_api.txt (present in torch 2.0.1 and torchvision 0.15.2) or in NEWER_THAN_2_0
+below, with the release it first appeared in.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import ast
 import re
 import sys
 from pathlib import Path
@@ -255,12 +257,13 @@ def torch_2_0_uses() -> set[str]:
     return {line for line in OLD_LIST.read_text().splitlines() if line and not line.startswith("#")}
 
 
-def stated_minimum() -> tuple[str, dict[str, str]]:
-    """README, "Versions": "Minimum torch: X", and the
-    files it names as needing more: "`path` needs Y"."""
+def stated_minimum() -> tuple[str, str, dict[str, str]]:
+    """README, "Versions": "Minimum torch: X", "The APIs the code uses date from torch Y",
+    and the files it names as needing more: "`path` needs Z"."""
     versions = readme_section("Versions")
     minimum = re.search(r"\*\*Minimum torch: (\d+\.\d+)\*\*", versions).group(1)
-    return minimum, dict(re.findall(r"`([\w./-]+)` needs (\d+\.\d+)", versions))
+    api_date = re.search(r"The APIs the code uses date from torch (\d+\.\d+)", versions).group(1)
+    return minimum, api_date, dict(re.findall(r"`([\w./-]+)` needs (\d+\.\d+)", versions))
 
 
 def newest(uses: set[str]) -> str:
@@ -285,17 +288,68 @@ def test_every_torch_use_in_the_code_has_a_known_first_release():
     )
 
 
-def test_the_stated_minimum_torch_is_the_newest_api_the_code_uses():
-    minimum, exceptions = stated_minimum()
+def test_the_api_date_is_the_newest_api_the_code_uses_and_not_above_the_minimum():
+    minimum, api_date, exceptions = stated_minimum()
     by_file = {path: newest(uses) for path, uses in uses_by_file().items()}
     assert exceptions == {
         path: version for path, version in by_file.items() if Version(version) > Version(minimum)
     }
-    assert minimum == max((v for path, v in by_file.items() if path not in exceptions), key=Version)
-    # The README names the files that set the minimum.
-    setting = {path for path, version in by_file.items() if version == minimum}
+    assert api_date == max(
+        (v for path, v in by_file.items() if path not in exceptions), key=Version
+    )
+    assert Version(api_date) <= Version(minimum)
+    # The README names the files that set the API date.
+    setting = {path for path, version in by_file.items() if version == api_date}
     assert setting and all(f"`{path}`" in readme_section("Versions") for path in setting)
     assert f"Needs torch >= {minimum}" in SITE.read_text()
+
+
+MIN_PAIR = REPO / "requirements-min.txt"
+LESSON_TESTS = [
+    "basic_ddp",
+    "sampler_patterns",
+    "grad_accum",
+    "syncbn",
+    "checkpointing",
+    "multinode",
+]
+
+
+def marked_min_torch(path: Path) -> list[str]:
+    """Test functions of a file that carry the min_torch mark (on the function or a parameter)."""
+    tree = ast.parse(path.read_text())
+    return [
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+        and node.name.startswith("test_")
+        and "pytest.mark.min_torch" in "".join(ast.unparse(d) for d in node.decorator_list)
+    ]
+
+
+def test_the_minimum_is_the_pair_ci_runs_the_min_torch_tier_on():
+    """requirements-min.txt pins the README's minimum and its torchvision; .ci/run installs it
+    beside the test requirements (no other torch) in a virtual environment of its own and runs
+    the tier there; every lesson's test file has tests in the tier."""
+    minimum = stated_minimum()[0]
+    pins = {Requirement(line).name: Requirement(line) for line in requirement_lines(MIN_PAIR)}
+    assert pins.keys() == TORCH_PACKAGES and all(len(r.specifier) == 1 for r in pins.values())
+    torch_pin = next(iter(pins["torch"].specifier))
+    assert (
+        torch_pin.operator == "=="
+        and Version(torch_pin.version).release[:2] == Version(minimum).release[:2]
+    )
+    ci = (REPO / ".ci" / "run").read_text()
+    assert re.search(r"python -m venv \S+", ci)
+    assert re.search(r'pip"? install .*-r requirements-min\.txt -r requirements-test\.txt', ci)
+    assert re.search(r"python -m pytest -m min_torch", ci)
+    for name in LESSON_TESTS:
+        assert marked_min_torch(REPO / "tests" / f"test_{name}.py"), name
+    # the scan sees a parameter's mark too (02's 3-rank evaluation), and nothing unmarked
+    assert "test_distributed_eval_equals_one_process" in marked_min_torch(
+        REPO / "tests" / "test_sampler_patterns.py"
+    )
+    assert "test_launch_info_cases" not in marked_min_torch(REPO / "tests" / "test_launcher.py")
 
 
 def test_the_version_check_sees_new_apis_in_code(tmp_path):
@@ -314,7 +368,7 @@ def test_the_version_check_sees_new_apis_in_code(tmp_path):
         "torch.accelerator.current_accelerator",
         "torch.nn.parallel.DistributedDataParallel",
     } <= uses
-    assert newest(uses) == "2.4" and Version(newest(uses)) > Version(stated_minimum()[0])
+    assert newest(uses) == "2.4" and Version(newest(uses)) > Version(stated_minimum()[1])
     assert "torch.accelerator.current_accelerator" not in torch_2_0_uses() | NEWER_THAN_2_0.keys()
     assert (
         "re.compile" not in uses and python_uses("import re\nre.compile('x')\n", members) == set()

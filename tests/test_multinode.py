@@ -90,6 +90,7 @@ def logs(tmp_path):
     )
 
 
+@pytest.mark.min_torch
 def test_torchrun_two_nodes_c10d_agrees_with_one_node(tmp_path):
     # one worker each
     torchrun_nodes(tmp_path, TRAIN, [*SMALL, "--output-dir", str(tmp_path / "two")], nodes=2)

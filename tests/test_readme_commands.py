@@ -96,6 +96,8 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     "pip install -r requirements.txt -r requirements-test.txt && python -m pytest": NotRun(
         "test-suite"
     ),
+    "pip install -r requirements-site.txt -r requirements-test.txt && "
+    "python -m pytest -m min_torch": NotRun("test-suite"),
     "ruff format --check . && ruff check .": Run(expect=(r"files? already formatted",)),
     "module load conda && conda activate": NotRun("scheduler"),
     "pip install -r requirements-site.txt": NotRun("download"),

@@ -181,6 +181,7 @@ def viewer(tmp_path_factory):
     return result.stdout, json.loads((out / "partition.json").read_text())
 
 
+@pytest.mark.min_torch
 def test_partition_viewer_prints_what_distributed_sampler_gives(viewer):
     n, w = 10, 3
     stdout, report = viewer
@@ -315,7 +316,7 @@ def test_plain_dataloader_duplicates_and_distributed_sampler_does_not(tmp_path):
 # ---------------------------------------------------------------- 3. exact distributed evaluation
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.min_torch)])
 def test_distributed_eval_equals_one_process(tmp_path, world_size):
     # 3 ranks: the README's command (40 training steps,
     # the default); 1 and 2 ranks: 8 steps, to save time.
@@ -477,7 +478,7 @@ def macro_f1_by_precision_and_recall(labels, predictions):
     return sum(scores) / len(scores)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.min_torch)])
 def test_gathered_predictions_equal_one_process_row_for_row(
     tmp_path, predictions_setup, world_size
 ):
@@ -713,6 +714,7 @@ def test_gather_predictions_refuses_weights_files_that_are_no_state_dict(tmp_pat
 TOLERANCE_ALL, TOLERANCE_RANK = 0.03, 0.06  # the README states these
 
 
+@pytest.mark.min_torch
 def test_weighted_sampler_is_disjoint_and_balanced(tmp_path):
     w = 2
     result = run(
@@ -801,6 +803,7 @@ def test_weighted_sampler_needs_labels_it_can_read(tmp_path):
 # ---------------------------------------------------------------- 6. sharded loading
 
 
+@pytest.mark.min_torch
 def test_each_rank_opens_only_its_own_shards(tmp_path):
     shards, w = tmp_path / "shards", 3
     run(
@@ -945,6 +948,7 @@ def per_step(summary):
     return by_step
 
 
+@pytest.mark.min_torch
 def test_join_finishes_uneven_inputs_with_identical_gradients(tmp_path):
     w = 3
     result = run(

@@ -107,6 +107,7 @@ def test_conversion_happens_before_the_ddp_wrap(tmp_path):
     assert probe["passes_per_step"] == [1, 1]  # one gradient all-reduce pass per step, as in 01
 
 
+@pytest.mark.min_torch
 def test_script_sync_run_equals_one_process_and_plain_run_does_not(tmp_path):
     """The training script: 2 ranks x 4 samples with synced
     BN == 1 process x 8 samples with plain BN."""
