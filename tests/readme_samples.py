@@ -13,12 +13,18 @@ a run in one test per sample, whose message names this script when they drift:
   of the run's.
 - 03 and 04 (tests/test_grad_accum.py, tests/test_syncbn.py): a shorter run than the README's, so
   by shape (shape_drift): every line of the sample, numbers masked, is a line the run printed.
+- 02's samples (Printed below; tests/test_sampler_patterns.py, each in the test of its section):
+  every line of the sample is a line the run printed (printed_drift); `...` stands for any text.
+  These samples are picked lines, not a fixed abridgement: --write runs the README's commands as
+  written (from the repository root, into runs/ and data/) and replaces each line the run no
+  longer prints by the printed line closest to it.
 When a print line of a script changes, that one test fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import shlex
@@ -85,6 +91,160 @@ SAMPLES = {
         abridge_all,
     ),
 }
+
+
+@dataclass(frozen=True)
+class Printed:
+    """A sample whose every line is one that `commands` (the README's, run in this order) print:
+    `...` in a line stands for any text; a line that is only `...`, after a `[rankN]:` prefix or
+    not, marks lines left out. `output_dir` is the folder the sample shows."""
+
+    readme: str
+    marker: str  # the sample is the first plain ``` block after this text
+    commands: tuple[str, ...]
+    output_dir: str = ""
+
+
+SAMPLER = "02_sampler_patterns"
+GATHER = f"torchrun --standalone --nproc_per_node=3 {SAMPLER}/gather_predictions.py"
+UNEVEN = f"torchrun --standalone --nproc_per_node=3 {SAMPLER}/uneven_inputs.py --fix"
+PRINTED = {
+    "02-viewer": Printed(
+        f"{SAMPLER}/README.md",
+        "## 1. `partition_viewer.py`",
+        (
+            f"torchrun --standalone --nproc_per_node=3 {SAMPLER}/partition_viewer.py "
+            "--num-samples 10",
+        ),
+    ),
+    "02-no-sampler": Printed(
+        f"{SAMPLER}/README.md",
+        "## 2. `no_sampler_pitfall.py`",
+        (f"torchrun --standalone --nproc_per_node=2 {SAMPLER}/no_sampler_pitfall.py",),
+    ),
+    "02-eval": Printed(
+        f"{SAMPLER}/README.md",
+        "## 3. `distributed_eval.py`",
+        (f"torchrun --standalone --nproc_per_node=3 {SAMPLER}/distributed_eval.py",),
+    ),
+    "02-gather": Printed(
+        f"{SAMPLER}/README.md",
+        "## 4. `gather_predictions.py`",
+        ("python 01_basic_ddp/train.py", GATHER),
+        "runs/gather_predictions",
+    ),
+    "02-gather-padded": Printed(
+        f"{SAMPLER}/README.md",
+        "With `--padded` each rank reads",
+        ("python 01_basic_ddp/train.py", f"{GATHER} --padded"),
+        "runs/gather_predictions",
+    ),
+    "02-weighted": Printed(
+        f"{SAMPLER}/README.md",
+        "## 5. `weighted_sampler.py`",
+        (f"torchrun --standalone --nproc_per_node=2 {SAMPLER}/weighted_sampler.py",),
+    ),
+    "02-uneven": Printed(
+        f"{SAMPLER}/README.md",
+        "Each rank reads its own slice",
+        (f"{UNEVEN} join", f"{UNEVEN} drop_last"),
+        "runs/uneven_inputs",
+    ),
+    "02-uneven-none": Printed(
+        f"{SAMPLER}/README.md",
+        "torch's own messages (the command above, abridged)",
+        (
+            f"torchrun --standalone --nproc_per_node=2 {SAMPLER}/uneven_inputs.py --fix none "
+            "--timeout-s 5",
+        ),
+    ),
+}
+
+
+def sample_lines(name: str) -> list[str]:
+    """The lines of the README's sample `name`, trailing blanks cut."""
+    sample = PRINTED[name]
+    return [line.rstrip() for line in readme_sample(REPO / sample.readme, sample.marker)]
+
+
+def paragraphs(name: str) -> list[list[str]]:
+    """The sample's paragraphs (split at blank lines), each a list of lines."""
+    text = "\n".join(sample_lines(name)).strip("\n")
+    return [para.splitlines() for para in re.split(r"\n\s*\n", text)]
+
+
+def _elided(line: str) -> bool:
+    return line.strip() == "..." or line.strip().endswith(":   ...")
+
+
+def _pattern(line: str) -> re.Pattern:
+    return re.compile(".*".join(re.escape(part) for part in line.split("...")))
+
+
+def printed_drift(
+    name: str, output: str, output_dir: str | Path | None = None, lines: list[str] | None = None
+) -> list[str]:
+    """The lines of sample `name` (or `lines` of it) that `output` does not print: empty when
+    every one is a printed line. A run into `output_dir` is read as if into the sample's."""
+    if output_dir is not None:
+        output = output.replace(str(output_dir), PRINTED[name].output_dir)
+    printed = [line.rstrip() for line in output.splitlines()]
+    return [
+        f"README: {line!r} (not printed)"
+        for line in (sample_lines(name) if lines is None else lines)
+        if line.strip()
+        and not _elided(line)
+        and not any(_pattern(line).fullmatch(p) for p in printed)
+    ]
+
+
+def printed_drift_message(name: str, problems: list[str]) -> str:
+    sample = PRINTED[name]
+    return (
+        f"{sample.readme}: the sample after {sample.marker!r} has lines that "
+        f"{' then '.join(f'`{c}`' for c in sample.commands)} no longer print:\n"
+        + "\n".join(problems)
+        + f"\nRegenerate it: python tests/readme_samples.py --write {name}"
+    )
+
+
+def run_printed(sample: Printed) -> str:
+    """The README's commands as written, from the repository root; their output, whatever their
+    exit codes (a sample may show a failure)."""
+    output = []
+    for command in sample.commands:
+        done = subprocess.run(
+            ["bash", "-c", command],
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        output.append(done.stdout + done.stderr)
+    return "\n".join(output)
+
+
+def write_printed(name: str, output: str) -> list[str]:
+    """Replace each line of sample `name` that `output` does not print by the printed line closest
+    to it; the lines no printed line is close to (left as they are)."""
+    sample = PRINTED[name]
+    printed = [line.rstrip() for line in output.splitlines() if line.strip()]
+    path = REPO / sample.readme
+    text = path.read_text()
+    marker_line = text[: text.index(sample.marker)].count("\n")
+    block = next(b for b in markdown_blocks(text) if b.start >= marker_line and not b.info)
+    lines, unmatched = text.splitlines(), []
+    for offset, line in enumerate(block.lines):
+        if not printed_drift(name, output, lines=[line.rstrip()]):
+            continue
+        closest = difflib.get_close_matches(line.rstrip(), printed, n=1, cutoff=0.5)
+        if closest:
+            lines[block.start + 1 + offset] = closest[0]
+        else:
+            unmatched.append(line)
+    path.write_text("\n".join(lines) + "\n")
+    return unmatched
 
 
 def shape(line: str) -> str:
@@ -162,11 +322,25 @@ def write(name: str, stdout: str, output_dir: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", help=f"samples (default: all of {sorted(SAMPLES)})")
+    names = sorted(SAMPLES) + sorted(PRINTED)
+    parser.add_argument("names", nargs="*", help=f"samples (default: all of {names})")
     parser.add_argument("--write", action="store_true", help="rewrite the README samples")
     args = parser.parse_args()
     drifted = 0
-    for name in args.names or sorted(SAMPLES):
+    for name in args.names or names:
+        if name in PRINTED:
+            output = run_printed(PRINTED[name])
+            if args.write:
+                unmatched = write_printed(name, output)
+                print(f"{name}: {PRINTED[name].readme} rewritten")
+                for line in unmatched:
+                    print(f"  no printed line is close to {line!r}: edit it by hand")
+            elif problems := printed_drift(name, output):
+                drifted += 1
+                print(printed_drift_message(name, problems))
+            else:
+                print(f"{name}: {PRINTED[name].readme} agrees with a fresh run")
+            continue
         with tempfile.TemporaryDirectory() as output_dir:
             stdout = run_command(SAMPLES[name], Path(output_dir))
             if args.write:

@@ -24,16 +24,16 @@ from common.config import TrainConfig, parse_config
 from common.data import digits
 from common.errors import ConfigError
 from common.models import SmallCNN
+from tests import readme_samples
 from tests.helpers import (
     PYTHON,
     REPO,
     clean_env,
     free_port,
     load_script,
-    markdown_blocks,
-    markdown_section,
     read_summary,
     readme_command,
+    readme_sample,
     run,
     torchrun,
 )
@@ -65,47 +65,24 @@ README_PATH = f"{DIR}/README.md"
 SCRIPTS = sorted(p.name for p in (REPO / DIR).glob("*.py"))
 
 
-def readme_samples(section):
-    """The sample-output blocks (fenced, not bash) of README section `## <section>.`,
-    each a list of paragraphs, each paragraph a list of its non-blank lines."""
-    blocks = markdown_blocks(markdown_section(README, f"## {section}. "))
-    return [
-        [
-            [line.rstrip() for line in para.splitlines()]
-            for para in re.split(r"\n\s*\n", "\n".join(block.lines).strip("\n"))
-        ]
-        for block in blocks
-        if not block.info
-    ]
+def assert_sample(name, output, output_dir=None, lines=None):
+    """The README's sample `name` (or `lines` of it) is what `output` printed; the failure says
+    how to regenerate it (tests/readme_samples.py)."""
+    problems = readme_samples.printed_drift(name, output, output_dir, lines)
+    assert not problems, readme_samples.printed_drift_message(name, problems)
 
 
-def assert_printed(sample_lines, output, replace=()):
-    """Every line of a README sample is a line of `output`; `...` in a sample
-    line stands for any text (a line that is only `...`, after a `[rankN]:`
-    prefix or not, is skipped: the sample is abridged there)."""
-    printed = [line.rstrip() for line in output.splitlines()]
-    missing = []
-    for line in sample_lines:
-        for old, new in replace:
-            line = line.replace(old, new)
-        if line.strip().endswith(":   ...") or line.strip() == "...":
-            continue
-        pattern = re.compile(".*".join(re.escape(part) for part in line.split("...")))
-        if not any(pattern.fullmatch(p) for p in printed):
-            missing.append(line)
-    assert missing == [], (
-        f"README sample lines not printed: {missing}\n--- output\n{output[-3000:]}"
-    )
-
-
-def test_assert_printed_fails_on_a_line_that_was_not_printed():
-    assert_printed(
-        ["rank 0: [0, 3]", "[rank1]:   ...", "[rank1]: [.../tcp.cc:1] Timed out"],
-        "rank 0: [0, 3]\n[rank1]: [/a/b/tcp.cc:1] Timed out\n",
-    )
+def test_the_sample_check_fails_on_a_line_that_was_not_printed_and_names_the_fix():
+    """`...` stands for any text; a line that is only `...` is an elision. Controls: a changed
+    number, a cut line, a wrong line number behind `...`."""
+    output = "rank 0: [0, 3]\n[rank1]: [/a/b/tcp.cc:1] Timed out\n"
+    lines = ["rank 0: [0, 3]", "[rank1]:   ...", "[rank1]: [.../tcp.cc:1] Timed out"]
+    assert readme_samples.printed_drift("02-viewer", output, lines=lines) == []
     for wrong in (["rank 0: [0, 4]"], ["rank 0: [0, 3"], ["[rank1]: [.../tcp.cc:2] Timed out"]):
-        with pytest.raises(AssertionError):
-            assert_printed(wrong, "rank 0: [0, 3]\n[rank1]: [/a/b/tcp.cc:1] Timed out\n")
+        with pytest.raises(
+            AssertionError, match="python tests/readme_samples.py --write 02-viewer"
+        ):
+            assert_sample("02-viewer", output, lines=wrong)
 
 
 # ---------------------------------------------------------------- every script
@@ -214,8 +191,7 @@ def test_partition_viewer_prints_what_distributed_sampler_gives(viewer):
     assert "rank 1: [1, 4, 7, 0]   <- repeats [0]" in stdout
     assert "rank 2: [2, 5, 8]" in stdout and "never read this epoch: [9]" in stdout
     # The README's sample output (same command) is what the script prints, line for line.
-    [sample] = readme_samples(1)
-    assert_printed([line for para in sample for line in para], stdout)
+    assert_sample("02-viewer", stdout)
 
 
 @pytest.mark.parametrize("n,w", [(10, 3), (10, 4), (7, 7), (5, 8), (16, 4), (1, 2)])
@@ -297,8 +273,7 @@ def test_plain_dataloader_duplicates_and_distributed_sampler_does_not(tmp_path):
         timeout=180,
         check=True,
     )
-    [[sample]] = readme_samples(2)
-    assert_printed(sample, result.stdout)  # the README's numbers, from the same command
+    assert_sample("02-no-sampler", result.stdout)  # the README's numbers, from the same command
     assert re.search(r"no_sampler: .*50% of the compute repeated", result.stdout)
     assert re.search(r"distributed_sampler: .*\b0% of the compute repeated", result.stdout)
     s = read_summary(tmp_path)
@@ -341,8 +316,7 @@ def test_distributed_eval_equals_one_process(tmp_path, world_size):
     assert n % 2 and n % 3  # an odd size: neither 2 nor 3 ranks divide it
     # the README's table, line for line, mean_of_rank_means off the exact value included
     if world_size == 3:
-        [[table]] = readme_samples(3)
-        assert_printed(table, result.stdout)
+        assert_sample("02-eval", result.stdout)
         assert re.search(r"exact +359 ", result.stdout) and re.search(
             r"sampler_padded +360 ", result.stdout
         )
@@ -507,11 +481,12 @@ def test_gathered_predictions_equal_one_process_row_for_row(
     assert f"macro-F1 {s['macro_f1']:.6f}" in result.stdout and "every index once" in result.stdout
     # the README's sample, but for the figures, which depend on the weights (01's there)
     if world_size == 3:
-        strided = readme_samples(4)[0][0]
-        assert_printed(
-            [line for line in strided if not line.startswith("from the file:")],
+        lines = readme_samples.sample_lines("02-gather")
+        assert_sample(
+            "02-gather",
             result.stdout,
-            replace=[("runs/gather_predictions", str(tmp_path))],
+            tmp_path,
+            [line for line in lines if not line.startswith("from the file:")],
         )
     # The file stores probabilities with 6 significant digits: why the test compares them to 1e-6.
     with open(tmp_path / "predictions.csv") as f:
@@ -548,11 +523,12 @@ def test_gathering_over_a_padded_distributed_sampler_repeats_samples(
     assert read_summary(tmp_path)["rows_per_rank"] == [math.ceil(n / world_size)] * world_size
     assert f"{padded_total} rows for {n} images" in result.stdout
     if world_size == 3:
-        padded_sample = readme_samples(4)[1][0]
-        assert_printed(
-            [line for line in padded_sample if not line.startswith("from the file:")],
+        lines = readme_samples.sample_lines("02-gather-padded")
+        assert_sample(
+            "02-gather-padded",
             result.stdout,
-            replace=[("runs/gather_predictions", str(tmp_path))],
+            tmp_path,
+            [line for line in lines if not line.startswith("from the file:")],
         )
     # Each row carries its index, so dropping rows whose
     # index was seen before gives back the exact file.
@@ -722,9 +698,8 @@ def test_weighted_sampler_is_disjoint_and_balanced(tmp_path):
         timeout=180,
         check=True,
     )
-    [[sample]] = readme_samples(5)
     # the README's counts: 146 zeros .. 14 nines, and both epochs' draws
-    assert_printed(sample, result.stdout)
+    assert_sample("02-weighted", result.stdout)
     assert "indices read by two ranks: 0" in result.stdout
     s = read_summary(tmp_path)
     labels = torch.tensor(s["labels"])
@@ -875,7 +850,11 @@ def readme_sample_matches_the_shard_plan(files, manifest):
     shards_for's, its step count the smallest rank's batches, from the manifest alone."""
     script = load_script(f"{DIR}/sharded_loading.py", "sharded_loading")
     sizes = {entry["file"]: entry["samples"] for entry in manifest["shards"]}
-    [[sample]] = readme_samples(6)
+    sample = [
+        line.rstrip()
+        for line in readme_sample(REPO / README_PATH, "## 6. `sharded_loading.py`")
+        if line.strip()
+    ]
     assert sample[0] == f"{manifest['total']} samples in {len(files)} shards, 2 ranks"
     for epoch, line in enumerate(sample[1:]):
         found = re.fullmatch(
@@ -956,9 +935,7 @@ def test_join_finishes_uneven_inputs_with_identical_gradients(tmp_path):
         timeout=180,
         check=True,
     )  # exit code 0, within the timeout; 2 epochs, the default
-    assert_printed(
-        readme_samples(7)[0][0], result.stdout, replace=[("runs/uneven_inputs", str(tmp_path))]
-    )
+    assert_sample("02-uneven", result.stdout, tmp_path, readme_samples.paragraphs("02-uneven")[0])
     s = read_summary(tmp_path)
     assert len(set(s["batches_per_rank"])) == w  # the inputs really are uneven
     n = len(digits().train)  # rank r: its strided share less r * 64 (--uneven)
@@ -1005,9 +982,7 @@ def test_drop_last_runs_the_smallest_rank_count(tmp_path):
         timeout=180,
         check=True,
     )
-    assert_printed(
-        readme_samples(7)[0][1], result.stdout, replace=[("runs/uneven_inputs", str(tmp_path))]
-    )
+    assert_sample("02-uneven", result.stdout, tmp_path, readme_samples.paragraphs("02-uneven")[1])
     s = read_summary(tmp_path)
     assert s["batches_per_rank"][0] > s["batches_per_rank"][-1]
     assert s["steps_per_rank"] == [2 * min(s["batches_per_rank"])] * w  # 2 epochs (the default)
@@ -1032,13 +1007,13 @@ def test_without_a_fix_uneven_inputs_time_out_naming_the_rank_that_never_arrived
     rank1 = "\n".join(line for line in out.splitlines() if line.startswith("[rank1]:"))
     assert "dist.monitored_barrier()" in rank1, rank1
     assert not (tmp_path / "summary.json").exists()
-    [sample] = readme_samples(7)[1]
+    sample = readme_samples.sample_lines("02-uneven-none")
     # The README's abridged output: rank 1's 21 batches, its traceback. Its last line, rank 1's
     # own send timing out, is "Connection closed by peer" instead when rank 0's timeout ends first.
     *shown, own_timeout = sample
     assert "Timed out waiting 5000ms for send" in own_timeout
     closed_first = "Connection closed by peer" in rank1
-    assert_printed(shown if closed_first else sample, out)
+    assert_sample("02-uneven-none", out, lines=shown if closed_first else sample)
     assert "ChildFailedError" in out
     rank0 = [line for line in out.splitlines() if line.startswith("[rank0]:")]
     rank0_error = [line for line in rank0 if line.startswith("[rank0]: RuntimeError:")]
