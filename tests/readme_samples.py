@@ -13,7 +13,8 @@ a run in one test per sample, whose message names this script when they drift:
   of the run's.
 - 03 and 04 (tests/test_grad_accum.py, tests/test_syncbn.py): a shorter run than the README's, so
   by shape (shape_drift): every line of the sample, numbers masked, is a line the run printed.
-- 02's samples (Printed below; tests/test_sampler_patterns.py, each in the test of its section):
+- 02's and 05's samples (Printed below; tests/test_sampler_patterns.py, each in the test of its
+  section, and tests/test_checkpointing.py):
   every line of the sample is a line the run printed (printed_drift); `...` stands for any text.
   These samples are picked lines, not a fixed abridgement: --write runs the README's commands as
   written (from the repository root, into runs/ and data/) and replaces each line the run no
@@ -108,6 +109,10 @@ class Printed:
 SAMPLER = "02_sampler_patterns"
 GATHER = f"torchrun --standalone --nproc_per_node=3 {SAMPLER}/gather_predictions.py"
 UNEVEN = f"torchrun --standalone --nproc_per_node=3 {SAMPLER}/uneven_inputs.py --fix"
+CHECKPOINTING = (
+    "torchrun --standalone --nproc_per_node=2 05_checkpointing/train.py --epochs 2 --batch-size 16 "
+    "--save-every-steps 20 --log-every 30 --output-dir runs/b"
+)
 PRINTED = {
     "02-viewer": Printed(
         f"{SAMPLER}/README.md",
@@ -150,6 +155,17 @@ PRINTED = {
         (f"{UNEVEN} join", f"{UNEVEN} drop_last"),
         "runs/uneven_inputs",
     ),
+    # 05: the text before the sample names the flags of both runs
+    "05-resume": Printed(
+        "05_checkpointing/README.md",
+        "Output of a run stopped at step 57",
+        (
+            "rm -rf runs/b",
+            f"{CHECKPOINTING} --max-steps 57",
+            CHECKPOINTING,
+        ),
+        "runs/b",
+    ),
     "02-uneven-none": Printed(
         f"{SAMPLER}/README.md",
         "torch's own messages (the command above, abridged)",
@@ -188,7 +204,7 @@ def printed_drift(
     every one is a printed line. A run into `output_dir` is read as if into the sample's."""
     if output_dir is not None:
         output = output.replace(str(output_dir), PRINTED[name].output_dir)
-    printed = [line.rstrip() for line in output.splitlines()]
+    printed = [line.rstrip() for line in _visible_devices_unset(output).splitlines()]
     return [
         f"README: {line!r} (not printed)"
         for line in (sample_lines(name) if lines is None else lines)
@@ -229,7 +245,9 @@ def write_printed(name: str, output: str) -> list[str]:
     """Replace each line of sample `name` that `output` does not print by the printed line closest
     to it; the lines no printed line is close to (left as they are)."""
     sample = PRINTED[name]
-    printed = [line.rstrip() for line in output.splitlines() if line.strip()]
+    printed = [
+        line.rstrip() for line in _visible_devices_unset(output).splitlines() if line.strip()
+    ]
     path = REPO / sample.readme
     text = path.read_text()
     marker_line = text[: text.index(sample.marker)].count("\n")

@@ -15,6 +15,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -933,14 +934,28 @@ def test_readme_sample_and_summary_are_the_reference_runs(reference):
     summary = read_summary(reference)
     figures = tuple(f"{summary[k]:.4f}" for k in ("final_train_loss", "eval_loss", "eval_accuracy"))
     assert ends and set(ends) == {figures}, (ends, figures)
-    assert (
-        f"train {TRAIN_SIZE} ({TRAIN_SIZE // 2} per rank), test {summary['eval_samples']}" in text
-    )
+    # (that every line of the sample is printed: the next test)
     assert f"({summary['eval_samples']} images)" in text
     assert _summary_fields(SCRIPT) - _summary_fields("01_basic_ddp/train.py") == {
         "resumed_from_step"
     }
     assert _summary_fields("01_basic_ddp/train.py") <= _summary_fields(SCRIPT) <= summary.keys()
+
+
+def test_readme_sample_is_what_a_stopped_and_resumed_run_prints(tmp_path):
+    """The README's sample: the commands of tests/readme_samples.py (stopped at step 57, then run
+    again), into a folder of the test's own; every line shown is a line they printed."""
+    from tests.readme_samples import PRINTED, printed_drift, printed_drift_message
+
+    sample = PRINTED["05-resume"]
+    output = ""
+    for command in sample.commands[1:]:  # the first empties the README's folder
+        argv = shlex.split(command.replace(sample.output_dir, str(tmp_path)))
+        assert argv[:2] == ["torchrun", "--standalone"] and argv[3] == SCRIPT, argv
+        output += torchrun(SCRIPT, *argv[4:], timeout=180).stdout
+    problems = printed_drift("05-resume", output, tmp_path)
+    assert not problems, printed_drift_message("05-resume", problems)
+    assert "resumed from" in output and read_summary(tmp_path)["resumed_from_step"] == 57
 
 
 def _plain_values(value, where="state") -> list[str]:
