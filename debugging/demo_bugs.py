@@ -12,6 +12,8 @@ Off by default: without --bug this is a short, correct DDP run. Every bug ends w
     torchrun --standalone --nproc_per_node=2 \
         debugging/demo_bugs.py --bug unused_parameter --fix use_all
     torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug rank0_barrier
+    torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug wrapper_attribute
+    torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug module_prefix
 
 See debugging/README.md for what each prints and why.
 """
@@ -28,14 +30,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.config import field, load_config
 from common.launcher import detect_launcher
 from common.report import parameter_checksum, write_summary
 
-BUGS = ("none", "mismatched_collective", "unused_parameter", "rank0_barrier")
-FIXES = ("none", "find_unused", "use_all")
+BUGS = (
+    "none",
+    "mismatched_collective",
+    "unused_parameter",
+    "rank0_barrier",
+    "wrapper_attribute",
+    "module_prefix",
+)
+FIXES = ("none", "find_unused", "use_all", "module", "strip_prefix")
 
 
 @dataclasses.dataclass
@@ -46,7 +56,8 @@ class DemoConfig:
     fix: str = field(
         "none",
         "for --bug unused_parameter: find_unused (DDP flag) or use_all "
-        "(every parameter takes part in the loss)",
+        "(every parameter takes part in the loss); for wrapper_attribute and module_prefix: "
+        "module (the wrapped model, model.module); for module_prefix: strip_prefix",
         choices=FIXES,
     )
     steps: int = field(4, "training steps", min=1)
@@ -65,6 +76,7 @@ class TwoHeads(nn.Module):
         self.trunk = nn.Linear(8, 16)
         self.head = nn.Linear(16, 4)
         self.aux_head = nn.Linear(16, 4)  # the "unused parameter" when forward skips it
+        self.num_classes = 4
 
     def forward(self, x, use_aux: bool = True):
         h = torch.relu(self.trunk(x))
@@ -97,6 +109,11 @@ def train(cfg, launch):
         )
     # (The mismatched-collective demo leaves DDP out: it is about the two all-reduces below, and
     # with TORCH_DISTRIBUTED_DEBUG=DETAIL, DDP on CPU crashed intermittently (SIGSEGV) here.)
+    if cfg.bug == "wrapper_attribute":
+        # BUG: DDP passes calls to the model's forward, not its attributes or other methods;
+        # those are on the wrapped model, model.module (the fix)
+        num_classes = model.module.num_classes if cfg.fix == "module" else model.num_classes
+        print(f"rank {launch.rank}: {num_classes} classes", flush=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     # Fix 2: make every parameter take part in the loss (or delete the module you do not use).
     use_aux = cfg.bug != "unused_parameter" or cfg.fix == "use_all"
@@ -136,6 +153,14 @@ def train(cfg, launch):
     # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
     checksums = [None] * launch.world_size
     dist.all_gather_object(checksums, parameter_checksum(model))
+    if cfg.bug == "module_prefix" and launch.rank == 0:
+        # Saving for inference, then loading into the plain model as an inference script does.
+        # BUG: the wrapper's state_dict names every weight "module.<name>".
+        weights = model.module.state_dict() if cfg.fix == "module" else model.state_dict()
+        if cfg.fix == "strip_prefix":  # a file saved that way: drop the prefix when loading
+            consume_prefix_in_state_dict_if_present(weights, "module.")
+        TwoHeads().load_state_dict(weights)
+        print("the saved weights load into a plain TwoHeads", flush=True)
     if launch.rank == 0:
         write_summary(
             cfg.output_dir,

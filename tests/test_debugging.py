@@ -26,7 +26,10 @@ from tests.helpers import (
     clean_env,
     kill_group,
     load_script,
+    markdown_section,
     read_summary,
+    readme_command,
+    readme_sample,
     root_cause,
     run,
     torchrun,
@@ -678,3 +681,99 @@ def test_basic_ddp_evaluates_the_plain_module_and_all_reduces_once():
         "    for _ in range(1):\n        dist.all_reduce(totals)\n",
     )
     assert per_batch != source and evaluation_problems(per_batch) != []
+
+
+# --- the wrapper used in place of the model; DDP's bucket memory (debugging/README.md)
+
+MODULE_PREFIX = (
+    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug module_prefix"
+)
+MODULE_PREFIX_SAVE_MODULE = (
+    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug module_prefix "
+    "--fix module"
+)
+MODULE_PREFIX_STRIP = (
+    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug module_prefix "
+    "--fix strip_prefix"
+)
+WRAPPER_ATTRIBUTE = (
+    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug wrapper_attribute"
+)
+WRAPPER_ATTRIBUTE_FIX = (
+    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug wrapper_attribute "
+    "--fix module"
+)
+
+
+def test_wrapper_in_place_of_the_model_errors_and_fixes(tmp_path):
+    """The guide's commands: each error as the README quotes it, from rank 0 and in torchrun's Root
+    Cause; each fix runs to the end (the saved weights load into the plain model)."""
+    guide = "debugging/README.md"
+
+    def demo(argv, name):
+        return run(argv + ["--output-dir", str(tmp_path / name)], timeout=120)
+
+    prefix = demo(readme_command(guide, MODULE_PREFIX), "prefix")
+    quoted = readme_sample(GUIDE, "Both come from using the wrapper")
+    assert prefix.returncode == 1 and len(quoted) == 3
+    printed = prefix.output.splitlines()
+    assert all(line in printed for line in quoted), (quoted, prefix.output[-3000:])
+    assert "Unexpected key(s) in state_dict" in root_cause(prefix.output)
+    for argv, name in (
+        (readme_command(guide, MODULE_PREFIX_SAVE_MODULE), "save_module"),
+        (readme_command(guide, MODULE_PREFIX_STRIP), "strip"),
+    ):
+        fixed = demo(argv, name)
+        assert fixed.returncode == 0, fixed.output[-3000:]
+        assert "the saved weights load into a plain TwoHeads" in fixed.stdout
+
+    attribute = demo(readme_command(guide, WRAPPER_ATTRIBUTE), "attribute")
+    error = "AttributeError: 'DistributedDataParallel' object has no attribute 'num_classes'"
+    assert attribute.returncode == 1 and f"[rank0]: {error}" in attribute.output
+    assert f"`{error}`" in GUIDE.read_text()
+    fixed = demo(readme_command(guide, WRAPPER_ATTRIBUTE_FIX), "attribute_fixed")
+    assert fixed.returncode == 0 and "rank 0: 4 classes" in fixed.stdout, fixed.output[-3000:]
+    assert "done: no bug" in fixed.stdout
+
+
+BUCKET_MEMORY = """
+import json, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
+from torchvision.models import resnet18
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+MIB = 2**20
+figures = {}
+for view in (False, True):
+    model = resnet18(num_classes=10)
+    figures["parameters"] = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
+    # net CPU memory each phase allocated (allocations less frees)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as wrap:
+        ddp = DDP(model, gradient_as_bucket_view=view)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as backward:
+        ddp(torch.randn(2, 3, 32, 32)).sum().backward()
+    figures[f"wrap view={view}"] = sum(e.self_cpu_memory_usage for e in wrap.key_averages()) / MIB
+    figures[f"backward view={view}"] = (
+        sum(e.self_cpu_memory_usage for e in backward.key_averages()) / MIB
+    )
+    del ddp
+dist.destroy_process_group()
+print(json.dumps(figures))
+"""
+
+
+def test_ddp_buckets_hold_one_copy_of_the_gradients():
+    """The guide's figures for ResNet-18 on CPU: wrapping allocates the parameters' size (the
+    buckets) with or without gradient_as_bucket_view; the first backward allocates it again for
+    the separate gradients without the view, nothing with it (the control)."""
+    result = run([PYTHON, "-c", BUCKET_MEMORY], timeout=180, check=True)
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    size = figures["parameters"]
+    for view in (False, True):
+        assert figures[f"wrap view={view}"] == pytest.approx(size, rel=0.01), figures
+    assert figures["backward view=False"] == pytest.approx(size, rel=0.01), figures
+    assert abs(figures["backward view=True"]) < 0.01 * size, figures
+    section = markdown_section(GUIDE.read_text(), "## DDP's own memory")
+    assert f"({size:.1f} MiB of float32 parameters)" in section
+    assert section.count(f"{size:.1f} MiB") == 3

@@ -285,6 +285,24 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     "local": RunElsewhere(
         f"{FORUM_TESTS}::test_two_forwards_fixes_run_with_identical_replicas", OUTPUT_DIR
     ),
+    # debugging: the wrapper in place of the model
+    **{
+        command: RunElsewhere(
+            "tests/test_debugging.py::test_wrapper_in_place_of_the_model_errors_and_fixes",
+            "--output-dir",
+        )
+        for command in (
+            "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug module_prefix",
+            "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug module_prefix "
+            "--fix module",
+            "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug module_prefix "
+            "--fix strip_prefix",
+            "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug "
+            "wrapper_attribute",
+            "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug "
+            "wrapper_attribute --fix module",
+        )
+    },
 }
 
 
