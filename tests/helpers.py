@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.metadata as metadata
 import importlib.util
 import json
 import os
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -44,6 +46,39 @@ _LAUNCHER_NAMES = (
     "MASTER_PORT",
     "OMP_NUM_THREADS",
 )
+
+
+# --- torch versions: the pinned one (requirements.txt) and the one running (a site's, the minimum)
+
+PINNED_TORCH = next(
+    line.split("==")[1]
+    for line in (REPO / "requirements.txt").read_text().splitlines()
+    if line.startswith("torch==")
+)
+RUNNING_TORCH = Version(metadata.version("torch")).public
+
+
+def needs_torch(version: str, why: str) -> pytest.MarkDecorator:
+    """Skip on a torch older than `version`, saying why and naming both versions."""
+    return pytest.mark.skipif(
+        Version(RUNNING_TORCH) < Version(version),
+        reason=f"needs torch {version}: {why}; this is torch {RUNNING_TORCH}",
+    )
+
+
+def skip_below_torch(version: str, why: str) -> None:
+    """needs_torch inside a test (for one parameter of several)."""
+    if Version(RUNNING_TORCH) < Version(version):
+        pytest.skip(f"needs torch {version}: {why}; this is torch {RUNNING_TORCH}")
+
+
+def pinned_torch_only(why: str) -> pytest.MarkDecorator:
+    """Skip on any torch but the pinned one: a check of that release's own behaviour or output."""
+    return pytest.mark.skipif(
+        RUNNING_TORCH != PINNED_TORCH,
+        reason=f"{why}, as torch {PINNED_TORCH} (requirements.txt) does; this is torch "
+        f"{RUNNING_TORCH}",
+    )
 
 
 def clean_env(**extra: str) -> dict[str, str]:

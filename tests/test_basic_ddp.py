@@ -23,6 +23,7 @@ from tests.helpers import (
     free_port,
     kill_group,
     load_script,
+    pinned_torch_only,
     read_summary,
     readme_command,
     readme_sample,
@@ -365,6 +366,7 @@ def test_runs_unchanged_under_mpiexec(tmp_path, flavour):
 README = REPO / "01_basic_ddp" / "README.md"
 
 
+@pinned_torch_only("compares the figures the README's run printed")
 def test_readme_sample_output_is_what_the_quick_start_prints(quick_start):
     """The README's sample is what the quick start prints, abridged as tests/readme_samples.py
     abridges it (numbers masked, the accuracy within 0.02 of this run's): the one test that a

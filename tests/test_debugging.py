@@ -27,6 +27,7 @@ from tests.helpers import (
     kill_group,
     load_script,
     markdown_section,
+    pinned_torch_only,
     read_summary,
     readme_command,
     readme_sample,
@@ -430,6 +431,7 @@ def gloo_threads_left(first_import: str, wrap: str, release: str) -> tuple[int, 
 @pytest.mark.skipif(
     not Path("/proc/self/task").is_dir(), reason="reads thread names in /proc/self/task"
 )
+@pinned_torch_only("shows what keeps gloo's threads alive")
 def test_what_keeps_gloos_threads_past_destroy_process_group():
     """debugging/README.md, "terminate called without an active exception": in torch 2.14.1 two
     things keep the process group, and gloo's threads, alive past destroy_process_group(): the

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers import REPO, markdown_blocks
+from tests.helpers import REPO, markdown_blocks, pinned_torch_only
 from tests.test_basic_ddp import assert_same_params
 
 DOCS = sorted(p for p in REPO.rglob("*.md") if ".git" not in p.parts)
@@ -128,6 +128,7 @@ def py_spy_problems(block: str) -> list[str]:
     return problems
 
 
+@pinned_torch_only("points at lines of torch's source")
 def test_quoted_py_spy_dump_points_at_the_waiting_lines():
     guide = (REPO / "debugging" / "README.md").read_text()
     block = next(

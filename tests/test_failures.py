@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, clean_env, free_port, root_cause, run, torchrun
+from tests.helpers import PYTHON, REPO, clean_env, free_port, needs_torch, root_cause, run, torchrun
 
 SCRIPTS = sorted(p.relative_to(REPO).as_posix() for p in REPO.glob("0*/train.py"))
 # The failure path is torch's and the launcher's, the same in every lesson (each has @record on
@@ -112,6 +112,7 @@ def test_without_record_the_summary_has_no_traceback(tmp_path):
     ), root
 
 
+@needs_torch("2.12", "torchrun names the signal on its exitcode line from torch 2.12")
 @pytest.mark.parametrize("script", FAILURE_SCRIPTS)
 def test_rank_killed_with_sigkill_ends_job_without_restarts(script, tmp_path):
     result = torchrun(

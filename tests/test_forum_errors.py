@@ -26,6 +26,7 @@ from tests.helpers import (
     clean_env,
     free_port,
     kill_group,
+    needs_torch,
     read_summary,
     readme_command,
     root_cause,
@@ -119,6 +120,7 @@ for (batch,) in DataLoader(data, batch_size=64, num_workers=1):
 """
 
 
+@needs_torch("2.12", "torchrun names the signal on its exitcode line from torch 2.12")
 def test_small_dev_shm_sigbus_is_exitcode_minus_7_and_dataloader_says_no_space(tmp_path):
     """A 1 MiB /dev/shm in a private mount namespace, as a container with a small --shm-size has:
     a rank writing 4 MiB of POSIX shared memory dies with SIGBUS; torch's DataLoader reports
@@ -507,6 +509,7 @@ def test_two_forwards_with_buffers_synced_in_place_fail(tmp_path):
     assert re.search(r"^\[rank\d\]:\s+loss\.backward\(\)", out, re.M)  # raised by the backward
 
 
+@needs_torch("2.13", "DDP's forward_sync_buffers, which replaced broadcast_buffers")
 @pytest.mark.parametrize("fix", ["concat", "local"])
 def test_two_forwards_fixes_run_with_identical_replicas(tmp_path, fix):
     command = {
@@ -523,6 +526,7 @@ def test_two_forwards_fixes_run_with_identical_replicas(tmp_path, fix):
         )
 
 
+@needs_torch("2.12", "DDP syncs buffers without bumping their version from torch 2.12")
 def test_two_forwards_through_ddp_work_since_torch_2_12(tmp_path):
     """DDP's own buffer sync no longer trips autograd (pytorch/pytorch#175851,
     torch 2.12). Launched with torch.distributed.launch, which also shows

@@ -21,7 +21,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from tests.helpers import REPO, markdown_section
+from tests.helpers import REPO, markdown_section, pinned_torch_only
 from tests.torch_api import (
     member_names,
     python_uses,
@@ -199,6 +199,7 @@ def test_the_torch_check_fails_on_a_named_torch_or_a_dependency_that_brings_it(t
     )
 
 
+@pinned_torch_only("the installed pair is the pinned one")
 def test_requirements_txt_is_the_installed_pair_plus_the_site_file():
     """The quick start installs the pair CI tests and then exactly the site file."""
     lines = requirement_lines(PINNED)
@@ -288,6 +289,7 @@ def test_every_torch_use_in_the_code_has_a_known_first_release():
     )
 
 
+@pinned_torch_only("reads the APIs of the installed torch")
 def test_the_api_date_is_the_newest_api_the_code_uses_and_not_above_the_minimum():
     minimum, api_date, exceptions = stated_minimum()
     by_file = {path: newest(uses) for path, uses in uses_by_file().items()}
@@ -375,6 +377,7 @@ def test_the_version_check_sees_new_apis_in_code(tmp_path):
     )
 
 
+@pinned_torch_only("reads the flags of the installed torchrun")
 def test_torchrun_flags_count_in_commands_only():
     """A flag in a torchrun command (or an array it expands)
     counts; one in a comment or after the script not."""

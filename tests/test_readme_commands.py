@@ -29,6 +29,7 @@ from tests.helpers import (
     read_summary,
     readme_commands,
     run,
+    skip_below_torch,
 )
 from tests.launcher_tools import need_root, need_tools, unavailable
 
@@ -67,6 +68,8 @@ class Run:
     insert_before: str = ""
     # fields runs/latest/summary.json must hold after the command (a str value is a regex)
     summary: dict = field(default_factory=dict)
+    # (the oldest torch that gives what `expect` asks for, why): skipped on an older one
+    needs_torch: tuple[str, str] = ()
 
 
 @dataclass(frozen=True)
@@ -255,7 +258,11 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     "unshare -m sh -c 'mount -t tmpfs -o size=1m tmpfs /dev/shm && torchrun --standalone "
     "--nproc_per_node=2 "
     "debugging/rank_signal.py --how shm --shm-mb 4'": Run(
-        exit_code=1, root=True, tools=("unshare", "mount"), expect=(r"exitcode  : -7 .*\(SIGBUS\)",)
+        exit_code=1,
+        root=True,
+        tools=("unshare", "mount"),
+        expect=(r"exitcode  : -7 .*\(SIGBUS\)",),
+        needs_torch=("2.12", "torchrun names the signal on its exitcode line"),
     ),
     # (all three on a free port from PET_MASTER_PORT, which both launchers read)
     "python -m torch.distributed.launch --nproc-per-node=2 debugging/local_rank_args.py "
@@ -272,7 +279,9 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     # run here too: its test in test_forum_errors.py starts
     # it with torch.distributed.launch (the examples
     # take its --local-rank)
-    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py": Run(),
+    "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py": Run(
+        needs_torch=("2.12", "DDP syncs buffers without bumping their version")
+    ),
     "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers "
     "inplace": RunElsewhere(
         f"{FORUM_TESTS}::test_two_forwards_with_buffers_synced_in_place_fail", OUTPUT_DIR
@@ -489,6 +498,8 @@ def test_readme_command_runs_as_written(group, tracked_tree, tmp_path):
             need_tools(*how.tools)
         if how.root:
             need_root(text)
+        if how.needs_torch:
+            skip_below_torch(*how.needs_torch)
     tree = tmp_path / "repo"
     shutil.copytree(tracked_tree, tree)
     for text in texts:

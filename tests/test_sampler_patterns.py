@@ -31,6 +31,7 @@ from tests.helpers import (
     clean_env,
     free_port,
     load_script,
+    pinned_torch_only,
     read_summary,
     readme_command,
     readme_sample,
@@ -360,6 +361,7 @@ def test_distributed_eval_equals_one_process(tmp_path, world_size):
     assert accuracies[2] != accuracies[8] and correct / n not in accuracies.values()
 
 
+@pinned_torch_only("reads torch facts the README names")
 def test_max_steps_0_evaluates_the_initial_model_and_torch_facts_of_section_3():
     script = load_script(f"{DIR}/distributed_eval.py", "distributed_eval")
     cfg = script.EvalConfig(max_steps=0)
@@ -602,6 +604,7 @@ def test_macro_f1_needs_only_the_summed_confusion_matrix():
     )
 
 
+@pinned_torch_only("expects nothing on stderr but the error (older gloo logs each connection)")
 def test_gather_predictions_refuses_missing_or_unfitting_weights(tmp_path):
     missing = run(
         [
