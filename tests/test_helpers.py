@@ -57,3 +57,30 @@ def test_kill_group_reaches_workers_in_their_own_sessions(tmp_path):
         time.sleep(0.5)
     assert _marked_pids(proc.tree_marker) == set()
     proc.communicate(timeout=30)
+
+
+def test_torch_text_tests_skip_on_another_torch_only(monkeypatch):
+    """conftest's rule: on a torch other than the pinned one, every `torch_text` test gets a skip
+    naming both versions; on the pinned torch, none does (the control); other tests never."""
+    import pytest
+
+    from tests import conftest
+
+    class Item:
+        def __init__(self, marked):
+            self.marked, self.added = marked, []
+
+        def get_closest_marker(self, name):
+            return self.marked if name == "torch_text" else None
+
+        def add_marker(self, marker):
+            self.added.append(marker)
+
+    for running, skipped in ((conftest.PINNED_TORCH, False), ("2.8.0", True)):
+        monkeypatch.setattr(conftest, "RUNNING_TORCH", running)
+        text, other = Item(pytest.mark.torch_text), Item(None)
+        conftest.pytest_collection_modifyitems(None, [text, other])
+        assert other.added == [] and bool(text.added) == skipped
+        if skipped:
+            reason = text.added[0].kwargs["reason"]
+            assert conftest.PINNED_TORCH in reason and "2.8.0" in reason
