@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from common.config import TrainConfig, field, load_config
 from common.errors import ConfigError, DataError, exit_on_bad_input
-from common.launcher import detect_launcher
+from common.launcher import choose_backend, detect_launcher
 from common.models import build_model
 from common.report import parameter_checksum, write_summary
 
@@ -96,7 +96,8 @@ def shards_for(rank, world_size, files, seed, epoch):
 def train(cfg, launch, manifest):
     # as in 01
     device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # nccl where this torch has it (Linux GPUs); gloo on CPUs and on Windows and macOS
+    backend = choose_backend(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(

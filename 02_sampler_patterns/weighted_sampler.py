@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Sampler, Subset
 from common.config import TrainConfig, field, load_config
 from common.data import check_data, download_datasets, load_datasets
 from common.errors import ConfigError
-from common.launcher import detect_launcher
+from common.launcher import choose_backend, detect_launcher
 from common.models import build_model
 from common.report import parameter_checksum, write_summary
 
@@ -105,7 +105,8 @@ def imbalanced(dataset, labels, num_classes, imbalance):
 def train(cfg, launch):
     # as in 01
     device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # nccl where this torch has it (Linux GPUs); gloo on CPUs and on Windows and macOS
+    backend = choose_backend(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(

@@ -39,7 +39,7 @@ import checkpoint as ckpt
 from common.config import TrainConfig, field, load_config
 from common.data import check_data, download_datasets, load_datasets
 from common.errors import ConfigError, exit_on_bad_input
-from common.launcher import detect_launcher
+from common.launcher import choose_backend, detect_launcher
 from common.models import build_model
 from common.report import parameter_checksum, write_summary
 
@@ -257,7 +257,8 @@ def train(cfg, launch):
     # One GPU per process: the local rank's, or 0 where the site shows each rank only its own;
     # else CPU (gloo).
     device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # nccl where this torch has it (Linux GPUs); gloo on CPUs and on Windows and macOS
+    backend = choose_backend(device)
     if device.type == "cuda":
         # before the process group, so its collectives use this device
         torch.cuda.set_device(device)

@@ -51,7 +51,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from common.config import field, load_config
 from common.errors import ConfigError, LauncherError, exit_on_bad_input
-from common.launcher import detect_launcher
+from common.launcher import choose_backend, detect_launcher
 from common.report import write_json_atomic
 
 MIB = 1 << 20
@@ -745,7 +745,7 @@ def main():
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     info = detect_launcher(uses_gpu=use_cuda)
     device = torch.device("cuda", info.gpu) if use_cuda else torch.device("cpu")
-    backend = cfg.backend if cfg.backend != "auto" else "nccl" if use_cuda else "gloo"
+    backend = cfg.backend if cfg.backend != "auto" else choose_backend(device)
     # whatever fails to connect: one "error:" line naming rank, host, address; exit code 2
     with exit_on_bad_input():
         if use_cuda and not torch.cuda.is_available():

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from common.config import TrainConfig, field, load_config
 from common.data import check_data, download_datasets, load_datasets
-from common.launcher import detect_launcher
+from common.launcher import choose_backend, detect_launcher
 from common.models import build_model
 from common.report import parameter_checksum, write_summary
 
@@ -61,7 +61,7 @@ class PerfConfig(TrainConfig):
     )
     backend: str = field(
         "auto",
-        "process-group backend (auto: nccl on cuda, gloo on cpu)",
+        "process-group backend (auto: nccl on cuda where torch has it, else gloo)",
         choices=("auto", "gloo", "nccl"),
     )
     precision: str = field(
@@ -146,7 +146,7 @@ def train(cfg, launch):
     # One GPU per process (--device auto: where there is one):
     # the local rank's, or 0 where each rank sees only its own.
     device = torch.device("cuda", launch.gpu) if device_type(cfg) == "cuda" else torch.device("cpu")
-    backend = cfg.backend if cfg.backend != "auto" else "nccl" if device.type == "cuda" else "gloo"
+    backend = cfg.backend if cfg.backend != "auto" else choose_backend(device)
     if device.type == "cuda":
         # before the process group, so its collectives use this device
         torch.cuda.set_device(device)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Mapping
 
 import torch
+import torch.distributed as dist
 
 # A workaround for torch's own bug, in this one place because every script imports this module
 # before its process group exists. torch.distributed.nn.functional binds the default process group
@@ -181,6 +182,13 @@ def detect_launcher(
         # started alone asks the OS for a free port here instead of leaving it to its store
         info = replace(info, master_port=free_port())
     return info
+
+
+def choose_backend(device: torch.device) -> str:
+    """nccl for a GPU where this torch build has it (Linux); gloo otherwise: on CPUs, and on
+    Windows and macOS, whose builds have no NCCL ("Distributed package doesn't have NCCL built
+    in"). A Mac's MPS device has no backend at all: the scripts train on its CPU."""
+    return "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
 
 
 def free_port() -> int:

@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.config import field, load_config
-from common.launcher import detect_launcher
+from common.launcher import choose_backend, detect_launcher
 from common.report import parameter_checksum, write_summary
 
 
@@ -72,7 +72,8 @@ def sync_buffers_in_place(module, inputs):
 
 def train(cfg, launch):
     device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # nccl where this torch has it (Linux GPUs); gloo on CPUs and on Windows and macOS
+    backend = choose_backend(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(

@@ -14,11 +14,13 @@ from common.launcher import (
     DEFAULT_PORT,
     PORT_BASE,
     PORT_SPAN,
+    choose_backend,
+    free_port,
     launch_info,
     expand_hostlist,
     master_port,
 )
-from tests.helpers import REPO, clean_env
+from tests.helpers import PYTHON, REPO, clean_env, run
 
 # (id, environment, expected (launcher, rank, local_rank,
 # world_size, local_world_size, master_addr))
@@ -711,3 +713,92 @@ def test_cpu_scripts_on_a_gpu_node_run_more_ranks_than_gpus(monkeypatch, script,
         with pytest.raises(SystemExit) as exc:
             module.main()
         assert exc.value.code == 2
+
+
+# --- the backend: what the platform's torch build has (README "On a laptop") ---
+
+
+@pytest.mark.parametrize(
+    "nccl_built, device, expected",
+    [
+        (True, "cuda", "nccl"),  # a Linux GPU build
+        (False, "cuda", "gloo"),  # Windows: GPUs, but no NCCL in the build
+        (True, "cpu", "gloo"),  # a Linux machine without GPU
+        (False, "cpu", "gloo"),  # macOS (the scripts never pick MPS) or Windows without GPU
+    ],
+)
+def test_the_backend_is_nccl_only_for_a_gpu_of_a_build_with_nccl(
+    monkeypatch, nccl_built, device, expected
+):
+    import torch.distributed
+
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: nccl_built)
+    assert choose_backend(torch.device(device)) == expected
+
+
+NO_NCCL_BUILD = """
+import sys, torch, torch.distributed as dist
+from torch.distributed import distributed_c10d
+sys.path.insert(0, sys.argv[1])
+from common.launcher import choose_backend
+# a build without NCCL (Windows, macOS), faked: torch's own check of its build answers False
+dist.is_nccl_available = distributed_c10d.is_nccl_available = lambda: False
+url = f"tcp://127.0.0.1:{sys.argv[2]}"
+try:
+    dist.init_process_group("nccl", init_method=url, rank=0, world_size=1)
+except RuntimeError as error:
+    print(f"nccl: {error}")
+backend = choose_backend(torch.device("cuda", 0))
+dist.init_process_group(backend, init_method=url, rank=0, world_size=1)
+print(f"chosen: {dist.get_backend()}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.torch_text
+def test_a_build_without_nccl_refuses_it_and_the_chosen_backend_starts():
+    """01 used to pick nccl whenever CUDA was there: on a Windows GPU machine the README's first
+    error. The chosen backend starts a process group where nccl cannot."""
+    result = run([PYTHON, "-c", NO_NCCL_BUILD, REPO, str(free_port())], timeout=60)
+    assert result.returncode == 0, result.output[-3000:]
+    assert result.stdout.splitlines() == [
+        "nccl: Distributed package doesn't have NCCL built in",
+        "chosen: gloo",
+    ]
+    assert "`RuntimeError: Distributed package doesn't have NCCL built in`" in (
+        (REPO / "README.md").read_text()
+    )
+
+
+def test_the_scripts_tcp_rendezvous_uses_no_libuv_on_windows(monkeypatch):
+    """torch >= 2.7 (torch/distributed/rendezvous.py): a tcp:// init on win32 defaults to the
+    store without libuv, which the Windows builds lack; so the scripts' init_process_group needs
+    no setting there. Control: the same URL on Linux uses libuv."""
+    import torch.distributed as dist
+
+    for platform, libuv in (("win32", False), ("linux", True)):
+        monkeypatch.setattr(sys, "platform", platform)
+        store, _, _ = next(dist.rendezvous(f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1))
+        assert store.libuvBackend is libuv, platform
+        del store
+
+
+@pytest.mark.torch_text
+def test_torchruns_store_asks_for_libuv_whatever_use_libuv_says():
+    """The README's second Windows error: torchrun's default (static) rendezvous creates its
+    TCPStore without a use_libuv argument, so TCPStore's default (True) applies and USE_LIBUV is
+    never read (torch 2.8 to 2.14.1; pytorch/pytorch#148283). Hence mp.spawn on Windows."""
+    import inspect
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
+
+    source = inspect.getsource(static_tcp_rendezvous)
+    call = source[source.index("TCPStore(") :].split(")", 1)[0]
+    assert "use_libuv" not in call and "USE_LIBUV" not in source
+    assert "use_libuv: bool = True" in TCPStore.__init__.__doc__
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert (
+        "`use_libuv was requested but PyTorch was built without libuv support, run with "
+        "USE_LIBUV=0 to disable it.`"
+    ) in readme

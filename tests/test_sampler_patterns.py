@@ -123,8 +123,8 @@ def test_scripts_are_laid_out_like_01(script):
     if script == "partition_viewer.py":
         assert re.search(r'dist\.init_process_group\(\s*"gloo"', source)
         assert "write_json_atomic(path" in source
-    else:  # the training scripts: NCCL on GPUs, gloo on CPU, as 01; summary.json
-        assert 'backend = "nccl" if device.type == "cuda" else "gloo"' in source
+    else:  # the training scripts: the backend chosen as 01 does; summary.json
+        assert "backend = choose_backend(device)" in source
         assert re.search(r"dist\.init_process_group\(\s*backend,", source)
         assert re.search(r"write_summary\(\s*cfg\.output_dir", source)
         # the data, checked
