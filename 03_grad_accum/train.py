@@ -3,10 +3,14 @@
 One optimizer step sees `accum_steps` micro-batches per rank: effective batch = local batch x
 world size x accum_steps. The micro-batches' gradients add up in .grad; inside model.no_sync()
 DDP skips the all-reduce, so only a window's last micro-batch communicates: once per optimizer
-step instead of once per micro-batch. `diff 01_basic_ddp/train.py 03_grad_accum/train.py`
-shows exactly what accumulation adds.
+step instead of once per micro-batch. The window's step is where mixed precision and gradient
+clipping meet accumulation: clip only there, on the all-reduced gradient, after the GradScaler
+has unscaled it. `diff 01_basic_ddp/train.py 03_grad_accum/train.py` shows exactly what
+accumulation adds.
 
     torchrun --standalone --nproc_per_node=2 03_grad_accum/train.py --batch-size 8 --accum-steps 4
+    torchrun --standalone --nproc_per_node=2 03_grad_accum/train.py --batch-size 8 --accum-steps 4 \
+        --precision fp16 --max-grad-norm 1.0
 """
 
 import dataclasses
@@ -29,7 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from common.config import TrainConfig, field, load_config
 from common.data import check_data, download_datasets, load_datasets
-from common.launcher import detect_launcher
+from common.launcher import choose_backend, detect_launcher
 from common.models import build_model
 from common.report import parameter_checksum, write_summary
 
@@ -41,6 +45,14 @@ class AccumConfig(TrainConfig):
     )
     use_no_sync: bool = field(
         True, "skip the gradient all-reduce on all but the last micro-batch (DDP no_sync)"
+    )
+    precision: str = field(
+        "fp32",
+        "autocast: fp32 (off), bf16, or fp16 (with a GradScaler)",
+        choices=("fp32", "bf16", "fp16"),
+    )
+    max_grad_norm: float = field(
+        0.0, "clip the gradient's total norm at each optimizer step (0: no clipping)", min=0.0
     )
 
 
@@ -72,7 +84,8 @@ def train(cfg, launch):
     # One GPU per process: the local rank's, or 0 where the site shows each rank only its own;
     # else CPU (gloo).
     device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # nccl where this torch has it (Linux GPUs); gloo on CPUs and on Windows and macOS
+    backend = choose_backend(device)
     if device.type == "cuda":
         # before the process group, so its collectives use this device
         torch.cuda.set_device(device)
@@ -123,6 +136,9 @@ def train(cfg, launch):
     )
     # From here on each rank its own augmentation and loader worker seeds.
     torch.manual_seed(cfg.seed + launch.rank)
+    # fp16 only: scales the loss so small gradients do not underflow (a no-op otherwise)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     # samples per optimizer step
     effective_batch = cfg.batch_size * launch.world_size * cfg.accum_steps
 
@@ -133,7 +149,8 @@ def train(cfg, launch):
             f"(CUDA_VISIBLE_DEVICES={visible}), world size {launch.world_size}, "
             f"batch {cfg.batch_size} x {launch.world_size} x accum {cfg.accum_steps} = "
             f"{effective_batch}, "
-            f"{len(train_loader)} micro-batches per rank per epoch, no_sync {cfg.use_no_sync}",
+            f"{len(train_loader)} micro-batches per rank per epoch, no_sync {cfg.use_no_sync}, "
+            f"precision {cfg.precision}, max grad norm {cfg.max_grad_norm}",
             flush=True,
         )
     step, images_seen = 0, 0
@@ -155,19 +172,29 @@ def train(cfg, launch):
             # Forward AND backward inside no_sync: DDP reads the flag in forward() to prepare the
             # backward's all-reduce, so a forward outside no_sync still communicates.
             with model.no_sync() if cfg.use_no_sync and not sync else nullcontext():
-                loss = F.cross_entropy(model(images), labels)
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    loss = F.cross_entropy(model(images), labels)
                 # .grad sums over the window. Weighting each micro-batch's mean loss by its
                 # share of the window's samples makes the sum the window's mean gradient:
                 # loss / accum_steps for a full window, and still exact in an epoch's shorter
                 # last window. (Not / world size: DDP already averages.)
-                (loss * len(labels) / window_samples).backward()
+                scaler.scale(loss * len(labels) / window_samples).backward()
             images_seen += len(labels)
             loss_and_count[0] += loss.detach() * len(labels)
             loss_and_count[1] += len(labels)
             if not sync:
                 continue  # no step yet: keep accumulating
             # the sync backward above averaged the window's gradient over the ranks
-            optimizer.step()
+            if cfg.max_grad_norm:
+                # Clip here, after the all-reduce, never inside no_sync: each rank would clip its
+                # own partial sum. The norm is the same on every rank, so all clip alike. Unscale
+                # first, or the norm is the scaled gradient's.
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            # fp16: skips the step if a gradient is inf or nan; after the all-reduce that is
+            # every rank's gradient, so every rank skips alike.
+            scaler.step(optimizer)
+            scaler.update()
             optimizer.zero_grad(set_to_none=True)  # only after a step: until then .grad accumulates
             step += 1
             if launch.rank == 0 and step % cfg.log_every == 0:
@@ -203,6 +230,10 @@ def train(cfg, launch):
         global_batch_size=effective_batch,
         accum_steps=cfg.accum_steps,
         use_no_sync=cfg.use_no_sync,
+        precision=cfg.precision,
+        max_grad_norm=cfg.max_grad_norm,
+        # fp16: 65536 halved at each skipped step (1.0 without a scaler)
+        grad_scale=scaler.get_scale(),
         # every rank saw as many
         images_per_second=images_seen * launch.world_size / elapsed,
         device=str(device),

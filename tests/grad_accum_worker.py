@@ -98,6 +98,34 @@ def main():
         f"equals the accumulated window: {torch.allclose(zeroed, accumulated)}"
     )
 
+    # Gradient clipping under accumulation: on the window's all-reduced gradient only. The
+    # reference: one process's clipped gradient of the mean over all ranks' micro-batches.
+    max_norm = 0.1  # well below these gradients' norm
+    reference = torch.nn.Linear(4, 2)
+    reference.load_state_dict(model.module.state_dict())
+    for rank in range(dist.get_world_size()):
+        for i in range(len(rank_data)):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * rank + i))
+            (reference(x).sum() / (len(rank_data) * dist.get_world_size())).backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+    large_batch = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    for label, every_micro_batch in (
+        ("on the sync step only", False),
+        ("after every micro-batch", True),
+    ):
+        model.zero_grad()
+        for i, x in enumerate(rank_data):
+            sync = i == len(rank_data) - 1
+            with model.no_sync() if not sync else nullcontext():
+                (model(x).sum() / len(rank_data)).backward()
+            if sync or every_micro_batch:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        clipped = torch.cat([p.grad.flatten() for p in model.parameters()])
+        print0(
+            f"clip {label}: equals the large batch's clipped gradient: "
+            f"{torch.allclose(clipped, large_batch, rtol=1e-5, atol=1e-7)}"
+        )
+
     # Accumulation equals the large batch only without
     # BatchNorm (which normalizes each micro-batch on its own).
     # One process's view, no DDP needed: 2 micro-batches of 4 accumulated vs one batch of 8.

@@ -123,8 +123,73 @@ def test_no_sync_all_reduces_once_per_optimizer_step(runs):
     assert with_no_sync["wrapped"] == without["wrapped"] == [[]]  # one DDP model (no BatchNorm)
 
 
+MAX_NORM = "0.1"  # well below the gradient's norm at every one of the 3 steps: clipping is active
+INJECT = REPO / "tests" / "inject"
+
+
+@pytest.fixture(scope="module")
+def clip_runs(tmp_path_factory):
+    """3 optimizer steps of clipped training: fp32 on 2 ranks x batch 4 x 3 micro-batches and in
+    1 process x batch 24; fp16 (GradScaler) on 2 ranks, and the same with an inf injected into
+    rank 1's 4th forward (window 2's first micro-batch, inside no_sync) from outside the lesson
+    (tests/inject/sitecustomize.py)."""
+    root = tmp_path_factory.mktemp("clip")
+    steps = ("--max-steps", "3", "--epochs", "1", "--max-grad-norm", MAX_NORM)
+    accum = ("--batch-size", "4", "--accum-steps", str(K))
+    out = {name: root / name for name in ("fp32", "one_process", "fp16", "fp16_overflow")}
+    torchrun(SCRIPT, *steps, *accum, "--output-dir", str(out["fp32"]))
+    torchrun(
+        SCRIPT,
+        *steps,
+        "--batch-size",
+        str(2 * 4 * K),
+        "--output-dir",
+        str(out["one_process"]),
+        nproc=1,
+    )
+    fp16 = (*steps, *accum, "--precision", "fp16")
+    torchrun(SCRIPT, *fp16, "--output-dir", str(out["fp16"]))
+    env = dict(
+        PYTHONPATH=f"{REPO}:{INJECT}",
+        DDP_TEST_NONFINITE_AT_FORWARD="4",
+        DDP_TEST_NONFINITE_RANK="1",
+    )
+    overflow = torchrun(SCRIPT, *fp16, "--output-dir", str(out["fp16_overflow"]), env=env)
+    assert "injecting inf into forward 4 on rank 1" in overflow.stderr, overflow.output[-3000:]
+    return out
+
+
+@pytest.mark.min_torch
+def test_clipping_after_the_all_reduce_equals_one_process_with_the_large_batch(runs, clip_runs):
+    """Clipped on the window's all-reduced gradient (after the scaler's unscale_), 2 ranks x 4 x
+    3 micro-batches equal 1 process x 24; fp16 with its GradScaler lands within fp16's tolerance."""
+    accumulated, one_process = load_model(clip_runs["fp32"]), load_model(clip_runs["one_process"])
+    assert read_summary(clip_runs["fp32"])["replicas_identical"]
+    assert relative_difference(accumulated, one_process) < 1e-5
+    # Control: clipping is active, the unclipped run (same micro-batches) ends elsewhere.
+    assert relative_difference(load_model(runs[0]["no_sync"]), one_process) > 1e-3
+    fp16 = read_summary(clip_runs["fp16"])
+    assert (fp16["precision"], fp16["max_grad_norm"], fp16["grad_scale"]) == ("fp16", 0.1, 2.0**16)
+    assert fp16["replicas_identical"]
+    assert relative_difference(load_model(clip_runs["fp16"]), one_process) < 1e-2
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(clip_runs):
+    """inf in rank 1's gradient alone: the all-reduce hands it to every rank, every rank's scaler
+    skips that step and halves its scale, and the replicas stay identical and finite."""
+    summary = read_summary(clip_runs["fp16_overflow"])
+    assert summary["steps"] == 3  # a skipped step still counts as a step of the loop
+    assert summary["grad_scale"] == 2.0**15  # halved once, from 2**16
+    assert summary["replicas_identical"]
+    weights = load_model(clip_runs["fp16_overflow"])
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    # Control: without the overflow the scale stays and all three steps update the weights.
+    assert read_summary(clip_runs["fp16"])["grad_scale"] == 2.0**16
+    assert relative_difference(weights, load_model(clip_runs["fp16"])) > 1e-3
+
+
 SHORT_WINDOW = ("--batch-size", "400", "--accum-steps", "3", "--epochs", "1")
-LOSS_WEIGHT = "(loss * len(labels) / window_samples).backward()"  # the script's line
+LOSS_WEIGHT = "scaler.scale(loss * len(labels) / window_samples).backward()"  # the script's line
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +217,9 @@ def test_short_last_window_of_an_epoch_is_the_exact_mean(tmp_path, one_step_on_e
 @pytest.mark.parametrize(
     "division",
     [
-        "(loss / cfg.accum_steps).backward()",
+        "scaler.scale(loss / cfg.accum_steps).backward()",
         # 2: 319 counts as 400
-        "(loss / (window_end - window_start)).backward()",
+        "scaler.scale(loss / (window_end - window_start)).backward()",
     ],
 )
 def test_dividing_by_accum_steps_or_by_the_micro_batch_count_misses_the_exact_mean(
@@ -212,6 +277,14 @@ def test_the_common_mistakes():
     assert float(differences["no BatchNorm"]) < 1e-5 and float(differences["BatchNorm"]) > 1e-2, (
         differences
     )
+    # Clip on the sync step only: clipping each micro-batch (before the all-reduce) clips every
+    # rank's partial sum, and the step is not the large batch's clipped one.
+    assert "clip on the sync step only: equals the large batch's clipped gradient: True" in (
+        result.stdout
+    )
+    assert "clip after every micro-batch: equals the large batch's clipped gradient: False" in (
+        result.stdout
+    )
 
 
 def test_accum_steps_1_is_01s_loop(runs, tmp_path):
@@ -243,13 +316,19 @@ README = REPO / "03_grad_accum" / "README.md"
 def test_the_readmes_code_is_the_scripts():
     """Each line of the README's loop excerpt (without its comment) is a line of the script."""
     script = {line.split("  #")[0].strip() for line in (REPO / SCRIPT).read_text().splitlines()}
-    (block,) = [b.lines for b in markdown_blocks(README.read_text()) if b.info == "python"]
-    code = [line.split("  #")[0].strip() for line in block if line.strip()]
-    assert len(code) == 7 and [line for line in code if line not in script] == []
-    # "a config subclass with two keys"
+    blocks = [b.lines for b in markdown_blocks(README.read_text()) if b.info == "python"]
+    code = [[line.split("  #")[0].strip() for line in block if line.strip()] for block in blocks]
+    assert [len(lines) for lines in code] == [7, 5]  # the accumulation loop; clipping
+    assert [line for lines in code for line in lines if line not in script] == []
+    # "a config subclass with four keys"
     source = (REPO / SCRIPT).read_text()
     accum_config = source.split("class AccumConfig(TrainConfig):", 1)[1].split("\n\n", 1)[0]
-    assert re.findall(r"^    (\w+): ", accum_config, re.M) == ["accum_steps", "use_no_sync"]
+    assert re.findall(r"^    (\w+): ", accum_config, re.M) == [
+        "accum_steps",
+        "use_no_sync",
+        "precision",
+        "max_grad_norm",
+    ]
 
 
 def test_the_sample_outputs_counts():

@@ -10,6 +10,12 @@ processes they start, and Python imports `sitecustomize` from it. Real runs neve
 It registers a global optimizer step hook (torch.optim.optimizer.register_optimizer_step_post_hook)
 when torch.optim is first imported, so it works in every example without touching its loop.
 
+    DDP_TEST_NONFINITE_AT_FORWARD=N  make this rank's N-th forward through a DDP model return
+                                     inf (its loss and gradients turn non-finite: an fp16
+                                     overflow, a diverging batch), via a global module forward
+                                     hook (torch.nn.modules.module.register_module_forward_hook)
+    DDP_TEST_NONFINITE_RANK=R        the rank that overflows (default 0)
+
     DDP_TEST_SLOW_ALL_REDUCE_S=S  sleep S seconds before every torch.distributed.all_reduce in this
                                   process: a slow node, for comm_check, when set for one node's
                                   ranks only
@@ -21,18 +27,7 @@ import sys
 
 AT_STEP = os.environ.get("DDP_TEST_FAIL_AT_STEP", "")
 SLOW_ALL_REDUCE_S = os.environ.get("DDP_TEST_SLOW_ALL_REDUCE_S", "")
-
-
-def _slow_all_reduce(distributed) -> None:
-    import time
-
-    original, delay = distributed.all_reduce, float(SLOW_ALL_REDUCE_S)
-
-    def all_reduce(*args, **kwargs):
-        time.sleep(delay)
-        return original(*args, **kwargs)
-
-    distributed.all_reduce = all_reduce
+NONFINITE_AT_FORWARD = os.environ.get("DDP_TEST_NONFINITE_AT_FORWARD", "")
 
 
 def _install(optim=None) -> None:
@@ -71,6 +66,41 @@ def _install(optim=None) -> None:
     register_optimizer_step_post_hook(hook)
 
 
+def _nonfinite_forward(optim=None) -> None:
+    from torch.nn.modules.module import register_module_forward_hook
+
+    rank, forwards = os.environ.get("DDP_TEST_NONFINITE_RANK", "0"), []
+
+    def hook(module, args, output):
+        import torch.distributed as dist
+
+        if type(module).__name__ != "DistributedDataParallel" or str(dist.get_rank()) != rank:
+            return None
+        forwards.append(1)
+        if len(forwards) != int(NONFINITE_AT_FORWARD):
+            return None
+        print(
+            f"injecting inf into forward {len(forwards)} on rank {rank} (test injection)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return output * float("inf")
+
+    register_module_forward_hook(hook)
+
+
+def _slow_all_reduce(distributed) -> None:
+    import time
+
+    original, delay = distributed.all_reduce, float(SLOW_ALL_REDUCE_S)
+
+    def all_reduce(*args, **kwargs):
+        time.sleep(delay)
+        return original(*args, **kwargs)
+
+    distributed.all_reduce = all_reduce
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Calls install(module) right after `module_name` is imported (importing torch here
     would slow every process the tests start, torchrun's own agent included)."""
@@ -94,8 +124,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if AT_STEP or SLOW_ALL_REDUCE_S:
+if AT_STEP or SLOW_ALL_REDUCE_S or NONFINITE_AT_FORWARD:
     import importlib.util
+if NONFINITE_AT_FORWARD:
+    sys.meta_path.insert(0, _AfterImport("torch.optim", _nonfinite_forward))
 if AT_STEP:
     sys.meta_path.insert(0, _AfterImport("torch.optim", _install))
 if SLOW_ALL_REDUCE_S:
