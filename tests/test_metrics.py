@@ -1,0 +1,132 @@
+"""07_metrics: metrics across ranks, logged once by rank 0, and decisions every rank takes alike.
+
+Every run is a real torchrun (gloo, CPU). The logged loss is read back from the TensorBoard event
+file and compared with the loss computed here, in one process, on both ranks' first batches. A
+non-finite loss is injected into one rank from outside the lesson (tests/inject/sitecustomize.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
+
+from common.config import TrainConfig
+from common.data import load_datasets
+from common.models import build_model
+
+from tests.helpers import REPO, read_summary, repeated_lines, torchrun
+
+SCRIPT = "07_metrics/train.py"
+INJECT = REPO / "tests" / "inject"
+WRITER_ON_RANK_0 = "    writer = None\n    if launch.rank == 0:\n"
+STOP_ON_ALL_REDUCED_FLAG = "                if nonfinite:\n"
+
+
+def event_files(output_dir):
+    return sorted((output_dir / "tensorboard").glob("*/events.out.tfevents.*"))
+
+
+def scalars(event_file, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(event_file))
+    events.Reload()
+    return {event.step: event.value for event in events.Scalars(tag)}
+
+
+def variant(tmp_path, old: str, new: str):
+    """The lesson with one passage replaced: a negative control, run from a copy."""
+    source = (REPO / SCRIPT).read_text()
+    assert source.count(old) == 1
+    path = tmp_path / "train.py"
+    path.write_text(source.replace(old, new))
+    return path
+
+
+@pytest.fixture(scope="module")
+def patience_run(tmp_path_factory):
+    """2 ranks, a log line every step, early stopping with patience 1 (12 epochs at most)."""
+    out = tmp_path_factory.mktemp("metrics") / "patience"
+    result = torchrun(SCRIPT, "--patience", "1", "--log-every", "1", "--output-dir", str(out))
+    return out, result
+
+
+def test_only_rank_0_writes_one_run_of_event_files(patience_run, tmp_path):
+    out, result = patience_run
+    assert len(event_files(out)) == 1
+    # rank 0 alone prints, too
+    assert repeated_lines(result.stdout) == []
+    # Control: a writer on every rank makes one event file per rank (TensorBoard: two runs).
+    copy = variant(tmp_path, WRITER_ON_RANK_0, "    if True:\n")
+    torchrun(copy, "--max-steps", "2", "--output-dir", str(tmp_path / "out"))
+    assert len(event_files(tmp_path / "out")) == 2
+
+
+def test_the_logged_loss_is_the_exact_mean_over_all_ranks_samples(patience_run):
+    """Step 1's logged loss is the initial model's mean loss on both ranks' first batches, computed
+    here in one process; rank 0's batch alone (what 01 prints) gives another number."""
+    out, _ = patience_run
+    cfg = TrainConfig()
+    torch.manual_seed(cfg.seed)  # as the script: the seed, the data, then the model
+    data = load_datasets(cfg, 2)
+    model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size)
+    first_batches = []
+    for rank in range(2):
+        sampler = DistributedSampler(data.train, 2, rank, shuffle=True, seed=cfg.seed)
+        first_batches.append(next(iter(DataLoader(data.train, cfg.batch_size, sampler=sampler))))
+    images = torch.cat([batch[0] for batch in first_batches])
+    labels = torch.cat([batch[1] for batch in first_batches])
+    with torch.no_grad():
+        mean_loss = F.cross_entropy(model(images), labels).item()
+        rank_0_loss = F.cross_entropy(model(first_batches[0][0]), first_batches[0][1]).item()
+    (event_file,) = event_files(out)
+    logged = scalars(event_file, "train/loss")
+    assert logged[1] == pytest.approx(mean_loss, rel=1e-6)
+    assert abs(rank_0_loss - mean_loss) > 1e-3  # the control: not rank 0's batch alone
+    # a value for every step, as logged; the eval loss once per epoch
+    assert sorted(logged) == list(range(1, read_summary(out)["steps"] + 1))
+    assert len(scalars(event_file, "eval/loss")) == read_summary(out)["epochs"]
+
+
+def test_early_stopping_ends_every_rank_after_the_same_epoch(patience_run):
+    """Patience 1: the run stops after the first epoch whose all-reduced eval loss is no better
+    than the best before it, and every rank ends there (exit 0: no rank waits for another)."""
+    out, result = patience_run
+    eval_losses = [float(x) for x in re.findall(r"done: .* eval loss (\S+),", result.stdout)]
+    worse = [i for i in range(1, len(eval_losses)) if eval_losses[i] >= min(eval_losses[:i])]
+    assert worse, eval_losses  # the data: an epoch without improvement within 12
+    summary = read_summary(out)
+    assert summary["epochs"] == worse[0] + 1 == len(eval_losses) < 12
+    assert summary["stopped_early"] == "no better eval loss for 1 epochs"
+    assert f"stopping early after epoch {worse[0] + 1}" in result.stdout
+    assert summary["best_eval_loss"] == pytest.approx(min(eval_losses), abs=1e-4)
+    assert summary["replicas_identical"]
+
+
+def test_a_non_finite_loss_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """inf in rank 1's 2nd forward only: the all-reduced count reaches rank 0 at step 2's log
+    step, and both ranks stop there and end normally. Control: the same decision taken from each
+    rank's own loss stops rank 1 alone, and the job fails instead of ending."""
+    env = dict(
+        PYTHONPATH=f"{REPO}:{INJECT}",
+        DDP_TEST_NONFINITE_AT_FORWARD="2",
+        DDP_TEST_NONFINITE_RANK="1",
+    )
+    args = ("--log-every", "1", "--epochs", "1", "--timeout-s", "10")
+    result = torchrun(SCRIPT, *args, "--output-dir", str(tmp_path / "out"), env=env)
+    assert "injecting inf into forward 2 on rank 1" in result.stderr
+    summary = read_summary(tmp_path / "out")
+    assert summary["steps"] == 2 and summary["replicas_identical"]
+    assert summary["stopped_early"] == "a non-finite training loss on 1 batch(es) by step 2"
+    local = variant(
+        tmp_path, STOP_ON_ALL_REDUCED_FLAG, "                if not torch.isfinite(loss):\n"
+    )
+    failed = torchrun(
+        local, *args, "--output-dir", str(tmp_path / "local"), env=env, check=False, timeout=90
+    )
+    assert failed.returncode != 0, failed.output[-3000:]
+    assert not (tmp_path / "local" / "summary.json").exists()
