@@ -14,6 +14,16 @@ Off by default: without --bug this is a short, correct DDP run. Every bug ends w
     torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug rank0_barrier
     torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug wrapper_attribute
     torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug module_prefix
+    torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug wrap_frozen
+    torchrun --standalone --nproc_per_node=2 \
+        debugging/demo_bugs.py --bug wrap_frozen --fix no_wrap
+    torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug freeze_after_wrap
+    torchrun --standalone --nproc_per_node=2 \
+        debugging/demo_bugs.py --bug freeze_after_wrap --fix freeze_first
+    torchrun --standalone --nproc_per_node=2 \
+        debugging/demo_bugs.py --bug freeze_after_wrap --fix rewrap
+    torchrun --standalone --nproc_per_node=2 \
+        debugging/demo_bugs.py --bug freeze_after_wrap --fix find_unused
 
 See debugging/README.md for what each prints and why.
 """
@@ -34,7 +44,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.config import field, load_config
-from common.launcher import detect_launcher
+from common.launcher import choose_backend, detect_launcher
 from common.report import parameter_checksum, write_summary
 
 BUGS = (
@@ -44,8 +54,19 @@ BUGS = (
     "rank0_barrier",
     "wrapper_attribute",
     "module_prefix",
+    "wrap_frozen",
+    "freeze_after_wrap",
 )
-FIXES = ("none", "find_unused", "use_all", "module", "strip_prefix")
+FIXES = (
+    "none",
+    "find_unused",
+    "use_all",
+    "module",
+    "strip_prefix",
+    "no_wrap",
+    "freeze_first",
+    "rewrap",
+)
 
 
 @dataclasses.dataclass
@@ -57,7 +78,9 @@ class DemoConfig:
         "none",
         "for --bug unused_parameter: find_unused (DDP flag) or use_all "
         "(every parameter takes part in the loss); for wrapper_attribute and module_prefix: "
-        "module (the wrapped model, model.module); for module_prefix: strip_prefix",
+        "module (the wrapped model, model.module); for module_prefix: strip_prefix; for "
+        "wrap_frozen: no_wrap (the frozen model unwrapped); for freeze_after_wrap: freeze_first "
+        "(before the wrap), rewrap (wrap again after freezing) or find_unused",
         choices=FIXES,
     )
     steps: int = field(4, "training steps", min=1)
@@ -87,7 +110,8 @@ class TwoHeads(nn.Module):
 def train(cfg, launch):
     # as in 01
     device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # nccl where this torch has it (Linux GPUs); gloo on CPUs and on Windows and macOS
+    backend = choose_backend(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
@@ -99,6 +123,9 @@ def train(cfg, launch):
     )
     torch.manual_seed(cfg.seed)
     model = TwoHeads().to(device)
+    if cfg.bug == "freeze_after_wrap" and cfg.fix == "freeze_first":
+        # Freezing, fix 1: freeze first; DDP registers only the parameters that require grad.
+        model.trunk.requires_grad_(False)
     if cfg.bug != "mismatched_collective":
         # Fix 1 for an unused parameter: let DDP look for parameters that got no gradient
         # (costs a walk of the autograd graph every step).
@@ -109,6 +136,22 @@ def train(cfg, launch):
         )
     # (The mismatched-collective demo leaves DDP out: it is about the two all-reduces below, and
     # with TORCH_DISTRIBUTED_DEBUG=DETAIL, DDP on CPU crashed intermittently (SIGSEGV) here.)
+    if cfg.bug == "freeze_after_wrap" and cfg.fix != "freeze_first":
+        # BUG: DDP registered the trunk's parameters at the wrap and waits for their gradients
+        # in every backward; frozen, they never come
+        model.module.trunk.requires_grad_(False)
+        if cfg.fix == "rewrap":
+            # Freezing, fix 2: wrap again, so DDP registers what requires grad now (the way to
+            # change what is frozen during training)
+            model = DDP(model.module, device_ids=[device.index] if device.type == "cuda" else None)
+    teacher = None
+    if cfg.bug == "wrap_frozen":
+        # A frozen model that only gives targets, such as a distillation teacher.
+        teacher = TwoHeads().requires_grad_(False).eval().to(device)
+        if cfg.fix != "no_wrap":
+            # BUG: DDP refuses a model with no parameter to train (nothing to all-reduce);
+            # the fix: use it unwrapped, the same on every rank
+            teacher = DDP(teacher, device_ids=[device.index] if device.type == "cuda" else None)
     if cfg.bug == "wrapper_attribute":
         # BUG: DDP passes calls to the model's forward, not its attributes or other methods;
         # those are on the wrapped model, model.module (the fix)
@@ -123,6 +166,10 @@ def train(cfg, launch):
         y = torch.randint(0, 4, (16,), generator=generator).to(device)
         logits = model(x, use_aux=use_aux)
         loss = F.cross_entropy(logits, y)
+        if teacher is not None:
+            with torch.no_grad():
+                targets = teacher(x).softmax(1)
+            loss = loss + F.cross_entropy(logits, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

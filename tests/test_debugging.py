@@ -779,3 +779,96 @@ def test_ddp_buckets_hold_one_copy_of_the_gradients():
     section = markdown_section(GUIDE.read_text(), "## DDP's own memory")
     assert f"({size:.1f} MiB of float32 parameters)" in section
     assert section.count(f"{size:.1f} MiB") == 3
+
+
+# --- frozen models and layers: DDP refusing a frozen model, freezing after the wrap
+
+WRAP_FROZEN = "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug wrap_frozen"
+WRAP_FROZEN_FIX = (
+    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug wrap_frozen "
+    "--fix no_wrap"
+)
+FREEZE_AFTER_WRAP = (
+    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug freeze_after_wrap"
+)
+FREEZE_AFTER_WRAP_ONE_STEP = (
+    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug freeze_after_wrap "
+    "--steps 1"
+)
+FREEZE_FIRST = (
+    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug freeze_after_wrap "
+    "--fix freeze_first"
+)
+FREEZE_REWRAP = (
+    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug freeze_after_wrap "
+    "--fix rewrap"
+)
+FREEZE_FIND_UNUSED = (
+    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug freeze_after_wrap "
+    "--fix find_unused"
+)
+
+
+def _any_rank(line: str) -> str:
+    """A line of output with the rank it came from left out: `[rankN]:`, `for rank N:`."""
+    return re.sub(r"rank \d+:", "rank N:", re.sub(r"^\[rank\d+\]:", "[rankN]:", line))
+
+
+def _quoted_lines_printed(quoted: list[str], output: str) -> list[str]:
+    """The quoted lines that no line of `output` matches, from any rank (a quote that ends in
+    ' ...' is the start of its line)."""
+    printed = [_any_rank(line) for line in output.splitlines()]
+    missing = []
+    for line in map(_any_rank, quoted):
+        head = line[: -len(" ...")] if line.endswith(" ...") else None
+        if not (line in printed or (head and any(p.startswith(head) for p in printed))):
+            missing.append(line)
+    return missing
+
+
+@pytest.mark.torch_text
+def test_frozen_models_and_layers_errors_and_fixes(tmp_path):
+    """The guide's commands: DDP refuses a frozen model, in the words the guide quotes, and the
+    unwrapped teacher runs; a part of the model frozen after the wrap passes step 1 (with
+    unaveraged gradients: replicas differ after one step) and fails at step 2's forward as
+    quoted; freezing first, wrapping again and find_unused_parameters each run, and train alike."""
+    guide = "debugging/README.md"
+
+    def demo(argv, name):
+        return run(argv + ["--output-dir", str(tmp_path / name)], timeout=120)
+
+    refused = demo(readme_command(guide, WRAP_FROZEN), "wrap_frozen")
+    quoted = readme_sample(GUIDE, '## "DistributedDataParallel is not needed')
+    assert refused.returncode == 1 and len(quoted) == 1, refused.output[-3000:]
+    assert _quoted_lines_printed(quoted, refused.output) == [], refused.output[-3000:]
+    assert "DistributedDataParallel is not needed" in root_cause(refused.output)
+    assert "step 1 mean loss" not in refused.output  # raised by the wrap, before any step
+    fixed = demo(readme_command(guide, WRAP_FROZEN_FIX), "no_wrap")
+    assert fixed.returncode == 0 and "done: no bug" in fixed.stdout, fixed.output[-3000:]
+    assert read_summary(tmp_path / "no_wrap")["replicas_identical"]
+
+    frozen = demo(readme_command(guide, FREEZE_AFTER_WRAP), "freeze_after_wrap")
+    quoted = readme_sample(GUIDE, "`model.module.trunk.requires_grad_(False)` after")
+    assert frozen.returncode == 1 and len(quoted) == 2, frozen.output[-3000:]
+    assert _quoted_lines_printed(quoted, frozen.output) == [], frozen.output[-3000:]
+    # the first step runs; the second step's forward raises
+    assert "step 1 mean loss" in frozen.output and "step 2 mean loss" not in frozen.output
+    assert re.search(r"^\[rank\d\]:\s+logits = model\(x, use_aux=use_aux\)$", frozen.output, re.M)
+    assert "Expected to have finished reduction" in root_cause(frozen.output)
+    one_step = demo(readme_command(guide, FREEZE_AFTER_WRAP_ONE_STEP), "one_step")
+    assert one_step.returncode == 0, one_step.output[-3000:]
+    assert read_summary(tmp_path / "one_step")["replicas_identical"] is False
+
+    checksums = {}
+    for argv, name in (
+        (readme_command(guide, FREEZE_FIRST), "freeze_first"),
+        (readme_command(guide, FREEZE_REWRAP), "rewrap"),
+        (readme_command(guide, FREEZE_FIND_UNUSED), "find_unused"),
+    ):
+        fixed = demo(argv, name)
+        assert fixed.returncode == 0 and "done: no bug" in fixed.stdout, fixed.output[-3000:]
+        summary = read_summary(tmp_path / name)
+        assert summary["replicas_identical"], summary
+        checksums[name] = summary["replica_checksums"][0]
+    # the three fixes train alike
+    assert len(set(checksums.values())) == 1, checksums

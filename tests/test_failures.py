@@ -320,6 +320,9 @@ BAD_INPUT = [
 # The cases that depend on a script's own config class and data set run against every lesson; the
 # others are common/ code that runs before anything script-specific: 01 and 05 stand for all.
 SCRIPT_SPECIFIC_CASES = ("unknown_yaml_key", "world_larger_than_data", "missing_data_dir")
+# A lesson's own required flags, given so that each case's error is the one said (08's teacher is
+# checked as the config is read, before the data): {tmp}/teacher.pt is an empty file.
+REQUIRED_ARGS = {"08_several_models/train.py": ["--teacher", "{tmp}/teacher.pt"]}
 BAD_INPUT_RUNS = [
     pytest.param(script, case, id=f"{case[0]}-{script}")
     for script in SCRIPTS
@@ -340,7 +343,8 @@ def python_start_s() -> float:
 def test_bad_input_is_one_line_and_exit_code_2(script, case, tmp_path, python_start_s):
     _, args, env, words = case
     (tmp_path / "bad.yaml").write_text("batch_sise: 8\n")
-    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    (tmp_path / "teacher.pt").write_bytes(b"")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in REQUIRED_ARGS.get(script, []) + args]
     out = tmp_path / "out"
     out.mkdir()
     (out / "earlier.txt").write_text("kept")  # nothing written before is lost

@@ -312,6 +312,45 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
             "wrapper_attribute --fix module",
         )
     },
+    # debugging: frozen models and layers
+    **{
+        command: RunElsewhere(
+            "tests/test_debugging.py::test_frozen_models_and_layers_errors_and_fixes",
+            "--output-dir",
+        )
+        for command in (
+            "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug wrap_frozen",
+            "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug wrap_frozen "
+            "--fix no_wrap",
+            *(
+                "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug "
+                f"freeze_after_wrap{flags}"
+                for flags in (
+                    "",
+                    " --steps 1",
+                    " --fix freeze_first",
+                    " --fix rewrap",
+                    " --fix find_unused",
+                )
+            ),
+        )
+    },
+    # 08_several_models
+    "torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py "
+    "--output-dir runs/teacher": RunElsewhere(
+        "tests/test_several_models.py::distillation", "--output-dir"
+    ),
+    "torchrun --standalone --nproc_per_node=2 08_several_models/train.py "
+    "--teacher runs/teacher/model.pt": RunElsewhere(
+        "tests/test_several_models.py::distillation", "--output-dir"
+    ),
+    "torchrun --standalone --nproc_per_node=2 08_several_models/gan.py": RunElsewhere(
+        "tests/test_several_models.py::gan", "--output-dir"
+    ),
+    "torchrun --standalone --nproc_per_node=2 08_several_models/gan.py --no-detach": RunElsewhere(
+        "tests/test_several_models.py::test_gan_without_detach_fails_in_the_g_step",
+        "--output-dir",
+    ),
 }
 
 

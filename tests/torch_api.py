@@ -32,6 +32,7 @@ CODE_DIRS = (
     "04_syncbn",
     "05_checkpointing",
     "06_multinode",
+    "08_several_models",
     "benchmark",
     "debugging",
 )
