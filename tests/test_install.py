@@ -314,6 +314,8 @@ LESSON_TESTS = [
     "syncbn",
     "checkpointing",
     "multinode",
+    "metrics",
+    "several_models",
 ]
 
 

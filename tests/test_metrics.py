@@ -66,6 +66,7 @@ def test_only_rank_0_writes_one_run_of_event_files(patience_run, tmp_path):
     assert len(event_files(tmp_path / "out")) == 2
 
 
+@pytest.mark.min_torch
 def test_the_logged_loss_is_the_exact_mean_over_all_ranks_samples(patience_run):
     """Step 1's logged loss is the initial model's mean loss on both ranks' first batches, computed
     here in one process; rank 0's batch alone (what 01 prints) gives another number."""
@@ -92,6 +93,7 @@ def test_the_logged_loss_is_the_exact_mean_over_all_ranks_samples(patience_run):
     assert len(scalars(event_file, "eval/loss")) == read_summary(out)["epochs"]
 
 
+@pytest.mark.min_torch
 def test_early_stopping_ends_every_rank_after_the_same_epoch(patience_run):
     """Patience 1: the run stops after the first epoch whose all-reduced eval loss is no better
     than the best before it, and every rank ends there (exit 0: no rank waits for another)."""
