@@ -3,6 +3,7 @@
     python tests/readme_samples.py             # run each command, say which README sample drifted
     python tests/readme_samples.py --write     # run each command, rewrite the README samples
     python tests/readme_samples.py --write 01  # only 01's
+    python tests/readme_samples.py --write frames  # traceback and py-spy frames: line numbers
 
 A sample is the plain ``` block after a marker in a README, made of what the README's command
 printed, abridged the same way every time (abridge_*() below). The suite compares each sample with
@@ -20,6 +21,9 @@ a run in one test per sample, whose message names this script when they drift:
   written (from the repository root, into runs/ and data/) and replaces each line the run no
   longer prints by the printed line closest to it.
 When a print line of a script changes, that one test fails.
+The traceback frames and py-spy dumps the READMEs quote point at lines of the scripts
+(tests/test_doc_consistency.py checks them); when a script's lines move, `--write frames` renumbers
+them.
 """
 
 from __future__ import annotations
@@ -41,6 +45,130 @@ sys.path.insert(0, str(REPO))  # run as a script: tests.helpers importable
 from tests.helpers import markdown_blocks, readme_sample  # noqa: E402
 
 DECIMAL = re.compile(r"\d+\.\d{4}\b")
+
+
+# --- traceback frames and py-spy dumps the READMEs quote, by line number -----------------------
+
+# `File ".../x.py", line N, in f` and the source line under it
+FRAME = re.compile(
+    r'File "(?:\.\.\./)?(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>[\w<>]+)\n'
+    r"(?:\[rank\d+\]:)?[ \t]*(?P<source>[^\n]+)"
+)
+# `    function (file.py:N)` in a py-spy dump
+PY_SPY_FRAME = re.compile(
+    r"^    (?P<function>[\w.<>]+) \((?P<path>[\w/.]+\.py):(?P<line>\d+)\)$", re.M
+)
+# What the ranks of debugging/README.md's py-spy dump wait on, in the repository's files, in order:
+# rank 0 in backward's all-reduce; rank 1 in the test injection's hang, called from
+# optimizer.step(); both under main()'s call of train().
+PY_SPY_WAITS = [
+    "loss.backward()",
+    "train(cfg, launch)",
+    "time.sleep(3600)",
+    "optimizer.step()",
+    "train(cfg, launch)",
+]
+RENUMBER = "python tests/readme_samples.py --write frames"
+
+
+def site_packages() -> Path:
+    """Where torch is installed, found without importing it."""
+    import importlib.util
+
+    return Path(importlib.util.find_spec("torch").origin).parents[1]
+
+
+def enclosing_function(source: str, line: int) -> str:
+    """The innermost def containing `line`, or <module>."""
+    import ast
+
+    name, start = "<module>", 0
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.lineno <= line <= node.end_lineno
+        ):
+            if node.lineno >= start:
+                name, start = node.name, node.lineno
+    return name
+
+
+def frame_file(path: str) -> Path | None:
+    return next((root / path for root in (REPO, site_packages()) if (root / path).is_file()), None)
+
+
+def py_spy_frames(block: str) -> list[tuple[str, Path | None, int]]:
+    """(function, file, line) of each frame in a py-spy dump quoted by a
+    README; a bare file name is looked for beside the script the dump's
+    `Process N: python -u <script>` line names, then in tests/inject."""
+    script = re.search(r"^Process \d+: \S+ -u (\S+\.py)", block, re.M)
+    folders = (
+        [REPO, site_packages()]
+        + ([(REPO / script[1]).parent] if script else [])
+        + [REPO / "tests" / "inject"]
+    )
+    frames = []
+    for frame in PY_SPY_FRAME.finditer(block):
+        file = next(
+            (folder / frame["path"] for folder in folders if (folder / frame["path"]).is_file()),
+            None,
+        )
+        frames.append((frame["function"], file, int(frame["line"])))
+    return frames
+
+
+def closest_line(file: Path, function: str, text: str, near: int) -> int | None:
+    """The line of `file` nearest `near` that reads `text` (comment aside) inside `function`."""
+    source = file.read_text()
+    found = [
+        number
+        for number, line in enumerate(source.splitlines(), 1)
+        if line.split("  #")[0].strip() == text
+        and enclosing_function(source, number) == function.split(".")[-1]
+    ]
+    return min(found, key=lambda number: abs(number - near)) if found else None
+
+
+def renumber_frames(text: str) -> str:
+    """`text` with each quoted traceback frame of a repository file pointing at the line it
+    quotes, and each py-spy frame of the repository's files at its PY_SPY_WAITS line."""
+
+    def traceback_frame(match):
+        file = frame_file(match["path"])
+        if file is None or not str(file).startswith(str(REPO)):
+            return match[0]
+        number = closest_line(file, match["function"], match["source"].strip(), int(match["line"]))
+        return (
+            match[0]
+            if number is None
+            else match[0].replace(f'", line {match["line"]}, in', f'", line {number}, in', 1)
+        )
+
+    text = FRAME.sub(traceback_frame, text)
+    waits = iter(PY_SPY_WAITS)
+    for block in re.findall(r"^Process \d+:.*?(?=^```)", text, re.M | re.S):
+        frames = iter(py_spy_frames(block))
+
+        def py_spy_frame(match):
+            function, file, line = next(frames)
+            if file is None or not str(file).startswith(str(REPO)):
+                return match[0]
+            number = closest_line(file, function, next(waits), line)
+            return match[0] if number is None else match[0].replace(f":{line})", f":{number})")
+
+        text = text.replace(block, PY_SPY_FRAME.sub(py_spy_frame, block), 1)
+    return text
+
+
+def write_frames() -> list[str]:
+    """Renumber the frames every README quotes; the READMEs changed."""
+    changed = []
+    for doc in sorted(p for p in REPO.rglob("*.md") if ".git" not in p.parts):
+        text = doc.read_text()
+        if (renumbered := renumber_frames(text)) != text:
+            doc.write_text(renumbered)
+            changed.append(str(doc.relative_to(REPO)))
+    return changed
 
 
 def _visible_devices_unset(text: str) -> str:
@@ -341,11 +469,18 @@ def write(name: str, stdout: str, output_dir: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     names = sorted(SAMPLES) + sorted(PRINTED)
-    parser.add_argument("names", nargs="*", help=f"samples (default: all of {names})")
+    parser.add_argument(
+        "names", nargs="*", help=f"samples (default: all of {names}), or frames (with --write)"
+    )
     parser.add_argument("--write", action="store_true", help="rewrite the README samples")
     args = parser.parse_args()
     drifted = 0
     for name in args.names or names:
+        if name == "frames":
+            if not args.write:
+                parser.error("frames: only --write (the suite checks them)")
+            print(f"frames renumbered in {write_frames() or 'no README'}")
+            continue
         if name in PRINTED:
             output = run_printed(PRINTED[name])
             if args.write:

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import ast
 import inspect
 import re
 from pathlib import Path
@@ -18,27 +17,18 @@ from pathlib import Path
 import torch
 
 from tests.helpers import REPO, markdown_blocks, pinned_torch_only
+from tests.readme_samples import (
+    FRAME,
+    PY_SPY_WAITS,
+    RENUMBER,
+    enclosing_function,
+    py_spy_frames,
+    renumber_frames,
+)
 from tests.test_basic_ddp import assert_same_params
 
 DOCS = sorted(p for p in REPO.rglob("*.md") if ".git" not in p.parts)
-FRAME = re.compile(
-    r'File "(?:\.\.\./)?(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>[\w<>]+)\n'
-    r"(?:\[rank\d+\]:)?[ \t]*(?P<source>[^\n]+)"
-)
 SITE_PACKAGES = Path(torch.__file__).resolve().parents[1]
-
-
-def enclosing_function(source: str, line: int) -> str:
-    """The innermost def containing `line`, or <module>."""
-    name, start = "<module>", 0
-    for node in ast.walk(ast.parse(source)):
-        if (
-            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and node.lineno <= line <= node.end_lineno
-        ):
-            if node.lineno >= start:
-                name, start = node.name, node.lineno
-    return name
 
 
 def frame_problems(text: str) -> list[str]:
@@ -76,7 +66,7 @@ def test_quoted_traceback_frames_point_at_the_quoted_lines():
         for doc, text in quotes.items()
         for p in frame_problems(text)
     ]
-    assert problems == []
+    assert problems == [], f"{problems}\nRenumber them: {RENUMBER}"
     # The check itself: a frame one line off, or in another function, is reported.
     lesson = (REPO / "01_basic_ddp" / "train.py").read_text().splitlines()
     number = next(
@@ -91,31 +81,6 @@ def test_quoted_traceback_frames_point_at_the_quoted_lines():
         f"{lesson[number - 1].strip()}"
     )
     assert len(frame_problems(off_by_one)) == 1 and len(frame_problems(wrong_function)) == 1
-
-
-PY_SPY_FRAME = re.compile(
-    r"^    (?P<function>[\w.<>]+) \((?P<path>[\w/.]+\.py):(?P<line>\d+)\)$", re.M
-)
-
-
-def py_spy_frames(block: str) -> list[tuple[str, Path | None, int]]:
-    """(function, file, line) of each frame in a py-spy dump quoted by a
-    README; a bare file name is looked for beside the script the dump's
-    `Process N: python -u <script>` line names, then in tests/inject."""
-    script = re.search(r"^Process \d+: \S+ -u (\S+\.py)", block, re.M)
-    folders = (
-        [REPO, SITE_PACKAGES]
-        + ([(REPO / script[1]).parent] if script else [])
-        + [REPO / "tests" / "inject"]
-    )
-    frames = []
-    for frame in PY_SPY_FRAME.finditer(block):
-        file = next(
-            (folder / frame["path"] for folder in folders if (folder / frame["path"]).is_file()),
-            None,
-        )
-        frames.append((frame["function"], file, int(frame["line"])))
-    return frames
 
 
 def py_spy_problems(block: str) -> list[str]:
@@ -136,22 +101,17 @@ def test_quoted_py_spy_dump_points_at_the_waiting_lines():
         for b in markdown_blocks(guide)
         if not b.info and b.lines and re.match(r"Process \d+:", b.lines[0])
     )
-    assert py_spy_problems(block) == []
     waits = [
         file.read_text().splitlines()[number - 1].strip()
         for _, file, number in py_spy_frames(block)
         if file.name in ("train.py", "sitecustomize.py")
     ]
-    # Rank 0 waits in backward's all-reduce; rank 1 in the
-    # test injection's hang, called from optimizer.step();
-    # both under main()'s call of train().
-    assert [w.split("  #")[0] for w in waits] == [
-        "loss.backward()",
-        "train(cfg, launch)",
-        "time.sleep(3600)",
-        "optimizer.step()",
-        "train(cfg, launch)",
-    ], waits
+    # Rank 0 waits in backward's all-reduce; rank 1 in the test injection's hang, called from
+    # optimizer.step(); both under main()'s call of train() (readme_samples.PY_SPY_WAITS).
+    problems = py_spy_problems(block)
+    assert problems == [] and [w.split("  #")[0] for w in waits] == PY_SPY_WAITS, (
+        f"{problems}, {waits}\nRenumber them: {RENUMBER}"
+    )
     # The check itself: a frame one line off is reported.
     assert (
         py_spy_problems("Process 1: python -u 01_basic_ddp/train.py\n    main (train.py:1)\n") != []
@@ -174,3 +134,17 @@ def test_the_global_batch_tolerance_in_the_readmes_is_the_tested_one():
         r"DDP with the same global batch should match one process to (\D*\d+e-\d+)", guide
     )
     assert claim and claim[1] == f"a relative {quoted}", claim and claim[0]
+
+
+def test_renumbering_puts_moved_frames_back_on_their_lines():
+    """The writer the failures above name: a traceback frame and a py-spy frame, each one line
+    off, come back to the lines they quote; the guide as it is stays as it is."""
+    guide = (REPO / "debugging" / "README.md").read_text()
+    assert renumber_frames(guide) == guide
+    lesson = (REPO / "01_basic_ddp" / "train.py").read_text().splitlines()
+    number = next(
+        i for i, text in enumerate(lesson, 1) if text.strip().startswith("loss.backward()")
+    )
+    moved = guide.replace(f'train.py", line {number}, in', f'train.py", line {number + 1}, in')
+    moved = moved.replace(f"    train (train.py:{number})", f"    train (train.py:{number - 1})")
+    assert moved != guide and renumber_frames(moved) == guide
