@@ -9,6 +9,7 @@ make the race likelier, as on a loaded CI machine.
     python tests/stress_exit.py --runs 100 --load 2
     python tests/stress_exit.py --control --runs 20 --load 2
     python tests/stress_exit.py --loader-workers --runs 400 --load 2
+    python tests/stress_exit.py --loader-workers --only 02-shards --runs 100
 
 --control runs a few-line DDP script instead, which imports torch.distributed.nn only after its
 process group exists, as DDP's constructor does when nothing imported it earlier: the same
@@ -143,6 +144,11 @@ def main() -> int:
         help="run the two commands whose DataLoader workers hung in the suite",
     )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per run")
+    parser.add_argument(
+        "--only",
+        choices=sorted(COMMANDS) + sorted(LOADER_COMMANDS),
+        help="run only this command of the chosen mode (e.g. --loader-workers --only 02-shards)",
+    )
     args = parser.parse_args()
 
     burners = [multiprocessing.Process(target=burn, daemon=True) for _ in range(args.load)]
@@ -158,6 +164,11 @@ def main() -> int:
         plan = itertools.cycle(LOADER_COMMANDS.items())
     else:
         plan = itertools.cycle(COMMANDS.items())
+    if args.only and not args.control:
+        commands = LOADER_COMMANDS if args.loader_workers else COMMANDS
+        if args.only not in commands:
+            parser.error(f"--only {args.only}: not a command of this mode ({sorted(commands)})")
+        plan = itertools.repeat((args.only, commands[args.only]))
     results: dict[str, list[int]] = {}
     aborts, failures = 0, []
     start = time.monotonic()
