@@ -102,14 +102,22 @@ def test_without_record_the_summary_has_no_traceback(tmp_path):
         check=False,
         timeout=180,
     )
-    root = root_cause(result.output)
-    assert "error_file: <N/A>" in root and "injected failure" not in root, root
-    assert re.search(r"exitcode  : 1 \(pid: \d+\)", root), root
+    assert result.returncode == 1
+    # torchrun's closing summary: every failed rank's entry. Rank 1's may be listed under
+    # "Failures" rather than "Root Cause": without error files torchrun stamps each failure with
+    # the second it saw it, and a tie goes to the one it saw first, or to the lower rank where one
+    # poll saw both (rank 0, which lost its peer, aborting at once: seen in CI).
+    summary = result.output.split("ChildFailedError:")[-1]
+    assert "Root Cause" in summary and "injected failure" not in summary, summary
+    assert "error_file: <N/A>" in summary and "error_file: /" not in summary, summary
     # torchrun's stand-in for the missing traceback (debugging/README.md quotes it).
-    assert (
-        "traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
-        in root
-    ), root
+    assert re.search(
+        r"rank\s+: 1 \(local_rank: 1\)\n\s+exitcode\s+: 1 \(pid: \d+\) *\n"
+        r"\s+error_file: <N/A>\n"
+        r"\s+traceback : To enable traceback see: "
+        r"https://pytorch.org/docs/stable/elastic/errors.html",
+        summary,
+    ), summary
 
 
 @needs_torch("2.12", "torchrun names the signal on its exitcode line from torch 2.12")
