@@ -7,7 +7,7 @@ come from the same all-reduced numbers, so every rank takes them alike: early st
 eval loss stops improving (--patience), and a stop at the log step after any rank's loss turned
 non-finite. `diff 01_basic_ddp/train.py 07_metrics/train.py` shows exactly that.
 
-    torchrun --standalone --nproc_per_node=2 07_metrics/train.py --patience 2
+    torchrun --standalone --nproc_per_node=2 07_metrics/train.py --patience 1
     tensorboard --logdir runs/latest/tensorboard
 """
 

@@ -174,6 +174,26 @@ def test_clipping_after_the_all_reduce_equals_one_process_with_the_large_batch(r
     assert relative_difference(load_model(clip_runs["fp16"]), one_process) < 1e-2
 
 
+UNSCALE = "                scaler.unscale_(optimizer)\n"  # the script's line
+
+
+def test_clipping_without_unscale_clips_the_scaled_gradient(tmp_path, clip_runs):
+    """Negative control for the fp16 half of the test above: the script without its
+    scaler.unscale_ clips the gradient still multiplied by the scale (2**16), so its steps are
+    about 2**16 times too short, and the run lands far from one process's."""
+    source = (REPO / SCRIPT).read_text()
+    assert source.count(UNSCALE) == 1
+    variant = tmp_path / "train.py"
+    # `common` is found through PYTHONPATH
+    variant.write_text(source.replace(UNSCALE, ""))
+    steps = ("--max-steps", "3", "--epochs", "1", "--max-grad-norm", MAX_NORM)
+    fp16 = (*steps, "--batch-size", "4", "--accum-steps", str(K), "--precision", "fp16")
+    torchrun(variant, *fp16, "--output-dir", str(tmp_path / "out"))
+    assert read_summary(tmp_path / "out")["grad_scale"] == 2.0**16  # no step was skipped
+    one_process = load_model(clip_runs["one_process"])
+    assert relative_difference(load_model(tmp_path / "out"), one_process) > 1e-2
+
+
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(clip_runs):
     """inf in rank 1's gradient alone: the all-reduce hands it to every rank, every rank's scaler
     skips that step and halves its scale, and the replicas stay identical and finite."""

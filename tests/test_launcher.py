@@ -797,8 +797,17 @@ def test_torchruns_store_asks_for_libuv_whatever_use_libuv_says():
     call = source[source.index("TCPStore(") :].split(")", 1)[0]
     assert "use_libuv" not in call and "USE_LIBUV" not in source
     assert "use_libuv: bool = True" in TCPStore.__init__.__doc__
+    quoted = (
+        "use_libuv was requested but PyTorch was built without libuv support, run with "
+        "USE_LIBUV=0 to disable it."
+    )
     readme = " ".join((REPO / "README.md").read_text().split())
-    assert (
-        "`use_libuv was requested but PyTorch was built without libuv support, run with "
-        "USE_LIBUV=0 to disable it.`"
-    ) in readme
+    assert f"`{quoted}`" in readme
+    # the quote is torch's own text (the store's C++ code); the control: a reworded one is not
+    from tests.test_nccl_docs import found_in_library
+
+    reworded = quoted.replace("was requested", "is requested")
+    assert found_in_library("libtorch_cpu.so", [quoted, reworded]) == {
+        quoted: True,
+        reworded: False,
+    }

@@ -18,12 +18,24 @@ from common.config import TrainConfig
 from common.data import load_datasets
 from common.models import build_model
 
-from tests.helpers import REPO, read_summary, repeated_lines, torchrun
+from tests.helpers import (
+    REPO,
+    clean_env,
+    read_summary,
+    readme_command,
+    repeated_lines,
+    run,
+    torchrun,
+)
 
 SCRIPT = "07_metrics/train.py"
+README = "07_metrics/README.md"
+PATIENCE_COMMAND = "torchrun --standalone --nproc_per_node=2 07_metrics/train.py --patience 1"
 INJECT = REPO / "tests" / "inject"
 WRITER_ON_RANK_0 = "    writer = None\n    if launch.rank == 0:\n"
 STOP_ON_ALL_REDUCED_FLAG = "                if nonfinite:\n"
+# the job id the patience run is given, as inside a Slurm job (a requeued job keeps it)
+JOB_ID = "4242"
 
 
 def event_files(output_dir):
@@ -49,21 +61,30 @@ def variant(tmp_path, old: str, new: str):
 
 @pytest.fixture(scope="module")
 def patience_run(tmp_path_factory):
-    """2 ranks, a log line every step, early stopping with patience 1 (12 epochs at most)."""
+    """The README's command (2 ranks, early stopping with patience 1, 12 epochs at most) with a log
+    line every step, and a Slurm job id in the environment."""
     out = tmp_path_factory.mktemp("metrics") / "patience"
-    result = torchrun(SCRIPT, "--patience", "1", "--log-every", "1", "--output-dir", str(out))
+    result = run(
+        readme_command(README, PATIENCE_COMMAND) + ["--log-every", "1", "--output-dir", str(out)],
+        timeout=180,
+        env=clean_env(SLURM_JOB_ID=JOB_ID),
+        check=True,
+    )
     return out, result
 
 
 def test_only_rank_0_writes_one_run_of_event_files(patience_run, tmp_path):
     out, result = patience_run
-    assert len(event_files(out)) == 1
+    # one run, named by the job's id
+    assert [f.parent.name for f in event_files(out)] == [JOB_ID]
     # rank 0 alone prints, too
     assert repeated_lines(result.stdout) == []
     # Control: a writer on every rank makes one event file per rank (TensorBoard: two runs).
     copy = variant(tmp_path, WRITER_ON_RANK_0, "    if True:\n")
     torchrun(copy, "--max-steps", "2", "--output-dir", str(tmp_path / "out"))
     assert len(event_files(tmp_path / "out")) == 2
+    # outside a job, the run is named by its start time
+    assert all(re.fullmatch(r"\d{8}-\d{6}", f.parent.name) for f in event_files(tmp_path / "out"))
 
 
 @pytest.mark.min_torch
@@ -132,3 +153,8 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank_at_the_same_step(tmp_pat
     )
     assert failed.returncode != 0, failed.output[-3000:]
     assert not (tmp_path / "local" / "summary.json").exists()
+    # and it failed because the ranks parted: rank 1's next collective met rank 0's gradient
+    # all-reduce (gloo: "collective mismatch"), or rank 0 waited for it in vain
+    assert re.search(
+        r"collective mismatch|Timed out|Connection (closed|reset) by peer", failed.output
+    ), failed.output[-3000:]

@@ -335,6 +335,10 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
             ),
         )
     },
+    # 07_metrics
+    "torchrun --standalone --nproc_per_node=2 07_metrics/train.py --patience 1": RunElsewhere(
+        "tests/test_metrics.py::patience_run", "--log-every 1 --output-dir"
+    ),
     # 08_several_models
     "torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py "
     "--output-dir runs/teacher": RunElsewhere(
