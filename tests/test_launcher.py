@@ -20,7 +20,7 @@ from common.launcher import (
     expand_hostlist,
     master_port,
 )
-from tests.helpers import PYTHON, REPO, clean_env, run
+from tests.helpers import PYTHON, REPO, clean_env, finish, read_summary, run, start
 
 # (id, environment, expected (launcher, rank, local_rank,
 # world_size, local_world_size, master_addr))
@@ -811,3 +811,27 @@ def test_torchruns_store_asks_for_libuv_whatever_use_libuv_says():
         quoted: True,
         reworded: False,
     }
+
+
+def test_ranks_started_by_hand_with_torchruns_variables_train(tmp_path):
+    """The README's launch where torchrun cannot run (Windows): one process per rank, each
+    started by hand with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; here 07, which has no
+    mp.spawn wrapper."""
+    port = str(free_port())
+    command = [PYTHON, REPO / "07_metrics" / "train.py", "--epochs", "1", "--max-steps", "3"]
+    ranks = [
+        start(
+            [*command, "--output-dir", tmp_path],
+            env=clean_env(
+                RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+            ),
+        )
+        for rank in range(2)
+    ]
+    outputs = [
+        finish(proc, 120, f"rank {rank} of 07 started by hand") for rank, proc in enumerate(ranks)
+    ]
+    assert [proc.returncode for proc in ranks] == [0, 0], outputs
+    summary = read_summary(tmp_path)
+    assert (summary["launcher"], summary["world_size"], summary["steps"]) == ("env", 2, 3)
+    assert summary["replicas_identical"]
