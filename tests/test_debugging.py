@@ -843,6 +843,10 @@ def test_frozen_models_and_layers_errors_and_fixes(tmp_path):
     assert _quoted_lines_printed(quoted, refused.output) == [], refused.output[-3000:]
     assert "DistributedDataParallel is not needed" in root_cause(refused.output)
     assert "step 1 mean loss" not in refused.output  # raised by the wrap, before any step
+    # 08's README quotes the same refusal, wrapped over three lines
+    lesson = " ".join((REPO / "08_several_models" / "README.md").read_text().split())
+    refusal = re.search(r"RuntimeError: DistributedDataParallel is not needed[^`]*", lesson)
+    assert refusal and refusal.group() in refused.output, refusal
     fixed = demo(readme_command(guide, WRAP_FROZEN_FIX), "no_wrap")
     assert fixed.returncode == 0 and "done: no bug" in fixed.stdout, fixed.output[-3000:]
     assert read_summary(tmp_path / "no_wrap")["replicas_identical"]
