@@ -168,28 +168,58 @@ def tree_pids(proc: subprocess.Popen) -> list[int]:
     return sorted(pid for pid in pids if pid == proc.pid or pid in parents)
 
 
+def _py_spy_dump(pid: int, *flags: str) -> tuple[bool, str]:
+    try:
+        dump = subprocess.run(
+            ["py-spy", "dump", *flags, "--pid", str(pid)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        return dump.returncode == 0, dump.stdout + dump.stderr
+    except FileNotFoundError:
+        return False, "(py-spy is not installed: pip install -r requirements-test.txt)"
+    except subprocess.TimeoutExpired:
+        return False, "(py-spy dump timed out)"
+
+
+def _kernel_view(pid: int) -> str:
+    """Each thread's name, state and the kernel function it sleeps in (/proc; the kernel stack
+    too where readable, as root): where a process waits when its own stack cannot be read."""
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*"), key=lambda t: int(t.name)):
+        try:
+            status = dict(
+                line.split(":\t", 1) for line in (task / "status").read_text().splitlines()
+            )
+            wchan = (task / "wchan").read_text().strip()
+            line = f"  thread {task.name} {status.get('Name', '?')}: {status.get('State', '?')}"
+            lines.append(f"{line}, waiting in {wchan or '-'}")
+            kernel = (task / "stack").read_text().split("\n")
+            lines += [f"    {frame}" for frame in kernel if frame.strip()]
+        except OSError:
+            continue
+    return "\n".join(lines)
+
+
 def dump_stacks(proc: subprocess.Popen) -> str:
     """Python and native stacks of every process in `proc`'s tree (py-spy dump --native), to
-    show where a hung run waits."""
+    show where a hung run waits; where the native stack cannot be unwound, the Python stack
+    alone. With each: the parent pid, and every thread's state from /proc."""
+    parents = _parent_pids()
     parts = []
     for pid in tree_pids(proc):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        try:
-            dump = subprocess.run(
-                ["py-spy", "dump", "--native", "--pid", str(pid)],
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
-            text = dump.stdout + dump.stderr
-        except FileNotFoundError:
-            text = "(py-spy is not installed: pip install -r requirements-test.txt)"
-        except subprocess.TimeoutExpired:
-            text = "(py-spy dump timed out)"
-        parts.append(f"--- pid {pid}: {cmdline.strip()}\n{text.strip()}")
+        ok, text = _py_spy_dump(pid, "--native")
+        if not ok and "py-spy is not installed" not in text:
+            text = f"{text.strip()}\n(without --native:)\n{_py_spy_dump(pid)[1]}"
+        parts.append(
+            f"--- pid {pid} (parent {parents.get(pid, '?')}): {cmdline.strip()}\n{text.strip()}"
+            f"\n{_kernel_view(pid)}"
+        )
     return "\n".join(parts)
 
 
