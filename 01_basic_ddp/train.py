@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from common.config import TrainConfig, load_config
-from common.data import check_data, download_datasets, load_datasets
+from common.data import check_data, download_datasets, load_datasets, worker_start_method
 from common.launcher import choose_backend, detect_launcher
 from common.models import build_model
 from common.report import parameter_checksum, write_summary
@@ -92,11 +92,18 @@ def train(cfg, launch):
         batch_size=cfg.batch_size,
         sampler=train_sampler,
         num_workers=cfg.num_workers,
+        # not fork(), which can copy a lock that gloo's or NCCL's threads hold (common/data.py)
+        multiprocessing_context=worker_start_method(cfg.num_workers),
         pin_memory=device.type == "cuda",
     )
     # A strided slice per rank: every test sample once (DistributedSampler pads with repeats).
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
-    test_loader = DataLoader(test_shard, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
+    test_loader = DataLoader(
+        test_shard,
+        batch_size=cfg.batch_size,
+        num_workers=cfg.num_workers,
+        multiprocessing_context=worker_start_method(cfg.num_workers),
+    )
 
     # To this rank's device, then wrap: DDP's hooks all-reduce the gradients in backward().
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size)

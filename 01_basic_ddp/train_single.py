@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, RandomSampler
 
 from common.config import TrainConfig, load_config
-from common.data import check_data, download_datasets, load_datasets
+from common.data import check_data, download_datasets, load_datasets, worker_start_method
 from common.models import build_model
 from common.report import write_summary
 
@@ -63,11 +63,18 @@ def train(cfg):
         batch_size=cfg.batch_size,
         sampler=train_sampler,
         num_workers=cfg.num_workers,
+        # not fork(), which can copy a lock that gloo's or NCCL's threads hold (common/data.py)
+        multiprocessing_context=worker_start_method(cfg.num_workers),
         pin_memory=device.type == "cuda",
     )
     # One process reads the whole test set.
     test_shard = data.test
-    test_loader = DataLoader(test_shard, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
+    test_loader = DataLoader(
+        test_shard,
+        batch_size=cfg.batch_size,
+        num_workers=cfg.num_workers,
+        multiprocessing_context=worker_start_method(cfg.num_workers),
+    )
 
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size)
     model = model.to(device)

@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from common.config import TrainConfig, field, load_config
-from common.data import check_data, download_datasets, load_datasets
+from common.data import check_data, download_datasets, load_datasets, worker_start_method
 from common.errors import DataError, exit_on_bad_input
 from common.launcher import choose_backend, detect_launcher
 from common.models import build_model
@@ -181,12 +181,17 @@ def predict_and_gather(cfg, launch, weights):
             test,
             batch_size=cfg.batch_size,
             num_workers=cfg.num_workers,
+            # not fork(), which can copy a lock that gloo's or NCCL's threads hold (common/data.py)
+            multiprocessing_context=worker_start_method(cfg.num_workers),
             sampler=DistributedSampler(test, num_replicas=w, rank=rank, shuffle=False),
         )
     # RIGHT: a strided slice per rank covers every sample exactly once (sizes differ by at most one)
     else:
         loader = DataLoader(
-            Subset(test, range(rank, n, w)), batch_size=cfg.batch_size, num_workers=cfg.num_workers
+            Subset(test, range(rank, n, w)),
+            batch_size=cfg.batch_size,
+            num_workers=cfg.num_workers,
+            multiprocessing_context=worker_start_method(cfg.num_workers),
         )
     rows, counts = gather_rows(predict(model, loader, device, data.num_classes), device)
 

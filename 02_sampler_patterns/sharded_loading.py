@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from common.config import TrainConfig, field, load_config
+from common.data import worker_start_method
 from common.errors import ConfigError, DataError, exit_on_bad_input
 from common.launcher import choose_backend, detect_launcher
 from common.models import build_model
@@ -114,7 +115,13 @@ def train(cfg, launch, manifest):
     access_log.parent.mkdir(parents=True, exist_ok=True)
     access_log.write_text("")
     stream = ShardStream(cfg.shards_dir, cfg.seed, access_log)
-    loader = DataLoader(stream, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
+    loader = DataLoader(
+        stream,
+        batch_size=cfg.batch_size,
+        num_workers=cfg.num_workers,
+        # not fork(), which can copy a lock that gloo's or NCCL's threads hold (common/data.py)
+        multiprocessing_context=worker_start_method(cfg.num_workers),
+    )
     workers = max(1, cfg.num_workers)
 
     def batches(mine):  # each DataLoader worker batches its own slice of the shards

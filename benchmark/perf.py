@@ -36,6 +36,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
+from common.data import worker_start_method
 from common.errors import ConfigError
 
 AMP_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -147,12 +148,15 @@ def loader_kwargs(cfg, device: torch.device) -> dict:
     """DataLoader settings for the input pipeline.
 
     pin_memory only helps copies to a GPU; persistent_workers and prefetch_factor only
-    exist with worker processes (num_workers > 0).
+    exist with worker processes (num_workers > 0), which start as in the lessons (not by fork(),
+    common.data.worker_start_method).
     """
     kwargs = dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and device.type == "cuda")
     if cfg.num_workers > 0:
         kwargs.update(
-            persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor
+            persistent_workers=cfg.persistent_workers,
+            prefetch_factor=cfg.prefetch_factor,
+            multiprocessing_context=worker_start_method(cfg.num_workers),
         )
     return kwargs
 

@@ -2,6 +2,7 @@
 ImageFolder, FakeData. Rank 0 downloads while others wait, or a login node runs
 `python -m common.prepare` first (compute nodes are often offline)."""
 
+import multiprocessing
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,17 @@ STATS = {  # per-channel mean and std of the training sets
     "fashion_mnist": ((0.2860,), (0.3530,)),
     "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
 }
+
+
+def worker_start_method(num_workers: int) -> str | None:
+    """DataLoader's multiprocessing_context: "forkserver" where the platform has it (Linux,
+    macOS), so each loader worker starts from a clean single-threaded server process. Linux's
+    default, fork(), copies a rank while one of gloo's or NCCL's threads may hold a lock, and the
+    worker then waits on that lock forever, and its rank on the worker (pytorch/pytorch#130610).
+    None without workers (DataLoader takes no context then) and on Windows (spawn already)."""
+    if num_workers > 0 and "forkserver" in multiprocessing.get_all_start_methods():
+        return "forkserver"
+    return None
 
 
 @dataclass

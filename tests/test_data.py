@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from common.data import DIGITS_FILE, build_datasets, digits, digits_arrays
+from common.data import DIGITS_FILE, build_datasets, digits, digits_arrays, worker_start_method
 from common.errors import DataError
 from tests.cifar_files import CIFAR_FOLDER, patch_cifar_md5, write_cifar10
 from tests.helpers import PYTHON, REPO, read_summary, run
@@ -176,3 +176,41 @@ def test_digits_equal_scikit_learns_load_digits_where_installed():
         == (Path(sklearn.datasets.__file__).parent / "data" / "digits.csv.gz").read_bytes()
     )
     assert digits_sha256(raw.images, raw.target) == DIGITS_SHA256
+
+
+class ParentPid(torch.utils.data.Dataset):
+    """Each item is the pid of the process that made the worker reading it."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        import os
+
+        return os.getppid()
+
+
+def test_loader_workers_are_not_forked_from_the_rank():
+    """The lessons' loaders (multiprocessing_context=worker_start_method(n)) start their workers
+    from forkserver's clean process, so a worker's parent is not the rank that holds gloo's
+    threads; the control, DataLoader's default on Linux, forks them from it."""
+    import os
+
+    def parents(context):
+        loader = torch.utils.data.DataLoader(
+            ParentPid(), batch_size=1, num_workers=1, multiprocessing_context=context
+        )
+        return {int(pid) for (pid,) in loader}
+
+    assert worker_start_method(0) is None  # DataLoader refuses a context without workers
+    assert worker_start_method(2) == "forkserver"
+    assert os.getpid() not in parents(worker_start_method(1))
+    assert parents(None) == {os.getpid()}  # the control: fork()
+
+
+def test_without_forkserver_the_platforms_default_start_is_kept(monkeypatch):
+    """Windows has no forkserver (its default, spawn, starts clean already)."""
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    assert worker_start_method(2) is None

@@ -214,6 +214,37 @@ def test_no_private_torch_api():
     assert PRIVATE_API.search("store = dist.distributed_c10d._get_default_store()")
 
 
+def loaders_forking_their_workers(path: Path) -> list[str]:
+    """The DataLoader calls of `path` that may start workers (num_workers given) without the
+    lessons' start method, multiprocessing_context=worker_start_method(...)."""
+    found = []
+    for call in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(call, ast.Call) and getattr(call.func, "id", None) == "DataLoader"):
+            continue
+        keywords = {k.arg: ast.unparse(k.value) for k in call.keywords}
+        if "num_workers" in keywords and not keywords.get("multiprocessing_context", "").startswith(
+            "worker_start_method("
+        ):
+            found.append(f"{path.name}:{call.lineno}")
+    return found
+
+
+def test_loader_workers_start_from_forkserver_not_fork(tmp_path):
+    """Every DataLoader with worker processes starts them with worker_start_method (common/data.py:
+    fork() from a rank running gloo's threads can hang a worker; tests/test_data.py shows where
+    the workers come from). The control: a call without it is found."""
+    found = [
+        f
+        for folder in SCRIPT_DIRS
+        for p in (REPO / folder).glob("*.py")
+        for f in loaders_forking_their_workers(p)
+    ]
+    assert found == []
+    plain = tmp_path / "plain.py"
+    plain.write_text("loader = DataLoader(data, batch_size=4, num_workers=cfg.num_workers)\n")
+    assert len(loaders_forking_their_workers(plain)) == 1
+
+
 def test_no_test_hooks_in_the_examples():
     for folder in SCRIPT_DIRS:
         for path in (REPO / folder).glob("*.py"):

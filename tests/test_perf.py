@@ -621,6 +621,7 @@ def test_loader_kwargs():
         "pin_memory": True,
         "persistent_workers": False,
         "prefetch_factor": 4,
+        "multiprocessing_context": "forkserver",
     }
 
 
