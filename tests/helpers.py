@@ -7,6 +7,7 @@ import importlib.metadata as metadata
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -214,7 +215,7 @@ def dump_stacks(proc: subprocess.Popen) -> str:
         except OSError:
             continue
         ok, text = _py_spy_dump(pid, "--native")
-        if not ok and "py-spy is not installed" not in text:
+        if not ok and shutil.which("py-spy"):
             text = f"{text.strip()}\n(without --native:)\n{_py_spy_dump(pid)[1]}"
         parts.append(
             f"--- pid {pid} (parent {parents.get(pid, '?')}): {cmdline.strip()}\n{text.strip()}"

@@ -2,6 +2,7 @@
 through torchvision's real loader, clear errors."""
 
 import hashlib
+import os
 import pickle
 
 import numpy as np
@@ -185,8 +186,6 @@ class ParentPid(torch.utils.data.Dataset):
         return 2
 
     def __getitem__(self, index):
-        import os
-
         return os.getppid()
 
 
@@ -194,7 +193,6 @@ def test_loader_workers_are_not_forked_from_the_rank():
     """The lessons' loaders (multiprocessing_context=worker_start_method(n)) start their workers
     from forkserver's clean process, so a worker's parent is not the rank that holds gloo's
     threads; the control, DataLoader's default on Linux, forks them from it."""
-    import os
 
     def parents(context):
         loader = torch.utils.data.DataLoader(
