@@ -323,6 +323,26 @@ def load_script(path: str | Path, name: str):
     return module
 
 
+def code_lines_without_messages(source: str) -> list[str]:
+    """Python source's lines with each print(...) call folded into the one line `print(...)`: the
+    code, whatever its messages say. Comparisons of a lesson with 01 use these, so that rewording
+    a message of 01 fails only the README sample that shows it (tests/readme_samples.py)."""
+    lines = source.splitlines()
+    calls = [
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "print"
+    ]
+    # from the last call up, so that folding one leaves the line numbers above it as they were
+    for call in sorted(calls, key=lambda call: call.lineno, reverse=True):
+        head = lines[call.lineno - 1][: call.col_offset]
+        tail = lines[call.end_lineno - 1][call.end_col_offset :]
+        lines[call.lineno - 1 : call.end_lineno] = [f"{head}print(...){tail}"]
+    return lines
+
+
 def read_summary(output_dir: Path) -> dict:
     return json.loads((Path(output_dir) / "summary.json").read_text())
 

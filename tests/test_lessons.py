@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, code_lines_without_messages
 
 LESSON = REPO / "01_basic_ddp" / "train.py"
 BASELINE = REPO / "01_basic_ddp" / "train_single.py"
@@ -56,8 +56,17 @@ def lines(path: Path) -> list[str]:
 
 
 def diff_lines(a: Path, b: Path) -> list[str]:
-    """The removed ('-') and added ('+') lines of a diff from a to b, without the file headers."""
-    diff = list(difflib.unified_diff(lines(a), lines(b), n=0, lineterm=""))[2:]
+    """The removed ('-') and added ('+') lines of a diff from a to b, without the file headers,
+    each print(...) call counted as one line whatever its message says (a reworded message in 01
+    is not a difference of the lessons' code)."""
+    diff = list(
+        difflib.unified_diff(
+            code_lines_without_messages(a.read_text()),
+            code_lines_without_messages(b.read_text()),
+            n=0,
+            lineterm="",
+        )
+    )[2:]
     return [line for line in diff if line[:1] in "+-"]
 
 
@@ -80,6 +89,28 @@ def test_diff_count_is_what_diff_prints(tmp_path):
     a.write_text("1\n2\n3\n4\n")
     b.write_text("1\nTWO\n3\n4\n5\n")
     assert diff_count(a, b) == 3  # 2 replaced (< and >), 5 added (>)
+
+
+def test_a_reworded_message_is_no_difference_but_changed_code_is(tmp_path):
+    """Rewording (and re-wrapping) a print of 01 leaves its diff with 01 empty; a changed argument
+    outside the message, or a changed statement, is counted."""
+    source = LESSON.read_text()
+    last_print = [
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "print"
+    ][-1]
+    reworded = tmp_path / "reworded.py"
+    reworded.write_text(
+        source.replace(
+            ast.get_source_segment(source, last_print),
+            'print(\n    f"reworded {launch.rank}",\n    "and re-wrapped",\n    flush=True,\n)',
+        )
+    )
+    assert lines(reworded) != lines(LESSON) and diff_count(LESSON, reworded) == 0
+    changed = tmp_path / "changed.py"
+    changed.write_text(source.replace("train_sampler.set_epoch(epoch)", "pass"))
+    assert diff_count(LESSON, changed) == 2
 
 
 def test_01_shows_every_ddp_line():
