@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata as metadata
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tokenize
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -321,6 +323,20 @@ def load_script(path: str | Path, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def without_comments(source: str) -> str:
+    """Python source without its comments: lines that are only a comment are dropped, trailing
+    comments cut off."""
+    lines = source.splitlines()
+    comment_only = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            row, column = token.start
+            if not lines[row - 1][:column].strip():
+                comment_only.add(row)
+            lines[row - 1] = lines[row - 1][:column].rstrip()
+    return "".join(f"{line}\n" for row, line in enumerate(lines, 1) if row not in comment_only)
 
 
 def code_lines_without_messages(source: str) -> list[str]:

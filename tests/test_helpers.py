@@ -9,7 +9,16 @@ import time
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, _marked_pids, kill_group, run, start
+from tests.helpers import (
+    PYTHON,
+    REPO,
+    _marked_pids,
+    code_lines_without_messages,
+    kill_group,
+    run,
+    start,
+    without_comments,
+)
 
 HANGS = "import time\nprint('started', flush=True)\ntime.sleep(3600)  # the line a hang waits on\n"
 
@@ -84,3 +93,20 @@ def test_torch_text_tests_skip_on_another_torch_only(monkeypatch):
         if skipped:
             reason = text.added[0].kwargs["reason"]
             assert conftest.PINNED_TORCH in reason and "2.8.0" in reason
+
+
+def test_the_code_view_of_a_script_leaves_out_comments_and_what_prints_say():
+    """What lesson comparisons see (tests/test_lessons.py, tests/test_multinode.py)."""
+    source = (
+        'x = 1  # one\n# alone\ns = "# kept"\nprint(\n    f"{x} said",\n    flush=True,\n)\ny = 2\n'
+    )
+    assert (
+        without_comments(source)
+        == 'x = 1\ns = "# kept"\nprint(\n    f"{x} said",\n    flush=True,\n)\ny = 2\n'
+    )
+    assert code_lines_without_messages(without_comments(source)) == [
+        "x = 1",
+        's = "# kept"',
+        "print(...)",
+        "y = 2",
+    ]
