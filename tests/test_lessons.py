@@ -92,8 +92,8 @@ def test_diff_count_is_what_diff_prints(tmp_path):
 
 
 def test_a_reworded_message_is_no_difference_but_changed_code_is(tmp_path):
-    """Rewording (and re-wrapping) a print of 01 leaves its diff with 01 empty; a changed argument
-    outside the message, or a changed statement, is counted."""
+    """Rewording (and re-wrapping) a print of 01 leaves its diff with 01 empty; a changed statement
+    is counted (removed and added)."""
     source = LESSON.read_text()
     last_print = [
         node
@@ -431,8 +431,8 @@ def code_lines(path: Path) -> int:
     ids=["03-diff", "04-diff", "04-cpu_sync_batchnorm"],
 )
 def test_the_line_counts_the_readmes_give_are_the_files(readme, words, measure):
-    """ "about N lines": within 10% of the measured count
-    (diff lines as `diff | grep -c '^[<>]'`)."""
+    """ "about N lines": within 10% of the measured count (diff lines as
+    `diff | grep -c '^[<>]'`, each print call counted as one line)."""
     said = re.search(words, " ".join((REPO / readme).read_text().split()))
     assert said, words
     assert abs(measure() - int(said[1])) <= 0.1 * int(said[1]), (readme, measure(), said[1])
