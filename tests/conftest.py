@@ -1,18 +1,9 @@
 """Fixtures shared by several test files, and the skip of torch-text checks on another torch."""
 
-import os
-
 import pytest
 import torch.distributed as dist
 
 from tests.helpers import PINNED_TORCH, RUNNING_TORCH
-
-
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (pytest.ini): one worker more than the cores, up to four (--maxprocesses). The
-    tests spend much of their time waiting (timeouts, rendezvous, a Slurm job's turn), which the
-    extra worker fills; with one worker per core, the 2-core CI machine was a sixth idle."""
-    return len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else 2
 
 
 def pytest_collection_modifyitems(config, items):
