@@ -681,23 +681,21 @@ def test_06_is_01_line_for_line_plus_the_placement_table():
     code is compared: comments left out, and print calls as `print(...)`
     whatever they say, so that rewording either in 01 fails no test here."""
 
-    def code(path):
-        # the module docstring is the first statement, and no print comes before its end
-        text = without_comments(path.read_text())
-        return code_lines_without_messages(text)[ast.parse(text).body[0].end_lineno :]
+    def code_text(path):
+        # still Python: a folded call reads `print(...)`
+        return "\n".join(code_lines_without_messages(without_comments(path.read_text())))
 
-    lesson = TRAIN.read_text()
+    def code(path):
+        # below the module docstring, the first statement
+        text = code_text(path)
+        return text.splitlines()[ast.parse(text).body[0].end_lineno :]
+
+    lesson = code_text(TRAIN)
     new_functions = {
         line
-        for name in ("gather_placement", "print_placement")
-        for line in code_lines_without_messages(
-            without_comments(
-                ast.get_source_segment(
-                    lesson,
-                    next(n for n in ast.parse(lesson).body if getattr(n, "name", "") == name),
-                )
-            )
-        )
+        for node in ast.parse(lesson).body
+        if getattr(node, "name", "") in ("gather_placement", "print_placement")
+        for line in ast.get_source_segment(lesson, node).splitlines()
     }
     diff = list(
         difflib.unified_diff(
