@@ -685,12 +685,11 @@ def test_06_is_01_line_for_line_plus_the_placement_table():
         # still Python: a folded call reads `print(...)`
         return "\n".join(code_lines_without_messages(without_comments(path.read_text())))
 
-    def code(path):
-        # below the module docstring, the first statement
-        text = code_text(path)
+    def below_docstring(text):
+        # the module docstring is the first statement
         return text.splitlines()[ast.parse(text).body[0].end_lineno :]
 
-    lesson = code_text(TRAIN)
+    basic, lesson = code_text(REPO / "01_basic_ddp" / "train.py"), code_text(TRAIN)
     new_functions = {
         line
         for node in ast.parse(lesson).body
@@ -698,9 +697,7 @@ def test_06_is_01_line_for_line_plus_the_placement_table():
         for line in ast.get_source_segment(lesson, node).splitlines()
     }
     diff = list(
-        difflib.unified_diff(
-            code(REPO / "01_basic_ddp" / "train.py"), code(TRAIN), n=0, lineterm=""
-        )
+        difflib.unified_diff(below_docstring(basic), below_docstring(lesson), n=0, lineterm="")
     )[2:]
     removed = [line[1:].strip() for line in diff if line.startswith("-") and line[1:].strip()]
     added = [
