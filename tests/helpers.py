@@ -522,13 +522,20 @@ def _paragraph_before(lines: list[str], index: int) -> str:
     return " ".join(paragraph)
 
 
+def tracked_files(*patterns: str) -> list[Path]:
+    """The repository's own files (`git ls-files`) matching `patterns`, sorted: never those of a
+    virtual environment, data or runs that live in the clone."""
+    names = subprocess.run(
+        ["git", "ls-files", "--", *patterns], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    return sorted(REPO / name for name in names if (REPO / name).is_file())
+
+
 def readme_commands() -> list[Command]:
-    files = subprocess.run(
-        ["git", "ls-files", "*.md"], cwd=REPO, capture_output=True, text=True, check=True
-    ).stdout.split()
     commands = []
-    for readme in files:
-        text = (REPO / readme).read_text()
+    for path in tracked_files("*.md"):
+        readme = path.relative_to(REPO).as_posix()
+        text = path.read_text()
         for block in markdown_blocks(text):
             if block.info != "bash":
                 continue

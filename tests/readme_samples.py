@@ -42,7 +42,7 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script: tests.helpers importable
-from tests.helpers import markdown_blocks, readme_sample  # noqa: E402
+from tests.helpers import markdown_blocks, readme_sample, tracked_files  # noqa: E402
 
 DECIMAL = re.compile(r"\d+\.\d{4}\b")
 
@@ -93,6 +93,14 @@ def enclosing_function(source: str, line: int) -> str:
     return name
 
 
+def in_repository(file: Path | None) -> bool:
+    """Whether `file` is one of the repository's own files: inside it, and not in the installed
+    packages (a virtual environment may sit inside the clone, or beside it with a longer name)."""
+    return (
+        file is not None and file.is_relative_to(REPO) and not file.is_relative_to(site_packages())
+    )
+
+
 def frame_file(path: str) -> Path | None:
     return next((root / path for root in (REPO, site_packages()) if (root / path).is_file()), None)
 
@@ -135,7 +143,7 @@ def renumber_frames(text: str) -> str:
 
     def traceback_frame(match):
         file = frame_file(match["path"])
-        if file is None or not str(file).startswith(str(REPO)):
+        if not in_repository(file):
             return match[0]
         number = closest_line(file, match["function"], match["source"].strip(), int(match["line"]))
         return (
@@ -151,7 +159,7 @@ def renumber_frames(text: str) -> str:
 
         def py_spy_frame(match):
             function, file, line = next(frames)
-            if file is None or not str(file).startswith(str(REPO)):
+            if not in_repository(file):
                 return match[0]
             number = closest_line(file, function, next(waits), line)
             return match[0] if number is None else match[0].replace(f":{line})", f":{number})")
@@ -163,7 +171,7 @@ def renumber_frames(text: str) -> str:
 def write_frames() -> list[str]:
     """Renumber the frames every README quotes; the READMEs changed."""
     changed = []
-    for doc in sorted(p for p in REPO.rglob("*.md") if ".git" not in p.parts):
+    for doc in tracked_files("*.md"):
         text = doc.read_text()
         if (renumbered := renumber_frames(text)) != text:
             doc.write_text(renumbered)

@@ -24,7 +24,7 @@ import ast
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, tracked_files
 
 BACKEND_ONLY = {
     "monitored_barrier": "gloo",
@@ -107,16 +107,8 @@ def unguarded_uses(source: str) -> list[tuple[int, str]]:
     return found
 
 
-# Every .py outside tests/ (and outside hidden folders
-# and installed packages, should a virtualenv live here).
-EXAMPLES = sorted(
-    p
-    for p in REPO.rglob("*.py")
-    if not any(
-        part.startswith(".") or part in ("tests", "site-packages")
-        for part in p.relative_to(REPO).parts
-    )
-)
+# Every .py of the repository outside tests/.
+EXAMPLES = [p for p in tracked_files("*.py") if p.relative_to(REPO).parts[0] != "tests"]
 
 
 def test_every_python_file_outside_tests_is_scanned():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers import REPO, markdown_blocks, pinned_torch_only
+from tests.helpers import REPO, markdown_blocks, pinned_torch_only, tracked_files
 from tests.readme_samples import (
     FRAME,
     PY_SPY_WAITS,
@@ -27,7 +27,7 @@ from tests.readme_samples import (
 )
 from tests.test_basic_ddp import assert_same_params
 
-DOCS = sorted(p for p in REPO.rglob("*.md") if ".git" not in p.parts)
+DOCS = tracked_files("*.md")
 SITE_PACKAGES = Path(torch.__file__).resolve().parents[1]
 
 
@@ -134,6 +134,21 @@ def test_the_global_batch_tolerance_in_the_readmes_is_the_tested_one():
         r"DDP with the same global batch should match one process to (\D*\d+e-\d+)", guide
     )
     assert claim and claim[1] == f"a relative {quoted}", claim and claim[0]
+
+
+def test_frames_of_installed_packages_are_not_the_repositorys(monkeypatch):
+    """A virtual environment inside the clone, or beside it under a longer name (`repo` and
+    `repo-venv`), holds no repository file whose quoted frames the writer would renumber."""
+    from tests import readme_samples
+
+    inside = REPO / ".venv" / "lib" / "python3.11" / "site-packages"
+    monkeypatch.setattr(readme_samples, "site_packages", lambda: inside)
+    assert readme_samples.in_repository(REPO / "01_basic_ddp" / "train.py")
+    assert not readme_samples.in_repository(inside / "torch" / "nn" / "modules" / "module.py")
+    beside = Path(f"{REPO}-venv") / "lib" / "python3.11" / "site-packages" / "torch" / "x.py"
+    assert str(beside).startswith(str(REPO))  # the prefix a string comparison took for inside
+    assert not readme_samples.in_repository(beside)
+    assert not readme_samples.in_repository(None)
 
 
 def test_renumbering_puts_moved_frames_back_on_their_lines():

@@ -20,7 +20,16 @@ from common.launcher import (
     expand_hostlist,
     master_port,
 )
-from tests.helpers import PYTHON, REPO, clean_env, finish, read_summary, run, start
+from tests.helpers import (
+    PYTHON,
+    REPO,
+    clean_env,
+    finish,
+    read_summary,
+    run,
+    start,
+    tracked_files,
+)
 
 # (id, environment, expected (launcher, rank, local_rank,
 # world_size, local_world_size, master_addr))
@@ -522,7 +531,7 @@ def _devices_by_local_rank(source: str) -> list[int]:
 def test_every_script_picks_its_gpu_with_launch_gpu():
     offenders = {
         str(path.relative_to(REPO)): lines
-        for path in sorted(REPO.rglob("*.py"))
+        for path in tracked_files("*.py")
         if "tests" not in path.relative_to(REPO).parts
         and (lines := _devices_by_local_rank(path.read_text()))
     }

@@ -11,12 +11,11 @@ from __future__ import annotations
 import ast
 import difflib
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, code_lines_without_messages
+from tests.helpers import REPO, code_lines_without_messages, tracked_files
 
 LESSON = REPO / "01_basic_ddp" / "train.py"
 BASELINE = REPO / "01_basic_ddp" / "train_single.py"
@@ -355,13 +354,10 @@ def test_each_lesson_is_formatted_as_plainly_as_the_anchors(path):
 def test_no_python_line_is_over_100_columns():
     """`ruff check`'s E501 lets a line that is one long token (a string, a regex) pass; the
     project's limit has no such exception, in the tests too."""
-    tracked = subprocess.run(
-        ["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True
-    ).stdout.split()
     long = [
-        f"{name}:{number}"
-        for name in tracked
-        for number, line in enumerate(lines(REPO / name), 1)
+        f"{path.relative_to(REPO)}:{number}"
+        for path in tracked_files("*.py")
+        for number, line in enumerate(lines(path), 1)
         if len(line) > 100
     ]
     assert long == []

@@ -30,6 +30,7 @@ from tests.helpers import (
     readme_commands,
     run,
     skip_below_torch,
+    tracked_files,
 )
 from tests.launcher_tools import need_root, need_tools, unavailable
 
@@ -439,12 +440,10 @@ GROUPS = _groups()
 @pytest.fixture(scope="module")
 def tracked_tree(tmp_path_factory) -> Path:
     tree = tmp_path_factory.mktemp("tracked") / "repo"
-    for name in subprocess.run(
-        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
-    ).stdout.splitlines():
-        if (REPO / name).is_file():
-            (tree / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, tree / name)
+    for path in tracked_files():
+        copy = tree / path.relative_to(REPO)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, copy)
     return tree
 
 

@@ -20,7 +20,7 @@ import pytest
 from torch.utils.data.distributed import DistributedSampler
 
 from common.config import DATASETS, TrainConfig
-from tests.helpers import REPO, clean_env, markdown_section, torchrun
+from tests.helpers import REPO, clean_env, markdown_section, torchrun, tracked_files
 
 README_TEXT = (REPO / "README.md").read_text()
 README = " ".join(README_TEXT.split())  # line breaks as spaces
@@ -225,11 +225,7 @@ def test_the_code_is_python_3_10_syntax():
     grammar (ast's feature_version, best effort: it catches newer syntax
     such as except*, the control below); tested with 3.11 ("Versions")."""
     assert "(Python 3.10+;" in README
-    files = [
-        p
-        for p in REPO.rglob("*.py")
-        if not any(part.startswith(".") for part in p.relative_to(REPO).parts)
-    ]
+    files = tracked_files("*.py")
     assert len(files) > 30
     for path in files:
         ast.parse(path.read_text(), filename=str(path), feature_version=(3, 10))
