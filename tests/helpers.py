@@ -6,8 +6,10 @@ import ast
 import importlib.metadata as metadata
 import importlib.util
 import io
+import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -393,14 +395,20 @@ def relative_difference(a: dict, b: dict) -> float:
 def readme_command(readme: str, command: str) -> list[str]:
     """The argv of `command`, taken as written from a ```bash block of
     `readme` (failing if that no longer shows it), with `python` and
-    `torchrun` run by this interpreter; relative paths need cwd=REPO."""
+    `torchrun` run by this interpreter, and leading VAR=value words
+    given to `env`; relative paths need cwd=REPO."""
     import shlex
 
     shown = {c.text for c in readme_commands() if c.readme == readme}
     assert command in shown, f"{readme} no longer shows `{command}`"
     argv = shlex.split(command)
+    # leading VAR=value words set the command's environment, as the shell does: `env` does that
+    assignments = list(itertools.takewhile(re.compile(r"[A-Za-z_]\w*=.*", re.S).fullmatch, argv))
+    argv = argv[len(assignments) :]
     launchers = {"python": [PYTHON], "torchrun": [PYTHON, "-m", "torch.distributed.run"]}
-    return launchers.get(argv[0], argv[:1]) + argv[1:]
+    return (
+        (["env", *assignments] if assignments else []) + launchers.get(argv[0], argv[:1]) + argv[1:]
+    )
 
 
 # --- Markdown: the one reader of the READMEs (fenced blocks, sections, tables) for every test

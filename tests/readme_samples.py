@@ -245,9 +245,10 @@ class Printed:
 SAMPLER = "02_sampler_patterns"
 GATHER = f"torchrun --standalone --nproc_per_node=3 {SAMPLER}/gather_predictions.py"
 UNEVEN = f"torchrun --standalone --nproc_per_node=3 {SAMPLER}/uneven_inputs.py --fix"
+# 05's README command (its first), with the flags the sample names
 CHECKPOINTING = (
-    "torchrun --standalone --nproc_per_node=2 05_checkpointing/train.py --epochs 2 --batch-size 16 "
-    "--save-every-steps 20 --log-every 30 --output-dir runs/b"
+    "torchrun --standalone --nproc_per_node=2 05_checkpointing/train.py --save-every-steps 20 "
+    "--epochs 2 --batch-size 16 --log-every 30 --output-dir runs/b"
 )
 PRINTED = {
     "02-viewer": Printed(

@@ -34,6 +34,8 @@ from tests.helpers import (
 
 SCRIPT = "01_basic_ddp/train.py"
 QUICK_START = "torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py"
+SPAWN = "python 01_basic_ddp/train_spawn.py --nprocs 2"
+SINGLE = "python 01_basic_ddp/train_single.py"
 
 
 def load_params(path):
@@ -156,22 +158,15 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(ddp_two_ranks, tmp_pat
 
 @pytest.mark.min_torch
 def test_mp_spawn_variant_matches_torchrun(ddp_two_ranks, tmp_path):
+    """The README's command, as written, with a smaller batch and fewer steps."""
     result = run(
-        [
-            PYTHON,
-            REPO / "01_basic_ddp/train_spawn.py",
-            "--nprocs",
-            "2",
-            "--batch-size",
-            "16",
-            *STEPS,
-            "--output-dir",
-            tmp_path / "spawn",
-        ],
+        readme_command("01_basic_ddp/README.md", SPAWN)
+        + ["--batch-size", "16", *STEPS, "--output-dir", str(tmp_path / "spawn")],
         timeout=120,
         check=True,
     )
-    assert read_summary(tmp_path / "spawn")["launcher"] == "mp.spawn"
+    summary = read_summary(tmp_path / "spawn")
+    assert summary["launcher"] == "mp.spawn" and summary["world_size"] == 2
     assert repeated_lines(result.stdout) == []  # rank 0 printed
     spawned = load_params(tmp_path / "spawn" / "model.pt")
     # bitwise: the same training
@@ -181,19 +176,15 @@ def test_mp_spawn_variant_matches_torchrun(ddp_two_ranks, tmp_path):
 def test_single_process_baseline_is_the_same_training_as_one_ddp_process(tmp_path):
     """train_single.py is 01 without DDP: on one process the two end
     bitwise equal (same seed, same shuffles, and an all-reduce over one
-    rank changes nothing), so `diff` between them shows only DDP."""
+    rank changes nothing), so `diff` between them shows only DDP. The README's command, as
+    written, with fewer steps."""
     run(
-        [
-            PYTHON,
-            REPO / "01_basic_ddp/train_single.py",
-            "--max-steps",
-            "30",
-            "--output-dir",
-            tmp_path / "single",
-        ],
+        readme_command("01_basic_ddp/README.md", SINGLE)
+        + ["--max-steps", "30", "--output-dir", str(tmp_path / "single")],
         timeout=120,
         check=True,
     )
+    assert read_summary(tmp_path / "single")["world_size"] == 1
     torchrun(SCRIPT, "--max-steps", "30", "--output-dir", tmp_path / "ddp", nproc=1)
     single, ddp = (
         load_params(tmp_path / "single" / "model.pt"),

@@ -44,6 +44,9 @@ from tests.helpers import (
 )
 
 SCRIPT = "05_checkpointing/train.py"
+README_NAME = "05_checkpointing/README.md"
+RUN_IT = "torchrun --standalone --nproc_per_node=2 05_checkpointing/train.py --save-every-steps 20"
+EXPORT = "python 05_checkpointing/export_model.py runs/latest/checkpoints model.pt"
 # 2 epochs of 45 steps (digits, 2 ranks x 16), a checkpoint every 10 steps and at each epoch's end.
 ARGS = ("--epochs", "2", "--batch-size", "16", "--save-every-steps", "10", "--log-every", "100")
 TRAIN_SIZE = 1438  # digits training set: 719 per rank, no padding
@@ -138,38 +141,44 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def stopped_and_resumed(tmp_path_factory) -> tuple[Path, str, str]:
+    """The README's command, as written, with the flags of its sample (tests/readme_samples.py):
+    stopped at step 57, then the same command again, into a folder of the test's own. The same
+    arithmetic as the reference run: the save and log intervals do not change it."""
+    from tests.readme_samples import PRINTED
+
+    sample = PRINTED["05-resume"]
+    out = tmp_path_factory.mktemp("stopped")
+    outputs = []
+    for command in sample.commands[1:]:  # the first empties the README's folder
+        assert command.startswith(f"{RUN_IT} "), command
+        flags = command.removeprefix(RUN_IT).replace(sample.output_dir, str(out))
+        argv = readme_command(README_NAME, RUN_IT) + shlex.split(flags)
+        outputs.append(run(argv, timeout=180, env=record_env(out), check=True).stdout)
+    return out, outputs[0], outputs[1]
+
+
 @pytest.mark.min_torch
 def test_stop_mid_epoch_and_resume_reads_every_sample_once_and_is_bitwise_identical(
-    reference, tmp_path
+    reference, stopped_and_resumed
 ):
-    first = torchrun(
-        SCRIPT,
-        *ARGS,
-        "--output-dir",
-        str(tmp_path),
-        "--max-steps",
-        "57",
-        env=record_env(tmp_path),
-        timeout=180,
-    )
+    output_dir, first, second = stopped_and_resumed
     # 12 steps into epoch 2
-    assert f"saved {tmp_path / 'checkpoints' / 'ckpt-00000057.pt'}" in first.stdout
-    second = torchrun(
-        SCRIPT, *ARGS, "--output-dir", str(tmp_path), env=record_env(tmp_path), timeout=180
-    )
+    assert f"saved {output_dir / 'checkpoints' / 'ckpt-00000057.pt'}" in first
     assert (
-        f"resumed from {tmp_path / 'checkpoints' / 'ckpt-00000057.pt'}: step 57, epoch 2"
-        in second.stdout
+        f"resumed from {output_dir / 'checkpoints' / 'ckpt-00000057.pt'}: step 57, epoch 2"
+        in second
     )
-    summary, ref = read_summary(tmp_path), read_summary(reference)
+    summary, ref = read_summary(output_dir), read_summary(reference)
     assert summary["resumed_from_step"] == 57 and summary["steps"] == TOTAL_STEPS
-    assert_same_params(reference, tmp_path)
+    assert_same_params(reference, output_dir)
     # the epoch's loss sums were restored too
     assert summary["final_train_loss"] == ref["final_train_loss"]
     # The two runs together loaded every sample exactly once per epoch, in the uninterrupted order.
-    assert_every_sample_once_per_epoch(tmp_path, 2)
+    assert_every_sample_once_per_epoch(output_dir, 2)
     for rank in (0, 1):
-        assert batches(tmp_path, rank) == batches(reference, rank)
+        assert batches(output_dir, rank) == batches(reference, rank)
 
 
 @pytest.mark.min_torch
@@ -811,12 +820,13 @@ def _digits_test_outputs(state_dict: dict) -> torch.Tensor:
 
 
 def test_exported_state_dict_loads_into_a_plain_model(reference, tmp_path):
+    """The README's export command as written, from a folder whose runs/latest is the reference
+    run and whose 05_checkpointing is the lesson's."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "latest").symlink_to(reference, target_is_directory=True)
+    (tmp_path / "05_checkpointing").symlink_to(REPO / "05_checkpointing", target_is_directory=True)
+    run(readme_command(README_NAME, EXPORT), 60, cwd=tmp_path, check=True)
     exported = tmp_path / "model.pt"
-    run(
-        [PYTHON, REPO / "05_checkpointing/export_model.py", reference / "checkpoints", exported],
-        60,
-        check=True,
-    )
     sd = torch.load(exported, weights_only=True)
     assert not any(k.startswith("module.") for k in sd)
     outputs = _digits_test_outputs(sd)
@@ -942,20 +952,13 @@ def test_readme_sample_and_summary_are_the_reference_runs(reference):
     assert _summary_fields("01_basic_ddp/train.py") <= _summary_fields(SCRIPT) <= summary.keys()
 
 
-def test_readme_sample_is_what_a_stopped_and_resumed_run_prints(tmp_path):
-    """The README's sample: the commands of tests/readme_samples.py (stopped at step 57, then run
-    again), into a folder of the test's own; every line shown is a line they printed."""
-    from tests.readme_samples import PRINTED, printed_drift, printed_drift_message
+def test_readme_sample_is_what_a_stopped_and_resumed_run_prints(stopped_and_resumed):
+    """The README's sample: every line shown is a line the stopped and resumed runs printed."""
+    from tests.readme_samples import printed_drift, printed_drift_message
 
-    sample = PRINTED["05-resume"]
-    output = ""
-    for command in sample.commands[1:]:  # the first empties the README's folder
-        argv = shlex.split(command.replace(sample.output_dir, str(tmp_path)))
-        assert argv[:2] == ["torchrun", "--standalone"] and argv[3] == SCRIPT, argv
-        output += torchrun(SCRIPT, *argv[4:], timeout=180).stdout
-    problems = printed_drift("05-resume", output, tmp_path)
+    output_dir, first, second = stopped_and_resumed
+    problems = printed_drift("05-resume", first + second, output_dir)
     assert not problems, printed_drift_message("05-resume", problems)
-    assert "resumed from" in output and read_summary(tmp_path)["resumed_from_step"] == 57
 
 
 def _plain_values(value, where="state") -> list[str]:

@@ -14,7 +14,17 @@ import time
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, clean_env, free_port, needs_torch, root_cause, run, torchrun
+from tests.helpers import (
+    PYTHON,
+    REPO,
+    clean_env,
+    free_port,
+    needs_torch,
+    readme_command,
+    root_cause,
+    run,
+    torchrun,
+)
 
 SCRIPTS = sorted(p.relative_to(REPO).as_posix() for p in REPO.glob("0*/train.py"))
 # The failure path is torch's and the launcher's, the same in every lesson (each has @record on
@@ -28,6 +38,15 @@ def _injected_at(output: str) -> float:
     m = re.search(r"test injection, t=([\d.]+)", output)
     assert m, f"the injected failure was not reported:\n{output[-3000:]}"
     return float(m.group(1))
+
+
+# The README's command (debugging/README.md), run as written with --output-dir: rank 1 stops
+# calling collectives at step 2 (tests/inject), and every rank waits at most 5 s.
+HANG = (
+    "PYTHONPATH=.:tests/inject DDP_TEST_FAIL_AT_STEP=2 DDP_TEST_FAIL_RANK=1 "
+    "DDP_TEST_FAIL_MODE=hang torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py "
+    "--timeout-s 5"
+)
 
 
 def _fail_env(mode: str, step: int = 3, rank: int = 1, **extra: str) -> dict[str, str]:
@@ -169,20 +188,13 @@ def test_rank_killed_with_sigkill_ends_job_without_restarts(script, tmp_path):
 def test_hung_rank_ends_the_job_at_the_timeout(tmp_path):
     """Rank 1 stops calling collectives; rank 0 waits in DDP's all-reduce until --timeout-s, then
     gloo raises and torchrun stops the job. The root cause names the timeout and where it waited."""
-    result = torchrun(
-        SCRIPTS[0],
-        *FAST,
-        "--timeout-s",
-        "5",
-        "--output-dir",
-        str(tmp_path),
-        env=_fail_env("hang", step=2),
-        check=False,
-        timeout=180,
+    result = run(
+        readme_command("debugging/README.md", HANG) + ["--output-dir", str(tmp_path)], timeout=180
     )
     ended = time.time()
     out = result.output
     assert result.returncode == 1
+    assert "injecting a hang" in out, out[-3000:]
     assert 5 <= ended - _injected_at(out) < 30
     # gloo's message, as debugging/README.md quotes it (the
     # source file and line are gloo's of torch 2.14.1).

@@ -116,14 +116,15 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
         "tests/test_basic_ddp.py::quick_start", "--output-dir"
     ),
     "python 01_basic_ddp/train.py": Run(
-        SHORT,
-        summary={"launcher": "single", "world_size": 1},
-        files=("runs/latest/model.pt",),
-        group="02-gather",
+        SHORT, summary={"launcher": "single", "world_size": 1}, files=("runs/latest/model.pt",)
     ),
-    "python 01_basic_ddp/train_single.py": Run(SHORT, files=("runs/latest/summary.json",)),
-    "python 01_basic_ddp/train_spawn.py --nprocs 2": Run(
-        SHORT, summary={"launcher": "mp.spawn", "world_size": 2}
+    "python 01_basic_ddp/train_single.py": RunElsewhere(
+        "tests/test_basic_ddp.py::test_single_process_baseline_is_the_same_training_as_one_ddp_process",
+        "--max-steps 30 --output-dir",
+    ),
+    "python 01_basic_ddp/train_spawn.py --nprocs 2": RunElsewhere(
+        "tests/test_basic_ddp.py::test_mp_spawn_variant_matches_torchrun",
+        "--batch-size 16 --output-dir",
     ),
     "mpiexec -n 2 python 01_basic_ddp/train.py": Run(
         SHORT,
@@ -151,11 +152,17 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     "02_sampler_patterns/distributed_eval.py": RunElsewhere(
         f"{SAMPLER_TESTS}::test_distributed_eval_equals_one_process", OUTPUT_DIR
     ),
-    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/gather_predictions.py": Run(
-        expect=(r"359 rows, every index once, in data-set order",), group="02-gather"
+    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/gather_predictions.py": (
+        RunElsewhere(
+            f"{SAMPLER_TESTS}::test_gathered_predictions_equal_one_process_row_for_row",
+            f"--weights {OUTPUT_DIR}",
+        )
     ),
     "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/gather_predictions.py "
-    "--padded": Run(expect=(r"360 rows for 359 images, repeated: \[0\]",), group="02-gather"),
+    "--padded": RunElsewhere(
+        f"{SAMPLER_TESTS}::test_gathering_over_a_padded_distributed_sampler_repeats_samples",
+        f"--weights {OUTPUT_DIR}",
+    ),
     "torchrun --standalone --nproc_per_node=2 "
     "02_sampler_patterns/weighted_sampler.py": RunElsewhere(
         f"{SAMPLER_TESTS}::test_weighted_sampler_is_disjoint_and_balanced", OUTPUT_DIR
@@ -183,11 +190,12 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     "python -m pytest tests/test_sampler_patterns.py -q": NotRun("test-suite"),
     "python -m pytest -m torch_text": NotRun("test-suite"),
     # 05_checkpointing: stopped and started again it resumes (here: stopped by --max-steps)
-    "torchrun --standalone --nproc_per_node=2 05_checkpointing/train.py --save-every-steps 20": Run(
-        SHORT, group="05", again_expect=(r"resumed from",), files=("runs/latest/checkpoints",)
+    # (stopped at step 57 with the flags of its README sample, then run again)
+    "torchrun --standalone --nproc_per_node=2 05_checkpointing/train.py --save-every-steps 20": (
+        RunElsewhere("tests/test_checkpointing.py::stopped_and_resumed")
     ),
-    "python 05_checkpointing/export_model.py runs/latest/checkpoints model.pt": Run(
-        group="05", files=("model.pt",)
+    "python 05_checkpointing/export_model.py runs/latest/checkpoints model.pt": RunElsewhere(
+        "tests/test_checkpointing.py::test_exported_state_dict_loads_into_a_plain_model"
     ),
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 "
     "--max-restarts=2 "
@@ -220,8 +228,9 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
         env=OPEN_MPI_AS_ROOT,
         tools=("mpiexec",),
     ),
-    "torchrun --standalone --nproc_per_node=2 06_multinode/comm_check.py": Run(
-        COMM_SHORT, expect=(r"\b65536 +3 ",)
+    "torchrun --standalone --nproc_per_node=2 06_multinode/comm_check.py": RunElsewhere(
+        "tests/test_multinode.py::test_comm_check_prints_busbw_per_size",
+        f"{COMM_SHORT} --output-dir",
     ),
     "srun --ntasks-per-node=4 python 06_multinode/comm_check.py --pairs": NotRun("scheduler"),
     # benchmark
@@ -242,8 +251,8 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     "--nproc_per_node=2 01_basic_ddp/train.py": Run(exit_code=1, expect=(r"injected failure at",)),
     "PYTHONPATH=.:tests/inject DDP_TEST_FAIL_AT_STEP=2 DDP_TEST_FAIL_RANK=1 "
     "DDP_TEST_FAIL_MODE=hang torchrun "
-    "--standalone --nproc_per_node=2 01_basic_ddp/train.py --timeout-s 5": Run(
-        exit_code=1, expect=(r"injecting a hang", r"Timed out waiting 5000ms")
+    "--standalone --nproc_per_node=2 01_basic_ddp/train.py --timeout-s 5": RunElsewhere(
+        "tests/test_failures.py::test_hung_rank_ends_the_job_at_the_timeout", OUTPUT_DIR
     ),
     "export TORCH_FR_DUMP_TEMP_FILE=$PWD/runs/fr/trace_": NotRun("gpu"),
     "torchfrtrace runs/fr -p trace_": NotRun("gpu"),

@@ -52,6 +52,11 @@ VIEWER = (
 NO_SAMPLER = "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/no_sampler_pitfall.py"
 EVAL = "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/distributed_eval.py"
 WEIGHTED = "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/weighted_sampler.py"
+# (these two also get --weights: a weights file of the test's own, not 01's runs/latest/model.pt)
+GATHER = "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/gather_predictions.py"
+GATHER_PADDED = (
+    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/gather_predictions.py --padded"
+)
 UNEVEN_JOIN = (
     "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/uneven_inputs.py --fix join"
 )
@@ -459,15 +464,24 @@ def test_gathered_predictions_equal_one_process_row_for_row(
     tmp_path, predictions_setup, world_size
 ):
     weights, labels, predictions, _ = predictions_setup
-    result = torchrun(
-        f"{DIR}/gather_predictions.py",
-        "--weights",
-        str(weights),
-        "--output-dir",
-        str(tmp_path),
-        nproc=world_size,
-        timeout=180,
-    )
+    # 3 ranks: the README's command
+    if world_size == 3:
+        result = run(
+            readme_command(README_PATH, GATHER)
+            + ["--weights", str(weights), "--output-dir", str(tmp_path)],
+            timeout=180,
+            check=True,
+        )
+    else:
+        result = torchrun(
+            f"{DIR}/gather_predictions.py",
+            "--weights",
+            str(weights),
+            "--output-dir",
+            str(tmp_path),
+            nproc=world_size,
+            timeout=180,
+        )
     n = len(labels)
     assert_rows_equal_one_process(read_predictions(tmp_path / "predictions.csv"), predictions_setup)
     s = read_summary(tmp_path)
@@ -505,16 +519,25 @@ def test_gathering_over_a_padded_distributed_sampler_repeats_samples(
     """Negative control: the same gather over
     DistributedSampler(drop_last=False) has ceil(N/W)*W rows."""
     weights, labels, _, _ = predictions_setup
-    result = torchrun(
-        f"{DIR}/gather_predictions.py",
-        "--weights",
-        str(weights),
-        "--output-dir",
-        str(tmp_path),
-        "--padded",
-        nproc=world_size,
-        timeout=180,
-    )
+    # 3 ranks: the README's command
+    if world_size == 3:
+        result = run(
+            readme_command(README_PATH, GATHER_PADDED)
+            + ["--weights", str(weights), "--output-dir", str(tmp_path)],
+            timeout=180,
+            check=True,
+        )
+    else:
+        result = torchrun(
+            f"{DIR}/gather_predictions.py",
+            "--weights",
+            str(weights),
+            "--output-dir",
+            str(tmp_path),
+            "--padded",
+            nproc=world_size,
+            timeout=180,
+        )
     n = len(labels)
     padded_total = math.ceil(n / world_size) * world_size
     rows = read_predictions(tmp_path / "predictions.csv")
