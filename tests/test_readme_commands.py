@@ -118,7 +118,8 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
         SHORT, summary={"launcher": "single", "world_size": 1}, files=("runs/latest/model.pt",)
     ),
     "python 01_basic_ddp/train_single.py": RunElsewhere(
-        "tests/test_basic_ddp.py::test_single_process_baseline_is_the_same_training_as_one_ddp_process",
+        "tests/test_basic_ddp.py::"
+        "test_single_process_baseline_is_the_same_training_as_one_ddp_process",
         "--max-steps 30 --output-dir",
     ),
     "python 01_basic_ddp/train_spawn.py --nprocs 2": RunElsewhere(
