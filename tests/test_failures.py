@@ -52,13 +52,13 @@ HANG = (
 def raised_exit(rank: int) -> str:
     """torchrun's summary lines for a rank that raised: exit code 1, or now and then -6.
 
-    Seen once in a fresh clone's run of this file (rank 1 of the test without @record ended with
-    SIGABRT), never in 76 runs of the raise alone. The likely cause: the rank's process group is
-    still alive while its interpreter shuts down (the exception's traceback holds the DDP model),
-    so a gloo thread that frees a tensor then ends the process in std::terminate after its
-    traceback was printed, the abort of debugging/README.md's "terminate called without an active
-    exception", here on the failure path. assert_exit_explained() requires C++'s terminate
-    message with a -6, so that any other cause still fails the test."""
+    Seen once in a fresh clone's run of this file, and in 2 of 273 runs of the raise (with and
+    without @record) next to a busy process: the traceback, then "terminate called without an
+    active exception". The rank's process group is still alive while its interpreter shuts down
+    (the exception's traceback holds the DDP model), so a gloo thread can end it as in
+    debugging/README.md's "terminate called without an active exception", here on the failure
+    path; with @record the error file still holds the exception. assert_exit_explained() requires
+    C++'s terminate message with a -6, so that any other cause still fails the test."""
     return rf"rank\s+: {rank} \(local_rank: {rank}\)\n\s+exitcode\s+: (1|-6) \(pid: (\d+)\)"
 
 
