@@ -425,6 +425,12 @@ def predictions_setup(tmp_path_factory):
     )
 
 
+def on_ranks(argv: list[str], world_size: int) -> list[str]:
+    """A README torchrun command (3 ranks) on `world_size` ranks, everything else as written."""
+    assert argv.count("--nproc_per_node=3") == 1, argv
+    return [f"--nproc_per_node={world_size}" if a == "--nproc_per_node=3" else a for a in argv]
+
+
 def read_predictions(path):
     with open(path) as f:
         return [
@@ -464,24 +470,12 @@ def test_gathered_predictions_equal_one_process_row_for_row(
     tmp_path, predictions_setup, world_size
 ):
     weights, labels, predictions, _ = predictions_setup
-    # 3 ranks: the README's command
-    if world_size == 3:
-        result = run(
-            readme_command(README_PATH, GATHER)
-            + ["--weights", str(weights), "--output-dir", str(tmp_path)],
-            timeout=180,
-            check=True,
-        )
-    else:
-        result = torchrun(
-            f"{DIR}/gather_predictions.py",
-            "--weights",
-            str(weights),
-            "--output-dir",
-            str(tmp_path),
-            nproc=world_size,
-            timeout=180,
-        )
+    result = run(
+        on_ranks(readme_command(README_PATH, GATHER), world_size)
+        + ["--weights", str(weights), "--output-dir", str(tmp_path)],
+        timeout=180,
+        check=True,
+    )
     n = len(labels)
     assert_rows_equal_one_process(read_predictions(tmp_path / "predictions.csv"), predictions_setup)
     s = read_summary(tmp_path)
@@ -519,25 +513,12 @@ def test_gathering_over_a_padded_distributed_sampler_repeats_samples(
     """Negative control: the same gather over
     DistributedSampler(drop_last=False) has ceil(N/W)*W rows."""
     weights, labels, _, _ = predictions_setup
-    # 3 ranks: the README's command
-    if world_size == 3:
-        result = run(
-            readme_command(README_PATH, GATHER_PADDED)
-            + ["--weights", str(weights), "--output-dir", str(tmp_path)],
-            timeout=180,
-            check=True,
-        )
-    else:
-        result = torchrun(
-            f"{DIR}/gather_predictions.py",
-            "--weights",
-            str(weights),
-            "--output-dir",
-            str(tmp_path),
-            "--padded",
-            nproc=world_size,
-            timeout=180,
-        )
+    result = run(
+        on_ranks(readme_command(README_PATH, GATHER_PADDED), world_size)
+        + ["--weights", str(weights), "--output-dir", str(tmp_path)],
+        timeout=180,
+        check=True,
+    )
     n = len(labels)
     padded_total = math.ceil(n / world_size) * world_size
     rows = read_predictions(tmp_path / "predictions.csv")
