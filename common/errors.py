@@ -1,5 +1,5 @@
-"""Bad input the user can fix is not a crash: one `error:`
-line from one rank and exit code 2, as with argparse."""
+"""Bad input the user can fix is not a crash: an `error:` line, never from every rank of a job
+alike, and exit code 2, as with argparse."""
 
 import os
 import sys
@@ -9,23 +9,6 @@ from contextlib import contextmanager
 BAD_INPUT_EXIT_CODE = 2
 # silent ranks exit later: a launcher stops all ranks once one exits, the reporting one too
 SILENT_RANK_DELAY_S = 2.0
-RANK_VARIABLES = (
-    "RANK",
-    "OMPI_COMM_WORLD_RANK",
-    "PMI_RANK",
-    "PALS_RANKID",
-    "PMIX_RANK",
-    "SLURM_PROCID",
-)
-LOCAL_RANK_VARIABLES = (
-    "LOCAL_RANK",
-    "OMPI_COMM_WORLD_LOCAL_RANK",
-    "MPI_LOCALRANKID",
-    "PALS_LOCAL_RANKID",
-    # each launcher's: torchrun, Open MPI,
-    # MPICH/Intel MPI, HPE PALS, PMIx, Slurm
-    "SLURM_LOCALID",
-)
 
 
 class UsageError(Exception):
@@ -44,24 +27,30 @@ class DataError(UsageError):
     """A data set is missing or unusable (possibly on one node only)."""
 
 
-def _first(names: tuple[str, ...]) -> int | None:
-    return next(
-        (int(os.environ[name]) for name in names if os.environ.get(name, "").isdigit()), None
-    )
-
-
 @contextmanager
 def exit_on_bad_input():
-    """Turn a UsageError into one `error:` line and exit code 2. A config error
-    is the same on every rank, so global rank 0 says it; anything else (say, a
-    data folder missing on one node) is said by each node's local rank 0."""
+    """Turn a UsageError into an `error:` line and exit code 2. A config error is the same on
+    every rank, so global rank 0 says it; a data error (a folder missing on one node) is said by
+    each node's local rank 0; a launcher error is this rank's own view of its launch, so every
+    rank that finds one says it (a rank that found nothing to say would exit silently)."""
     try:
         yield
     except UsageError as exc:
-        rank, local_rank = _first(RANK_VARIABLES), _first(LOCAL_RANK_VARIABLES)
-        reporter = rank if isinstance(exc, ConfigError) else local_rank
+        rank, local_rank = _this_rank()
+        reporter = {ConfigError: rank, DataError: local_rank}.get(type(exc), 0)
         if reporter in (None, 0):
             print(f"error: {exc}", file=sys.stderr, flush=True)
-        elif rank is not None:
+        else:
             time.sleep(SILENT_RANK_DELAY_S)
         sys.exit(BAD_INPUT_EXIT_CODE)
+
+
+def _this_rank() -> tuple[int | None, int | None]:
+    """(rank, local rank) by the launcher's own rule; (None, None) where it cannot tell."""
+    from common.launcher import launched_by  # here: that module imports this one
+
+    try:
+        ranks = launched_by(os.environ)
+    except UsageError:
+        return None, None
+    return ranks.rank, ranks.local_rank

@@ -1,9 +1,13 @@
 """Which launcher started this process, where rank 0 listens, which GPU is this rank's.
-`detect_launcher()` reads os.environ (and the GPU count) through `launch_info(env)`, so
-it is unit-tested with plain dicts. Order matters: torchrun may run in a Slurm or PBS
-job, and HPE's PALS exports MPICH's PMI_* too, so the most specific comes first. Slurm's
-cray_shasta MPI plugin (srun on HPE Cray EX) exports PALS_RANKID but no PALS_LOCAL_RANKID or
-world size: such a task is read from its SLURM_* variables."""
+
+The rule: rank, local rank and both world sizes come from the launcher that started the process,
+in this order: torchrun; RANK and WORLD_SIZE set by hand; Open MPI's or Hydra's mpiexec (MPICH,
+Intel MPI); an srun job step, read from SLURM_* whatever its MPI plugin added; HPE PALS' mpiexec.
+An mpiexec inside a Slurm job starts its daemons with srun, whose SLURM_PROCID its ranks inherit;
+Slurm's cray_shasta plugin exports PALS' variables too (PALS_RANKID; since 23.02 PALS_LOCAL_RANKID
+and PMI_*). A local world size is a launcher's own count, never a guess. launch_info(env) is the
+rule on a plain dict; it imports no torch.
+"""
 
 import os
 import re
@@ -13,18 +17,6 @@ from itertools import product
 from pathlib import Path
 from typing import Mapping
 
-import torch
-import torch.distributed as dist
-
-# A workaround for torch's own bug, in this one place because every script imports this module
-# before its process group exists. torch.distributed.nn.functional binds the default process group
-# as the default argument of its functions when it is first imported, and DDP's constructor
-# imports it (through torch._dynamo). Imported after init_process_group, it keeps the group, and
-# gloo's threads, alive past destroy_process_group() into interpreter shutdown, where a gloo thread
-# that frees a tensor aborts the finished run ("terminate called without an active exception";
-# debugging/README.md). Imported now, it binds None. Seen in torch 2.14.1.
-import torch.distributed.nn  # noqa: F401
-
 from common.errors import LauncherError, exit_on_bad_input
 
 # torchrun's --master-port default across nodes (one node without it: a free port)
@@ -32,41 +24,50 @@ DEFAULT_PORT = 29500
 # below the ephemeral range (32768+); stride coprime to span
 PORT_BASE, PORT_SPAN, ARRAY_STRIDE = 15000, 15000, 7537
 LOOPBACK = "127.0.0.1"
-_MPI_LIKE = [  # (launcher, variables that mark it, rank, local rank, world size, local world size)
-    (
-        "openmpi",
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
+
+
+@dataclass(frozen=True)
+class Dialect:  # where one launcher puts the four numbers; `marker`: a variable it alone sets
+    launcher: str
+    marker: str
+    rank: str
+    local_rank: str
+    world_size: str
+    local_world_size: str
+
+
+TORCHRUN = Dialect(
+    "torchrun", "TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"
+)
+BY_HAND = replace(TORCHRUN, launcher="env", marker="")
+MPI_LAUNCHERS = (  # Hydra is also Intel MPI's (named intel-mpi where I_MPI_ROOT is set)
+    Dialect(
+        "openmpi", *(f"OMPI_COMM_WORLD_{n}" for n in "SIZE RANK LOCAL_RANK SIZE LOCAL_SIZE".split())
     ),
-    # PALS' own mpiexec; srun's cray_shasta plugin sets PALS_RANKID alone
-    (
-        "pals",
-        ("PALS_LOCAL_RANKID",),
-        "PALS_RANKID",
-        "PALS_LOCAL_RANKID",
-        "PMI_SIZE",
-        "PALS_LOCAL_SIZE",
+    Dialect(
+        "mpich", "MPI_LOCALNRANKS", "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE", "MPI_LOCALNRANKS"
     ),
-    # Intel MPI too
-    (
-        "mpich",
-        ("PMI_RANK", "PMI_SIZE"),
-        "PMI_RANK",
-        "MPI_LOCALRANKID",
-        "PMI_SIZE",
-        "MPI_LOCALNRANKS",
-    ),
-]
-# interactive, batch, extern and pending steps are not srun steps
-_SLURM_SPECIAL_STEP_MIN = 0xFFFFFFFA
+)
+# PMI_SIZE and PMI_LOCAL_SIZE: Cray PMI's, which PALS sets up for every rank it starts
+PALS = Dialect(
+    "pals", "PALS_LOCAL_RANKID", "PALS_RANKID", "PALS_LOCAL_RANKID", "PMI_SIZE", "PMI_LOCAL_SIZE"
+)
+FOREIGN_RANKS = ("PMI_RANK", "PALS_RANKID", "PMIX_RANK")  # set, yet no rule matched: refused
+_SLURM_SPECIAL_STEP_MIN = 0xFFFFFFFA  # batch, extern, interactive, pending: not srun steps
+
+
+@dataclass(frozen=True)
+class Ranks:  # what a launcher says of this process (None: it says nothing of that)
+    launcher: str
+    rank: int | None
+    local_rank: int | None
+    world_size: int | None
+    local_world_size: int | None
 
 
 @dataclass(frozen=True)
 class LaunchInfo:
-    launcher: str  # torchrun, mp.spawn, env, openmpi, mpich, intel-mpi, pals, pmix, slurm, single
+    launcher: str  # torchrun, mp.spawn, env, openmpi, mpich, intel-mpi, pals, slurm, single
     rank: int
     local_rank: int
     world_size: int
@@ -79,8 +80,8 @@ class LaunchInfo:
     gpu: int = 0
 
 
-def _int(env: Mapping[str, str], name: str | None) -> int | None:
-    if name is None or env.get(name, "") == "":
+def _int(env: Mapping[str, str], name: str) -> int | None:
+    if env.get(name, "") == "":
         return None
     value = env[name].strip()
     if not re.fullmatch(r"-?\d+", value):
@@ -89,8 +90,7 @@ def _int(env: Mapping[str, str], name: str | None) -> int | None:
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """Expand a Slurm hostlist such as 'gpu[001-004,010],login2'
-    (commas in brackets separate ranges) into hosts."""
+    """The hosts of a Slurm host list such as 'gpu[001-004,010],login2' (ranges in brackets)."""
     items = re.findall(r"(?:[^,\[\]]|\[[^\[\]]*\])+", hostlist or "")
     if not items or ",".join(items) != hostlist.strip():
         raise LauncherError(f"malformed host list {hostlist!r}")
@@ -134,9 +134,7 @@ def master_address(env: Mapping[str, str]) -> str:
     """MASTER_ADDR, else the job's first host (Slurm node list, PBS node file), else loopback."""
     if env.get("MASTER_ADDR"):
         return env["MASTER_ADDR"]
-    nodelist = (
-        env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    )
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
     if env.get("SLURM_JOB_ID") and nodelist:
         return expand_hostlist(nodelist)[0]
     if nodefile := env.get("PBS_NODEFILE"):
@@ -151,18 +149,16 @@ def master_address(env: Mapping[str, str]) -> str:
 
 
 def master_port(env: Mapping[str, str]) -> int:
-    """MASTER_PORT, else one from the job id (PBS array
-    subjob i adds i x ARRAY_STRIDE), else 29500."""
+    """MASTER_PORT, else one from the job id (PBS array subjob i adds i x ARRAY_STRIDE)."""
     if env.get("MASTER_PORT"):
         port = _int(env, "MASTER_PORT")
         if not 1 <= port <= 65535:
             raise LauncherError(f"MASTER_PORT={port} is not a TCP port (1-65535)")
         return port
     # PBS: '1234.pbs01', array subjob '1234[5].pbs01'
-    m = re.match(r"(\d+)(?:\[(\d+)\])?", _scheduler(env)[1])
-    return (
-        PORT_BASE + (int(m[1]) + int(m[2] or 0) * ARRAY_STRIDE) % PORT_SPAN if m else DEFAULT_PORT
-    )
+    if not (m := re.match(r"(\d+)(?:\[(\d+)\])?", _scheduler(env)[1])):
+        return DEFAULT_PORT
+    return PORT_BASE + (int(m[1]) + int(m[2] or 0) * ARRAY_STRIDE) % PORT_SPAN
 
 
 def detect_launcher(
@@ -170,13 +166,17 @@ def detect_launcher(
 ) -> LaunchInfo:
     """This process's launch from os.environ (mp.spawn workers pass rank, world_size); bad input
     exits with code 2. uses_gpu=False: a CPU run, whose ranks are not checked against the GPUs."""
+    import torch
+
+    # torch 2.14.1's bug, worked around here, before every script's process group: imported after
+    # it, torch.distributed.nn.functional (DDP imports it) binds the group as a default argument,
+    # keeping it and gloo's threads past destroy_process_group(), where one can abort the finished
+    # run ("terminate called without an active exception"; debugging/README.md).
+    import torch.distributed.nn  # noqa: F401
+
+    gpus = torch.cuda.device_count() if uses_gpu and torch.cuda.is_available() else 0
     with exit_on_bad_input():
-        info = launch_info(
-            os.environ,
-            rank,
-            world_size,
-            torch.cuda.device_count() if uses_gpu and torch.cuda.is_available() else 0,
-        )
+        info = launch_info(os.environ, rank, world_size, gpus)
     if info.master_port == 0:
         # torch up to 2.7 rejects port 0 in a tcp:// URL ("port number missing"), so a process
         # started alone asks the OS for a free port here instead of leaving it to its store
@@ -184,10 +184,11 @@ def detect_launcher(
     return info
 
 
-def choose_backend(device: torch.device) -> str:
-    """nccl for a GPU where this torch build has it (Linux); gloo otherwise: on CPUs, and on
-    Windows and macOS, whose builds have no NCCL ("Distributed package doesn't have NCCL built
-    in"). A Mac's MPS device has no backend at all: the scripts train on its CPU."""
+def choose_backend(device) -> str:
+    """nccl for a GPU where this torch build has it (Linux); else gloo: CPUs, and Windows and macOS
+    builds ("Distributed package doesn't have NCCL built in"). MPS has none: train on the CPU."""
+    import torch.distributed as dist
+
     return "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
 
 
@@ -201,12 +202,14 @@ def free_port() -> int:
 def launch_info(
     env: Mapping[str, str], rank: int | None = None, world_size: int | None = None, gpus: int = 0
 ) -> LaunchInfo:
-    """Rank, local rank, world sizes, master address/port, launcher name and GPU
-    (of the `gpus` it sees) from `env`. A process started alone, outside any
-    job, gets port 0: any free port serves (nobody connects); detect_launcher picks one."""
+    """Rank, local rank, world sizes, master address/port, launcher and GPU (of the `gpus` it
+    sees) from `env`. A process alone, outside any job, gets port 0: any free port serves."""
     scheduler, job_id = _scheduler(env)
-    name, rank, local_rank, world, local_world = _find(env, rank, world_size)
-    world = 1 if world is None else world
+    spawned = rank is not None or world_size is not None  # mp.spawn: every rank on one node
+    found = Ranks("mp.spawn", rank, rank, world_size, world_size) if spawned else launched_by(env)
+    name, rank, local_rank = found.launcher, found.rank, found.local_rank
+    world = 1 if found.world_size is None else found.world_size
+    local_world = found.local_world_size
     if world < 1:
         raise LauncherError(f"{name}: world size {world} must be at least 1")
     if rank is None and world > 1:
@@ -219,13 +222,18 @@ def launch_info(
         raise LauncherError(
             f"{name}: rank {rank} is outside the world size {world} (must be 0..{world - 1})"
         )
-    if local_world is None:
-        local_world = world if scheduler == "none" else 1 if local_rank is None else local_rank + 1
-    local_rank = rank % local_world if local_rank is None else local_rank
+    if local_world is None or local_rank is None:
+        if world > 1 and scheduler != "none":
+            raise LauncherError(
+                f"{name}: rank {rank} of {world} in a {scheduler} job, but no launcher counts the "
+                "ranks of this node: export LOCAL_RANK and LOCAL_WORLD_SIZE, or use srun, mpiexec"
+            )
+        # one machine outside any job (ranks started by hand, a world of one): local is global
+        local_world = world if local_world is None else local_world
+        local_rank = rank if local_rank is None else local_rank
     if not 0 <= local_rank < local_world or local_world > world:
         raise LauncherError(
-            f"{name}: local rank {local_rank} and local world size {local_world} do not fit "
-            f"world size {world}"
+            f"{name}: local rank {local_rank} of {local_world} does not fit world size {world}"
         )
     # 0: per-task GPU binding (srun --gpus-per-task=1, site scripts) shows one GPU
     gpu = local_rank if gpus >= local_world else 0
@@ -237,83 +245,73 @@ def launch_info(
             f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}): "
             "one rank per GPU, seeing all or its own"
         )
-    port = (
-        0
-        if name == "single" and scheduler == "none" and not env.get("MASTER_PORT")
-        else master_port(env)
-    )
+    alone = name == "single" and scheduler == "none" and not env.get("MASTER_PORT")
+    port, addr = 0 if alone else master_port(env), master_address(env)
     return LaunchInfo(
-        name,
-        rank,
-        local_rank,
-        world,
-        local_world,
-        master_address(env),
-        port,
-        scheduler,
-        job_id,
-        gpu,
+        name, rank, local_rank, world, local_world, addr, port, scheduler, job_id, gpu
     )
 
 
-def _find(env, rank, world_size):
-    if rank is not None or world_size is not None:
-        # one node: the local rank is the rank, even in a job
-        return "mp.spawn", rank, rank, world_size, world_size
-    torchrun_like = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-    if env.get("TORCHELASTIC_RUN_ID") is not None:
-        return ("torchrun", *(_int(env, n) for n in torchrun_like))
-    # set by hand, or by a launcher that follows torchrun
-    if env.get("RANK") or env.get("WORLD_SIZE"):
-        found = ("env", *(_int(env, n) for n in torchrun_like))
-        return found if found[2] is not None else _local_rank_from_job(env, *found[1:])
-    for name, markers, *names in _MPI_LIKE:
-        if any(env.get(m) is not None for m in markers):
-            name = "intel-mpi" if name == "mpich" and env.get("I_MPI_ROOT") else name
-            return (name, *(_int(env, n) for n in names))
-    # PMIx alone exports no world size; Slurm (srun --mpi=pmix) does
-    if env.get("PMIX_RANK") is not None:
-        ws = _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS")
-        return "pmix", _int(env, "PMIX_RANK"), _int(env, "SLURM_LOCALID"), ws, None
-    # srun sets it; a batch script alone has SLURM_PROCID=0 but no step id
-    step = env.get("SLURM_STEP_ID", "batch")
-    if (
-        step != "batch"
-        and not (step.isdigit() and int(step) >= _SLURM_SPECIAL_STEP_MIN)
-        and env.get("SLURM_PROCID")
-    ):
-        ws = _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS")
-        spec, node = (
-            env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE"),
-            _int(env, "SLURM_NODEID"),
-        )
-        lws = _slurm_tasks_on_node(spec, node) if spec and node is not None else None
-        return "slurm", _int(env, "SLURM_PROCID"), _int(env, "SLURM_LOCALID"), ws, lws
-    if env.get("PALS_RANKID") is not None:
-        raise LauncherError(
-            "PALS_RANKID is set but neither PALS_LOCAL_RANKID (PALS' mpiexec) nor an srun step "
-            "(SLURM_PROCID, SLURM_STEP_ID): start the ranks with mpiexec or srun"
-        )
-    return "single", None, None, None, None
+def launched_by(env: Mapping[str, str]) -> Ranks:
+    """The rule at the top of this file, in its order."""
+    if env.get(TORCHRUN.marker) is not None:
+        return _read(TORCHRUN, env)
+    if env.get("RANK") or env.get("WORLD_SIZE"):  # set by hand, or by a wrapper
+        return _by_hand(env)
+    for dialect in MPI_LAUNCHERS:
+        if env.get(dialect.marker) is not None:
+            intel = dialect.launcher == "mpich" and env.get("I_MPI_ROOT")
+            return replace(_read(dialect, env), launcher="intel-mpi" if intel else dialect.launcher)
+    if _in_srun_step(env):
+        return _srun_task(env)
+    if env.get(PALS.marker) is not None:
+        return _read(PALS, env)
+    for name in FOREIGN_RANKS:
+        if env.get(name) is not None:
+            raise LauncherError(
+                f"{name} is set, but by no launcher these scripts know: start the ranks with "
+                "torchrun, srun or mpiexec, or set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE"
+            )
+    return Ranks("single", None, None, None, None)
 
 
-def _local_rank_from_job(env, rank, _, world, local_world):
-    """RANK/WORLD_SIZE without LOCAL_RANK (a wrapper's `export RANK=$SLURM_PROCID`): the local
-    rank is the job's own (srun's, mpiexec's). In a Slurm or PBS job without one, every rank
-    would take local rank 0, and GPU 0: refuse."""
-    if _scheduler(env)[0] == "none" or world in (None, 1):
-        return "env", rank, None, world, local_world  # one machine: the local rank is the rank
-    launched = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")}
-    name, job_rank, job_local_rank, job_world, job_local_world = _find(launched, None, None)
-    if job_local_rank is None:
+def _read(dialect: Dialect, env: Mapping[str, str]) -> Ranks:
+    names = (dialect.rank, dialect.local_rank, dialect.world_size, dialect.local_world_size)
+    return Ranks(dialect.launcher, *(_int(env, name) for name in names))
+
+
+def _in_srun_step(env: Mapping[str, str]) -> bool:
+    """srun's tasks; a batch script has SLURM_PROCID=0 but no step id, or a special one."""
+    step = env.get("SLURM_STEP_ID", "")
+    return step.isdigit() and int(step) < _SLURM_SPECIAL_STEP_MIN and bool(env.get("SLURM_PROCID"))
+
+
+def _srun_task(env: Mapping[str, str]) -> Ranks:
+    rank = _int(env, "SLURM_PROCID")
+    for name in ("PMI_RANK", "PMIX_RANK", "PALS_RANKID"):  # its MPI plugin's copy agrees
+        if env.get(name) is not None and _int(env, name) != rank:
+            raise LauncherError(f"SLURM_PROCID={rank} but {name}={env[name]}: an unknown mpiexec")
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    node = _int(env, "SLURM_NODEID")
+    world = _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS")
+    local_world = _slurm_tasks_on_node(spec, node) if spec and node is not None else None
+    return Ranks("slurm", rank, _int(env, "SLURM_LOCALID"), world, local_world)
+
+
+def _by_hand(env: Mapping[str, str]) -> Ranks:
+    """RANK and WORLD_SIZE set by hand or by a wrapper (`export RANK=$SLURM_PROCID`): a local
+    rank or size not set with them is the launcher's that started the process (srun's,
+    mpiexec's). With none, launch_info refuses a job (every rank would drive GPU 0)."""
+    found = _read(BY_HAND, env)
+    job = launched_by({k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")})
+    if job.launcher == "single" or None not in (found.local_rank, found.local_world_size):
+        return found
+    if (job.rank, job.world_size) != (found.rank, found.world_size):
         raise LauncherError(
-            f"RANK and WORLD_SIZE are set but LOCAL_RANK is not, and this {_scheduler(env)[0]} "
-            "job has no launcher's local rank to take: export LOCAL_RANK (and LOCAL_WORLD_SIZE) "
-            "too, or unset RANK and WORLD_SIZE and start the ranks with srun or mpiexec"
+            f"RANK={found.rank} and WORLD_SIZE={found.world_size} disagree with {job.launcher}'s "
+            f"rank {job.rank} of {job.world_size}: export LOCAL_RANK and LOCAL_WORLD_SIZE too, or "
+            "unset RANK and WORLD_SIZE"
         )
-    if (job_rank, job_world) != (rank, world):
-        raise LauncherError(
-            f"RANK={rank} and WORLD_SIZE={world} disagree with {name}'s rank {job_rank} of "
-            f"{job_world}: export LOCAL_RANK too, or unset RANK and WORLD_SIZE"
-        )
-    return "env", rank, job_local_rank, world, local_world or job_local_world
+    local_rank = job.local_rank if found.local_rank is None else found.local_rank
+    local_world = job.local_world_size if found.local_world_size is None else found.local_world_size
+    return replace(found, local_rank=local_rank, local_world_size=local_world)

@@ -3,6 +3,10 @@
 import pytest
 import torch.distributed as dist
 
+# Before any process group, as detect_launcher() does in every script (common/launcher.py says
+# why): tests that train in this process hand train() a LaunchInfo without calling it.
+import torch.distributed.nn  # noqa: F401
+
 from tests.helpers import PINNED_TORCH, RUNNING_TORCH
 
 

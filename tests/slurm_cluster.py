@@ -106,7 +106,7 @@ class SlurmCluster:
         for node in NODES:
             self.procs.append(
                 subprocess.Popen(
-                    ["slurmd", "-D", "-N", node, "-f", str(self.conf)],
+                    ["slurmd", "-D", "-N", node, "-f", str(self._node_conf(node))],
                     env=env,
                     stdout=open(log / f"slurmd-{node}.out", "w"),
                     stderr=subprocess.STDOUT,
@@ -127,6 +127,9 @@ class SlurmCluster:
                 return self
             time.sleep(0.5)
         raise RuntimeError(f"Slurm nodes not idle after {timeout}s:\n{self.logs()}")
+
+    def _node_conf(self, node: str) -> Path:
+        return self.root / "conf" / node / "slurm.conf"
 
     def _write_conf(self) -> None:
         ctld_port = free_port()
@@ -172,6 +175,18 @@ MinJobAge=600
 {node_lines}
 PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
 """)
+        # srun --mpi=pmix: the plugin makes a client directory per job step under
+        # PMIxCliTmpDirBase, named without the node, so two slurmd on one host would collide
+        # ("Cannot create directory ...: File exists"). Each slurmd reads the same slurm.conf
+        # from a folder of its own, beside an mpi.conf (read from there) with its own base.
+        for node in NODES:
+            conf = self._node_conf(node)
+            (self.root / "pmix" / node).mkdir(parents=True)
+            conf.parent.mkdir(parents=True)
+            conf.write_text(self.conf.read_text())
+            (conf.parent / "mpi.conf").write_text(
+                f"PMIxCliTmpDirBase={self.root / 'pmix' / node}\n"
+            )
 
     # -- jobs ---------------------------------------------------------------------------------
     def sbatch(self, args: list[str], env: dict[str, str], cwd: Path) -> str:

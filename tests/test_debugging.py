@@ -387,8 +387,11 @@ from pathlib import Path
 import torch
 
 first_import, wrap, release = sys.argv[1:]
-if first_import != "none":
-    # before any process group, as every script does by importing common.launcher
+if first_import == "common.launcher":  # before any process group, as every script does
+    from common.launcher import detect_launcher
+
+    detect_launcher(uses_gpu=False)
+elif first_import != "none":
     __import__(first_import)
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -437,10 +440,10 @@ def test_what_keeps_gloos_threads_past_destroy_process_group():
     things keep the process group, and gloo's threads, alive past destroy_process_group(): the
     DDP model (its reducer), and torch.distributed.nn.functional imported after the group exists
     (DDP's constructor imports it; its functions bind the default group as a default argument).
-    Released model and early import (common.launcher does it): no thread left."""
+    Released model and early import (common.launcher.detect_launcher does it): no thread left."""
     # the group alone leaves none
     assert gloo_threads_left("none", "none", "keep")[1] == 0
-    # the fix: the model released, torch.distributed.nn imported first (by common.launcher)
+    # the fix: the model released, torch.distributed.nn imported first (by detect_launcher)
     assert gloo_threads_left("common.launcher", "ddp", "del")[1] == 0
     assert gloo_threads_left("torch.distributed.nn", "ddp", "del")[1] == 0
     # each half alone is not enough

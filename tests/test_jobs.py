@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections import Counter
 
 import pytest
 
@@ -25,7 +26,7 @@ from tests.helpers import (
     torchrun,
     skip_below_torch,
 )
-from tests.launcher_tools import need_root, need_tools
+from tests.launcher_tools import need_root, need_tools, openmpi_env
 from tests.slurm_cluster import TOOLS as SLURM_TOOLS, SlurmCluster
 
 JOBS = sorted((REPO / "jobs").glob("*.*"))
@@ -205,43 +206,102 @@ def test_slurm_detection_batch_shell_vs_job_step(cluster, tmp_path):
     assert sorted(rows[1:]) == [["0", "slurm", 0, 2], ["0", "slurm", 1, 2]]
 
 
-def test_srun_with_the_cray_shasta_plugin_trains_01_and_places_cyclic_ranks(cluster, tmp_path):
-    """HPE Cray EX runs srun with Slurm's cray_shasta MPI plugin, which exports PALS_RANKID but no
-    PALS_LOCAL_RANKID or PMI_SIZE. The README's srun command on 2 nodes x 2 tasks trains 01
-    (block distribution, world size 4); under `-m cyclic` the launcher places ranks 0 and 2 on
-    the first node as its local ranks 0 and 1. Before the fix every rank but 0 exited with 2."""
-    srun = "srun --mpi=cray_shasta -N2 --ntasks-per-node=2 --cpus-per-task=1"
-    probe = (
-        "import json, os; from common.launcher import launch_info; i = launch_info(os.environ); "
-        "print('probe', json.dumps([os.environ['PALS_RANKID'], 'PALS_LOCAL_RANKID' in os.environ,"
-        " i.launcher, i.rank, i.local_rank, i.world_size, os.environ['SLURM_NODEID']]))"
+# -- the launcher matrix: every MPI plugin of this Slurm, and mpiexec inside an allocation ---------
+MPI_PLUGINS = ("none", "pmi2", "pmix", "cray_shasta")  # `srun --mpi=list` on the test cluster
+DISTRIBUTIONS = ("block", "cyclic")
+# the variable each plugin adds (Debian's Slurm 22.05), and that the cell's tasks must show
+PLUGIN_VARIABLE = {
+    "none": None,
+    "pmi2": "PMI_RANK",
+    "pmix": "PMIX_RANK",
+    "cray_shasta": "PALS_RANKID",
+}
+# where each MPI says rank, local rank, world size and local world size
+MPI_SAYS = {
+    "mpich": ("PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE", "MPI_LOCALNRANKS"),
+    "openmpi": tuple(f"OMPI_COMM_WORLD_{n}" for n in ("RANK", "LOCAL_RANK", "SIZE", "LOCAL_SIZE")),
+}
+
+
+@pytest.fixture(scope="module")
+def launcher_matrix(cluster, tmp_path_factory):
+    """One job of 2 nodes x 2 tasks: tests/launch_probe.py under srun with every MPI plugin and
+    both distributions, then under MPICH's and Open MPI's mpiexec, which start their daemons with
+    srun. {cell: [each process's {"detected": [...], "env": {...}}]}."""
+    need_tools("mpiexec.mpich", "mpirun")
+    root = tmp_path_factory.mktemp("matrix")
+    probe = f"{PYTHON} tests/launch_probe.py"
+    lines = ["#!/bin/bash", "set -euo pipefail"]
+    for mpi in MPI_PLUGINS:
+        for distribution in DISTRIBUTIONS:
+            lines.append(
+                f"srun --mpi={mpi} -m {distribution} -N2 --ntasks-per-node=2 --cpus-per-task=1 "
+                f"{probe} srun/{mpi}/{distribution}"
+            )
+    lines.append(f"timeout 60 mpiexec.mpich -n 4 -ppn 2 {probe} mpiexec/mpich")
+    lines.append(f"timeout 60 mpirun -n 4 --map-by ppr:2:node {probe} mpiexec/openmpi")
+    (root / "job.sh").write_text("\n".join(lines) + "\n")
+    args = ["-N2", "--ntasks-per-node=2", "--cpus-per-task=1", "-o", str(root / "out")]
+    job = cluster.sbatch([*args, str(root / "job.sh")], openmpi_env(), REPO)
+    state = cluster.wait(job, 180)
+    output = (root / "out").read_text()
+    assert state[0] == "COMPLETED", f"{state}\n{output}\n{cluster.logs()}"
+    cells = {}
+    for line in output.splitlines():
+        if line.startswith("probe "):
+            _, cell, row = line.split(" ", 2)
+            cells.setdefault(cell, []).append(json.loads(row))
+    return cells
+
+
+@pytest.mark.parametrize("distribution", DISTRIBUTIONS)
+@pytest.mark.parametrize("mpi", MPI_PLUGINS)
+def test_srun_tasks_are_read_as_slurm_places_them(launcher_matrix, mpi, distribution):
+    """Whatever the plugin exports beside Slurm's own variables, each task's (rank, local rank,
+    world size, local world size) is what Slurm says: SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS
+    and the count of the step's tasks on its node. Before, pmi2's PMI_RANK made a task MPICH's,
+    local rank 0 of 1 (GPU 0 for every rank of a node); pmix's gave a local world of 1."""
+    tasks = launcher_matrix[f"srun/{mpi}/{distribution}"]
+    on_node = Counter(task["env"]["SLURM_NODEID"] for task in tasks)
+    assert sorted(task["detected"] for task in tasks) == sorted(
+        ["slurm", *(int(task["env"][n]) for n in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"))]
+        + [on_node[task["env"]["SLURM_NODEID"]]]
+        for task in tasks
     )
+    # the cell is what it says: the plugin's own variable is there, and ranks 0 and 1 share a node
+    # under block distribution, not under cyclic
+    assert all((PLUGIN_VARIABLE[mpi] in task["env"]) == (mpi != "none") for task in tasks)
+    node_of = {task["detected"][1]: task["env"]["SLURM_NODEID"] for task in tasks}
+    assert (node_of[0] == node_of[1]) == (distribution == "block") and len(on_node) == 2
+
+
+@pytest.mark.parametrize("mpi", MPI_SAYS)
+def test_mpiexec_inside_a_slurm_job_is_read_from_the_mpi(launcher_matrix, mpi):
+    """mpiexec inside an allocation starts its daemons with srun, so its ranks carry a srun step's
+    SLURM_PROCID: the daemon's, not theirs (checked). Their numbers come from the MPI."""
+    ranks = launcher_matrix[f"mpiexec/{mpi}"]
+    assert sorted(rank["detected"] for rank in ranks) == sorted(
+        [mpi, *(int(rank["env"][name]) for name in MPI_SAYS[mpi])] for rank in ranks
+    )
+    assert sorted(rank["detected"][1] for rank in ranks) == [0, 1, 2, 3]
+    assert {tuple(rank["detected"][3:]) for rank in ranks} == {(4, 2)}
+    assert any(rank["env"]["SLURM_PROCID"] != str(rank["detected"][1]) for rank in ranks)
+
+
+def test_01_trains_under_srun_with_the_pmi2_plugin(cluster, tmp_path):
+    """Sites with MpiDefault=pmi2 (and Intel MPI users told to add --mpi=pmi2): 01 on 2 nodes x 2
+    tasks trains with identical replicas, each rank on the local rank Slurm gave it."""
     (tmp_path / "job.sh").write_text(
         # the test nodes' names do not resolve: their address, as the job files take it
         "#!/bin/bash\nset -euo pipefail\nexport MASTER_ADDR=127.0.0.1\n"
-        f'{srun} -m cyclic {PYTHON} -c "{probe}"\n'
-        f"{srun} {PYTHON} 01_basic_ddp/train.py {SMALL} --log-every 1000 "
-        f"--output-dir {tmp_path / '01'}\n"
+        f"srun --mpi=pmi2 -N2 --ntasks-per-node=2 --cpus-per-task=1 {PYTHON} "
+        f"01_basic_ddp/train.py {SMALL} --log-every 1000 --output-dir {tmp_path / '01'}\n"
     )
-    job = cluster.sbatch(
-        ["-N2", "--ntasks-per-node=2", "--cpus-per-task=1", "-o", str(tmp_path / "out")]
-        + [str(tmp_path / "job.sh")],
-        clean_env(),
-        REPO,
-    )
+    args = ["-N2", "--ntasks-per-node=2", "--cpus-per-task=1", "-o", str(tmp_path / "out")]
+    job = cluster.sbatch([*args, str(tmp_path / "job.sh")], clean_env(), REPO)
     state = cluster.wait(job, 240)
     output = (tmp_path / "out").read_text()
     assert state[0] == "COMPLETED", f"{state}\n{output}\n{cluster.logs()}"
-    cyclic = sorted(
-        json.loads(line[6:]) for line in output.splitlines() if line.startswith("probe ")
-    )
-    # [PALS_RANKID, has PALS_LOCAL_RANKID, launcher, rank, local rank, world size, node]
-    assert cyclic == [
-        ["0", False, "slurm", 0, 0, 4, "0"],
-        ["1", False, "slurm", 1, 0, 4, "1"],
-        ["2", False, "slurm", 2, 1, 4, "0"],
-        ["3", False, "slurm", 3, 1, 4, "1"],
-    ]
     basic = read_summary(tmp_path / "01")
     assert (basic["world_size"], basic["launcher"], basic["replicas_identical"]) == (
         4,

@@ -31,6 +31,16 @@ from tests.helpers import (
     tracked_files,
 )
 
+
+def pals_rank(rank: int, local_rank: int, world: int, local_world: int) -> dict[str, str]:
+    """What HPE PALS' mpiexec gives a rank (no public source; ALCF's Polaris guide documents
+    PMI_LOCAL_RANK and PMI_LOCAL_SIZE, HPE's Slurm commit 0dbdbf9399 names PALS' variables)."""
+    numbers = dict(PALS_RANKID=rank, PALS_LOCAL_RANKID=local_rank, PALS_NODEID=rank // local_world)
+    numbers.update(PMI_RANK=rank, PMI_SIZE=world, PMI_LOCAL_RANK=local_rank)
+    numbers.update(PMI_LOCAL_SIZE=local_world, PALS_LOCAL_SIZE=local_world)
+    return {name: str(value) for name, value in numbers.items()}
+
+
 # (id, environment, expected (launcher, rank, local_rank,
 # world_size, local_world_size, master_addr))
 CASES = [
@@ -95,29 +105,8 @@ CASES = [
     ),
     (
         "pals under PBS",
-        {
-            "PALS_RANKID": "6",
-            "PALS_LOCAL_RANKID": "2",
-            "PALS_LOCAL_SIZE": "4",
-            "PMI_RANK": "6",
-            "PMI_SIZE": "8",
-            "PBS_JOBID": "4321.pbs01",
-            "MASTER_ADDR": "x3001c0s13b0n0",
-        },
+        {**pals_rank(6, 2, 8, 4), "PBS_JOBID": "4321.pbs01", "MASTER_ADDR": "x3001c0s13b0n0"},
         ("pals", 6, 2, 8, 4, "x3001c0s13b0n0"),
-    ),
-    (
-        "pmix under srun --mpi=pmix",
-        {
-            "PMIX_RANK": "3",
-            "SLURM_JOB_ID": "55",
-            "SLURM_STEP_ID": "0",
-            "SLURM_PROCID": "3",
-            "SLURM_LOCALID": "1",
-            "SLURM_NTASKS": "4",
-            "SLURM_JOB_NODELIST": "gpu[01-02]",
-        },
-        ("pmix", 3, 1, 4, 2, "gpu01"),
     ),
     (
         "slurm srun",
@@ -195,14 +184,7 @@ def test_explicit_rank_is_mp_spawn():
 def test_pbs_master_is_first_line_of_nodefile(tmp_path):
     nodefile = tmp_path / "nodes"
     nodefile.write_text("x1001c0s0b0n0\nx1001c0s0b0n0\nx1002c0s0b0n0\n")
-    env = {
-        "PBS_JOBID": "4321.pbs01",
-        "PBS_NODEFILE": str(nodefile),
-        "PALS_RANKID": "0",
-        "PALS_LOCAL_RANKID": "0",
-        "PALS_LOCAL_SIZE": "2",
-        "PMI_SIZE": "4",
-    }
+    env = {"PBS_JOBID": "4321.pbs01", "PBS_NODEFILE": str(nodefile), **pals_rank(0, 0, 4, 2)}
     info = launch_info(env)
     assert (info.launcher, info.scheduler, info.master_addr) == ("pals", "pbs", "x1001c0s0b0n0")
     assert info.master_port == PORT_BASE + 4321 % PORT_SPAN
@@ -323,7 +305,10 @@ def test_job_files_derive_the_port_as_common_launcher_does(job_file, variable, i
             "local rank 2",
         ),
         ({"OMPI_COMM_WORLD_SIZE": "4"}, "rank is not set"),
-        ({"PMI_SIZE": "2", "PMI_RANK": "2"}, "outside the world size"),
+        ({"PMI_SIZE": "2", "PMI_RANK": "2", "MPI_LOCALNRANKS": "2"}, "outside the world size"),
+        # a rank from no launcher the rule knows is never taken for a process alone
+        ({"PMI_SIZE": "2", "PMI_RANK": "1"}, "^PMI_RANK is set, but by no launcher"),
+        ({"PMIX_RANK": "1"}, "^PMIX_RANK is set, but by no launcher"),
         ({"MASTER_PORT": "70000"}, "not a TCP port"),
         ({"MASTER_PORT": "http"}, "not an integer"),
     ],
@@ -545,62 +530,80 @@ def test_every_script_picks_its_gpu_with_launch_gpu():
     assert _devices_by_local_rank(old.replace("launch.local_rank", "launch.gpu")) == []
 
 
-# -- srun with Slurm's cray_shasta MPI plugin (HPE Cray EX) ---------------------------------------
-# Every PALS_* and SLURM_* variable launch_info reads, as `srun -N2 --ntasks-per-node=2
-# --mpi=cray_shasta -m block|cyclic env` printed them on the test Slurm cluster (Debian's Slurm
-# 22.05): the plugin sets PALS_RANKID but no PALS_LOCAL_RANKID, PALS_LOCAL_SIZE or PMI_SIZE.
-# tests/test_jobs.py::test_srun_with_the_cray_shasta_plugin_trains_01_and_places_cyclic_ranks
-# runs the real thing.
-SHASTA_PLACEMENT = {  # (SLURM_LOCALID, SLURM_NODEID) of ranks 0-3
-    "block": [(0, 0), (1, 0), (0, 1), (1, 1)],
-    "cyclic": [(0, 0), (0, 1), (1, 0), (1, 1)],
-}
+# -- srun with Slurm's cray_shasta MPI plugin (HPE Cray EX), as Slurm 23.02 and newer set it up ---
+# This machine's Slurm (22.05) runs every plugin for real: tests/test_jobs.py, the launcher matrix.
+# Newer Slurm cannot run here, so its task environment is built from the source. Slurm 22.05's
+# src/plugins/mpi/cray_shasta/mpi_cray_shasta.c sets PALS_APID ("%u.%u" job.step), PALS_RANKID
+# (gtaskid), PALS_NODEID (nodeid), PALS_SPOOL_DIR, PALS_APINFO; commit 0dbdbf9399 ("PE-42785: Add
+# new PALS/PMI environment variables", first in slurm-23-02-0-0rc1) adds
+#     PALS_LOCAL_RANKID = ltaskid, PMI_RANK = gtaskid, PMI_SIZE = ntasks, PMI_LOCAL_RANK = ltaskid,
+#     PMI_LOCAL_SIZE = ltasks, PMI_UNIVERSE_SIZE = ntasks, PMI_JOBID = job id
+# where ltasks is this node's task count in the step (src/slurmd/slurmstepd/task.c). No Slurm sets
+# PALS_LOCAL_SIZE. The SLURM_* variables are every srun task's, as the test cluster prints them.
 
 
-def cray_shasta_task(distribution: str, rank: int) -> dict[str, str]:
-    local_rank, node = SHASTA_PLACEMENT[distribution][rank]
-    spool = f"/var/spool/slurmd/node{node + 1}/mpi_cray_shasta/1517.0"
-    return {
-        "PALS_APID": "1517.0",
-        "PALS_APINFO": f"{spool}/apinfo",
-        "PALS_NODEID": str(node),
-        "PALS_RANKID": str(rank),
-        "PALS_SPOOL_DIR": spool,
-        "SLURM_MPI_TYPE": "cray_shasta",
-        "SLURM_DISTRIBUTION": distribution,
-        "SLURM_JOB_ID": "1517",
-        "SLURM_JOB_NODELIST": "node[1-2]",
-        "SLURM_STEP_NODELIST": "node[1-2]",
-        "SLURM_STEP_ID": "0",
-        "SLURM_PROCID": str(rank),
-        "SLURM_LOCALID": str(local_rank),
-        "SLURM_NODEID": str(node),
-        "SLURM_NTASKS": "4",
-        "SLURM_STEP_NUM_TASKS": "4",
-        "SLURM_TASKS_PER_NODE": "2(x2)",
-        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
-    }
+def srun_task(distribution: str, rank: int, nodes: int = 2, per_node: int = 2, slurm_23=True):
+    """Task `rank` of `srun --mpi=cray_shasta -N<nodes> --ntasks-per-node=<per_node>
+    -m <distribution>` in job 1517, step 0."""
+    if distribution == "block":
+        node, local_rank = divmod(rank, per_node)
+    else:
+        local_rank, node = divmod(rank, nodes)
+    world, spool = nodes * per_node, f"/var/spool/slurmd/node{node + 1}/mpi_cray_shasta/1517.0"
+    env = dict(PALS_APID="1517.0", PALS_APINFO=f"{spool}/apinfo", PALS_SPOOL_DIR=spool)
+    env.update(PALS_NODEID=node, PALS_RANKID=rank, SLURM_MPI_TYPE="cray_shasta")
+    if slurm_23:
+        env.update(PALS_LOCAL_RANKID=local_rank, PMI_RANK=rank, PMI_SIZE=world, PMI_JOBID=1517)
+        env.update(PMI_LOCAL_RANK=local_rank, PMI_LOCAL_SIZE=per_node, PMI_UNIVERSE_SIZE=world)
+    env.update(SLURM_JOB_ID=1517, SLURM_STEP_ID=0, SLURM_PROCID=rank, SLURM_LOCALID=local_rank)
+    env.update(SLURM_NODEID=node, SLURM_NTASKS=world, SLURM_STEP_NUM_TASKS=world)
+    env.update(SLURM_JOB_NODELIST=f"node[1-{nodes}]", SLURM_STEP_NODELIST=f"node[1-{nodes}]")
+    tasks_per_node = f"{per_node}(x{nodes})"
+    env.update(SLURM_TASKS_PER_NODE=tasks_per_node, SLURM_STEP_TASKS_PER_NODE=tasks_per_node)
+    return {name: str(value) for name, value in env.items()}
 
 
 @pytest.mark.parametrize("distribution", ["block", "cyclic"])
-def test_srun_with_the_cray_shasta_plugin_is_read_from_slurm(distribution):
-    """PALS_RANKID alone is not PALS' mpiexec: the world size and local rank come from Slurm,
-    so every rank of the 2 x 2 step fits (before, every rank but 0 was 'outside the world
-    size 1'), and with 2 GPUs per node each rank drives the GPU of its local rank."""
-    infos = [launch_info(cray_shasta_task(distribution, r), gpus=2) for r in range(4)]
-    assert [(i.launcher, i.rank, i.world_size, i.local_world_size) for i in infos] == [
-        ("slurm", r, 4, 2) for r in range(4)
-    ]
-    assert [(i.local_rank, i.gpu) for i in infos] == [
-        (local_rank, local_rank) for local_rank, _ in SHASTA_PLACEMENT[distribution]
-    ]
-    assert {(i.master_addr, i.master_port, i.scheduler) for i in infos} == {
-        ("node1", PORT_BASE + 1517, "slurm")
-    }
+def test_srun_with_the_cray_shasta_plugin_of_slurm_23_is_read_from_slurm(distribution):
+    """Slurm 23.02's plugin also exports PALS_LOCAL_RANKID, which made it PALS' mpiexec, whose
+    local world size (PALS_LOCAL_SIZE) Slurm never sets: guessed as local rank + 1. Now each
+    task's four numbers are what Slurm says they are."""
+    for rank in range(4):
+        task = srun_task(distribution, rank)
+        info = launch_info(task, gpus=2)
+        assert (info.launcher, info.rank, info.local_rank, info.world_size) == (
+            "slurm",
+            rank,
+            int(task["SLURM_LOCALID"]),
+            int(task["SLURM_NTASKS"]),
+        )
+        assert info.local_world_size == 2 and info.gpu == info.local_rank
+        assert (info.master_addr, info.master_port) == ("node1", PORT_BASE + 1517)
+
+
+def test_every_rank_of_an_oversubscribed_node_says_so(monkeypatch, capsys):
+    """Four tasks of a Slurm 23.02 cray_shasta step on a node with two GPUs: every rank stops
+    with exit code 2 and its own `error:` line. Before, the lower local ranks guessed a local
+    world small enough to pass, and the higher ones exited silently (local rank 0 printed)."""
+    import torch
+
+    from common.launcher import detect_launcher
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for rank in range(4):
+        monkeypatch.setattr(os, "environ", srun_task("block", rank, nodes=1, per_node=4))
+        with pytest.raises(SystemExit) as exc:
+            detect_launcher()
+        assert exc.value.code == 2
+        assert capsys.readouterr().err == (
+            f"error: 4 ranks on this node but 2 GPUs visible to rank {rank} "
+            "(CUDA_VISIBLE_DEVICES=unset): one rank per GPU, seeing all or its own\n"
+        )
 
 
 def test_pals_rank_without_pals_mpiexec_or_an_srun_step_is_an_error():
-    with pytest.raises(LauncherError, match="PALS_RANKID is set but neither PALS_LOCAL_RANKID"):
+    with pytest.raises(LauncherError, match="^PALS_RANKID is set, but by no launcher"):
         launch_info({"PALS_RANKID": "1", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1"})
 
 
@@ -610,24 +613,15 @@ def test_rank_and_world_size_without_local_rank_take_the_jobs_local_rank():
     PALS): the local rank, and so the GPU, is srun's or mpiexec's. Before, every rank was local
     rank 0 of a local world of 1 and drove cuda:0."""
     for distribution in ("block", "cyclic"):
-        tasks = [cray_shasta_task(distribution, r) for r in range(4)]
-        for task in tasks:  # the SLURM_* of a plain srun step, without the plugin's PALS_*
+        tasks = [srun_task(distribution, r) for r in range(4)]
+        for task in tasks:
             task.update(RANK=task["SLURM_PROCID"], WORLD_SIZE=task["SLURM_NTASKS"])
         infos = [launch_info(task, gpus=2) for task in tasks]
         assert [(i.launcher, i.rank, i.local_rank, i.local_world_size, i.gpu) for i in infos] == [
-            ("env", r, local_rank, 2, local_rank)
-            for r, (local_rank, _) in enumerate(SHASTA_PLACEMENT[distribution])
+            ("env", r, int(task["SLURM_LOCALID"]), 2, int(task["SLURM_LOCALID"]))
+            for r, task in enumerate(tasks)
         ]
-    pals = {
-        "PALS_RANKID": "5",
-        "PALS_LOCAL_RANKID": "1",
-        "PALS_LOCAL_SIZE": "4",
-        "PMI_RANK": "5",
-        "PMI_SIZE": "8",
-        "PBS_JOBID": "4321.pbs01",
-        "RANK": "5",
-        "WORLD_SIZE": "8",
-    }
+    pals = {**pals_rank(5, 1, 8, 4), "PBS_JOBID": "4321.pbs01", "RANK": "5", "WORLD_SIZE": "8"}
     info = launch_info(pals, gpus=4)
     assert (info.launcher, info.local_rank, info.local_world_size, info.gpu) == ("env", 1, 4, 1)
     # LOCAL_RANK given: it is taken as it is, as before
@@ -639,15 +633,15 @@ def test_rank_and_world_size_without_local_rank_take_the_jobs_local_rank():
     [
         (  # ranks started by hand in a Slurm batch shell: nothing says which is local rank 1
             {"RANK": "1", "WORLD_SIZE": "4", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"},
-            "^RANK and WORLD_SIZE are set but LOCAL_RANK is not, and this slurm job has no "
-            "launcher's local rank to take: export LOCAL_RANK",
+            "^env: rank 1 of 4 in a slurm job, but no launcher counts the ranks of this node: "
+            "export LOCAL_RANK and LOCAL_WORLD_SIZE",
         ),
         (
             {"RANK": "1", "WORLD_SIZE": "4", "PBS_JOBID": "9.pbs01", "MASTER_ADDR": "x1"},
-            "this pbs job has no launcher's local rank",
+            "in a pbs job, but no launcher counts the ranks of this node",
         ),
         (
-            {**cray_shasta_task("block", 2), "RANK": "1", "WORLD_SIZE": "4"},
+            {**srun_task("block", 2), "RANK": "1", "WORLD_SIZE": "4"},
             r"^RANK=1 and WORLD_SIZE=4 disagree with slurm's rank 2 of 4",
         ),
     ],
