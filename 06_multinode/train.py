@@ -61,6 +61,25 @@ def evaluate(model, loader, device):
     return loss_sum / count, correct / count, int(count)
 
 
+def warn_if_gloo_listens_on_loopback(launch):
+    """gloo listens where the host name resolves, unless GLOO_SOCKET_IFNAME names an interface: on
+    loopback, other nodes wait on it until the timeout. Each node's local rank 0 says so first."""
+    several_nodes = launch.world_size > launch.local_world_size
+    if launch.local_rank != 0 or not several_nodes or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    try:
+        address = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        address = "unresolved"
+    if address == "unresolved" or address.startswith("127."):
+        print(
+            f"WARNING: {socket.gethostname()} resolves to {address}, so gloo listens on loopback, "
+            "where other hosts cannot connect: set GLOO_SOCKET_IFNAME",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def gather_placement(launch, device):
     """Collective: every rank's host, rank, local rank, device, CUDA_VISIBLE_DEVICES and GPU UUID
     (which physical GPU it is, however the mask numbers it), in rank order, on every rank. Over a
@@ -120,6 +139,8 @@ def train(cfg, launch):
     if device.type == "cuda":
         # before the process group, so its collectives use this device
         torch.cuda.set_device(device)
+    # gloo's placement table (and a gloo process group) would wait on an unreachable address
+    warn_if_gloo_listens_on_loopback(launch)
     dist.init_process_group(
         backend,
         init_method=f"tcp://{launch.master_addr}:{launch.master_port}",

@@ -12,7 +12,7 @@
 #                   resolves to the wrong interface); IS_HOST=1 on the first node, 0 elsewhere,
 #                   when torchrun cannot tell which node is RDZV_HOST (containers, namespaces)
 # Run:   NNODES=2 RDZV_HOST=10.0.0.1 bash jobs/torchrun_multi_node.sh      # on each node
-# Overridable from the environment: PYTHON, SCRIPT, TRAIN_ARGS.
+# Overridable from the environment: PG_TIMEOUT_S, PYTHON, SCRIPT, TRAIN_ARGS.
 
 set -euo pipefail
 
@@ -25,6 +25,11 @@ RDZV_HOST=${RDZV_HOST:?set RDZV_HOST to the first node address}
 RDZV_PORT=${RDZV_PORT:-29400}
 RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-${PBS_JOBID:-ddp}}}
 TRAIN_ARGS=${TRAIN_ARGS:---dataset cifar10 --data-dir data --epochs 30 --output-dir runs/multi_node}
+# The process-group timeout (the scripts' --timeout-s, 60 s by default: right for local runs). On
+# nccl it is also the watchdog's limit, which ends a job whose ranks wait longer: rank 0 writing a
+# checkpoint to a parallel file system while the others wait, an ImageFolder scan, --compile.
+# A --timeout-s in TRAIN_ARGS comes later and wins; it overrides a --config file's timeout_s.
+PG_TIMEOUT_S=${PG_TIMEOUT_S:-600}
 
 extra=()
 [[ -n ${LOCAL_ADDR:-} ]] && extra+=("--local_addr=$LOCAL_ADDR")
@@ -34,4 +39,4 @@ echo "$(hostname): joining $NNODES node(s) x $GPUS_PER_NODE at $RDZV_HOST:$RDZV_
 # shellcheck disable=SC2086  # TRAIN_ARGS is a list of words
 exec "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$GPUS_PER_NODE" \
     --rdzv_backend=c10d --rdzv_endpoint="$RDZV_HOST:$RDZV_PORT" --rdzv_id="$RDZV_ID" \
-    "${extra[@]}" "$SCRIPT" $TRAIN_ARGS
+    "${extra[@]}" "$SCRIPT" --timeout-s "$PG_TIMEOUT_S" $TRAIN_ARGS

@@ -1,19 +1,26 @@
 #!/bin/bash
-# torchrun on one node: one worker per GPU (or N CPU processes), rendezvous on a free local port.
+# torchrun on one node: one worker per GPU (or two CPU processes), rendezvous on a free local port.
 #
 # Edit: GPUS_PER_NODE (processes), TRAIN_ARGS, and your environment setup below.
 # Run from the repository root:   bash jobs/torchrun_single_node.sh
-# Overridable from the environment: PYTHON, SCRIPT, TRAIN_ARGS, GPUS_PER_NODE.
+# Overridable from the environment: PG_TIMEOUT_S, PYTHON, SCRIPT, TRAIN_ARGS, GPUS_PER_NODE.
 
 set -euo pipefail
 
 # module load cuda python; source .venv/bin/activate
 PYTHON=${PYTHON:-python}
 SCRIPT=${SCRIPT:-06_multinode/train.py}
-GPUS_PER_NODE=${GPUS_PER_NODE:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}
+# The GPUs this process may use, as torch counts them: CUDA_VISIBLE_DEVICES applies, and a GPU
+# split into MIG instances is the one instance CUDA shows (`nvidia-smi -L` lists every instance).
+GPUS_PER_NODE=${GPUS_PER_NODE:-$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')}
 [[ $GPUS_PER_NODE -ge 1 ]] || GPUS_PER_NODE=2  # no GPU: two CPU processes
 TRAIN_ARGS=${TRAIN_ARGS:---dataset cifar10 --data-dir data --epochs 30 --output-dir runs/single_node}
+# The process-group timeout (the scripts' --timeout-s, 60 s by default: right for local runs). On
+# nccl it is also the watchdog's limit, which ends a job whose ranks wait longer: rank 0 writing a
+# checkpoint to a parallel file system while the others wait, an ImageFolder scan, --compile.
+# A --timeout-s in TRAIN_ARGS comes later and wins; it overrides a --config file's timeout_s.
+PG_TIMEOUT_S=${PG_TIMEOUT_S:-600}
 
 # --standalone: a private c10d rendezvous on a free port of this host.
 # shellcheck disable=SC2086  # TRAIN_ARGS is a list of words
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$GPUS_PER_NODE" "$SCRIPT" $TRAIN_ARGS
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$GPUS_PER_NODE" "$SCRIPT" --timeout-s "$PG_TIMEOUT_S" $TRAIN_ARGS

@@ -524,6 +524,10 @@ def pbs_env(tmp_path, job_id, **extra):
     )
 
 
+GLOO_LOOPBACK_WARNING = "so gloo listens on loopback, where other hosts cannot connect"
+HOST_RESOLVES_TO_LOOPBACK = socket.gethostbyname(socket.gethostname()).startswith("127.")
+
+
 def test_pbs_mpiexec_job(tmp_path):
     need_tools("mpiexec.mpich")
     # MPICH's Hydra takes --ppn but not PALS's --cpu-bind depth: MPIEXEC_BIND is emptied.
@@ -545,6 +549,9 @@ def test_pbs_mpiexec_job(tmp_path):
     # Rank 0's address is the node file's first line; the port comes from PBS_JOBID (4321).
     assert (summary["master_addr"], summary["master_port"]) == (socket.gethostname(), 15000 + 4321)
     assert "2 node(s), 2 ranks (1 per node)" in result.stdout
+    # 06 warns before its gloo group where this host's name resolves to loopback (here, as a rule)
+    # and GLOO_SOCKET_IFNAME is unset (test_pbs_torchrun_job sets it: no warning there)
+    assert (GLOO_LOOPBACK_WARNING in result.stderr) == HOST_RESOLVES_TO_LOOPBACK, result.output
     print(f"PBS mpiexec job: {time.perf_counter() - start:.1f} s")
 
 
@@ -553,6 +560,7 @@ def test_pbs_torchrun_job(tmp_path):
     env = pbs_env(
         tmp_path,
         "4322.pbs01",
+        GLOO_SOCKET_IFNAME="lo",
         GPUS_PER_NODE="1",
         SCRIPT="06_multinode/train.py",
         DEADLINE_ARGS="",
@@ -567,18 +575,19 @@ def test_pbs_torchrun_job(tmp_path):
         (p["rank"], p["local_rank"]) for p in summary["placement"]
     ] == [(0, 0), (1, 0)]
     assert f"rendezvous {socket.gethostname()}:{15000 + 4322}" in result.stdout
+    assert GLOO_LOOPBACK_WARNING not in result.output
     print(f"PBS torchrun job: {time.perf_counter() - start:.1f} s")
 
 
 def pbs_chain_env(tmp_path, job_file, job_id, **extra):
     """PBS variables, real 05 and mpiexec, and a `qsub` that records the
-    resubmission (no PBS server can be installed here): its arguments
-    and the RUN_DIR and RESTART_COUNT it hands on (qsub -V)."""
+    resubmission (no PBS server can be installed here): its arguments,
+    the RUN_DIR and RESTART_COUNT it hands on, and its whole environment (qsub -V)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "qsub").write_text(
         f'#!/bin/sh\necho "$* RUN_DIR=$RUN_DIR RESTART_COUNT=$RESTART_COUNT" '
-        f">> {tmp_path / 'qsub.calls'}\necho 9999.pbs01\n"
+        f">> {tmp_path / 'qsub.calls'}\nenv -0 > {tmp_path / 'qsub.env'}\necho 9999.pbs01\n"
     )
     (bin_dir / "qsub").chmod(0o755)
     per_node = (
@@ -615,9 +624,16 @@ def test_pbs_deadline_saves_resubmits_and_the_next_job_resumes_bitwise(
         f"-V -W depend=afterany:4323.pbs01 jobs/{job_file} RUN_DIR={tmp_path / 'run'} "
         "RESTART_COUNT=1\n"
     )
-    # The resubmitted job, as qsub -V starts it: the same RUN_DIR, RESTART_COUNT=1, a new job id.
-    env = pbs_chain_env(tmp_path, job_file, "9999.pbs01", RESTART_COUNT="1")
+    # The resubmitted job, as qsub -V starts it: the environment qsub had, with PBS's own variables
+    # for the new job. No rendezvous address or port of the first job rides along: the second
+    # derives its own (before, the first job's exports did, and the next job met at its host).
+    env = dict(item.split("=", 1) for item in (tmp_path / "qsub.env").read_text().split("\0")[:-1])
+    assert "MASTER_ADDR" not in env and "MASTER_PORT" not in env
+    env.update(PBS_JOBID="9999.pbs01")
+    # this test's short wall time rode along too (-V): the next job gets the file's default
+    del env["WALLTIME_S"], env["SAVE_MARGIN_S"]
     second = run(["bash", REPO / "jobs" / job_file], 300, env=env, check=True, cwd=tmp_path)
+    assert f"rendezvous {socket.gethostname()}:{15000 + 9999}" in second.stdout, second.stdout
     assert re.search(rf"^resumed from \S+: step {saved_at}, ", second.stdout, re.M), second.output[
         -3000:
     ]
@@ -702,10 +718,18 @@ def test_pbs_job_refuses_to_run_outside_pbs(tmp_path):
     )
 
 
-def test_torchrun_single_node_job(tmp_path):
-    env = clean_env(
-        PYTHON=PYTHON, GPUS_PER_NODE="2", TRAIN_ARGS=f"{SMALL} --output-dir {tmp_path / 'run'}"
+def test_torchrun_single_node_job_counts_the_gpus_torch_sees(tmp_path):
+    """The GPU count is torch's (CUDA_VISIBLE_DEVICES and MIG as CUDA shows them), not the lines
+    of `nvidia-smi -L`, which lists every MIG instance and ignores the mask. Here a stand-in
+    nvidia-smi lists three, torch sees none: two CPU processes (before: three)."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvidia-smi").write_text(
+        '#!/bin/sh\nfor i in 0 1 2; do echo "GPU $i: NVIDIA A100 (UUID: GPU-$i)"; done\n'
     )
+    (tmp_path / "bin" / "nvidia-smi").chmod(0o755)
+    env = clean_env(PYTHON=PYTHON, TRAIN_ARGS=f"{SMALL} --output-dir {tmp_path / 'run'}")
+    env["PATH"] = f"{tmp_path / 'bin'}:{env['PATH']}"
+    env.pop("GPUS_PER_NODE", None)
     run(["bash", "jobs/torchrun_single_node.sh"], 150, env=env, check=True)
     summary = read_summary(tmp_path / "run")
     assert summary["world_size"] == 2 and summary["launcher"] == "torchrun"

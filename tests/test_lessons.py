@@ -24,7 +24,7 @@ BUDGETS = {
     "03_grad_accum/train.py": 130,
     "04_syncbn/train.py": 130,
     "05_checkpointing/train.py": 300,
-    "06_multinode/train.py": 90,
+    "06_multinode/train.py": 100,  # the placement table and its gloo loopback warning
     "07_metrics/train.py": 110,
     "08_several_models/train.py": 80,
 }

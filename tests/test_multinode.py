@@ -676,7 +676,7 @@ def test_timed_iterations_are_fewer_above_one_mib_and_at_least_3(comm):
 
 def test_06_is_01_line_for_line_plus_the_placement_table():
     """Below the module docstring, `diff 01 06` is the placement table's
-    functions, their two calls, an import and the four summary fields. The
+    functions, its gloo warning, their calls, an import and the four summary fields. The
     code is compared: comments left out, and print calls as `print(...)`
     whatever they say, so that rewording either in 01 fails no test here."""
 
@@ -692,7 +692,8 @@ def test_06_is_01_line_for_line_plus_the_placement_table():
     new_functions = {
         line
         for node in ast.parse(lesson).body
-        if getattr(node, "name", "") in ("gather_placement", "print_placement")
+        if getattr(node, "name", "")
+        in ("warn_if_gloo_listens_on_loopback", "gather_placement", "print_placement")
         for line in ast.get_source_segment(lesson, node).splitlines()
     }
     diff = list(
@@ -707,6 +708,7 @@ def test_06_is_01_line_for_line_plus_the_placement_table():
     assert removed == []
     assert added == [
         "import socket",
+        "warn_if_gloo_listens_on_loopback(launch)",
         "placement = gather_placement(launch, device)",
         "if launch.rank == 0:",
         "print_placement(placement)",

@@ -9,6 +9,7 @@ the modules loaded, the flags that reach the launcher, and the header blocks eac
 from __future__ import annotations
 
 import re
+import shlex
 import socket
 from pathlib import Path
 
@@ -77,11 +78,16 @@ def site_env(tmp_path: Path, with_module: bool = True, **extra: str) -> dict[str
 
 
 def source_site(
-    site: str, tmp_path: Path, **extra: str
+    site: str, tmp_path: Path, module_exports: dict[str, str] | None = None, **extra: str
 ) -> tuple[dict[str, str], dict[str, str], list[str]]:
     """Source jobs/sites/<site>.sh as the job files do (set -euo pipefail); return the variables it
-    exported, the placement variables it set, and the module/conda calls."""
-    script = (
+    exported, the placement variables it set, and the module/conda calls. `module_exports`: what
+    `module load` exports, as a site's module does (then a shell function, not the stub)."""
+    module = ""
+    if module_exports:
+        exports = " ".join(f"export {k}={shlex.quote(v)};" for k, v in module_exports.items())
+        module = f'module() {{ echo "module $*" >> {tmp_path}/calls; {exports} }}; '
+    script = module + (
         f"set -euo pipefail; env -0 > {tmp_path}/before; source jobs/sites/{site}.sh; env -0 "
         f"> {tmp_path}/after; "
         "for v in NRANKS_PER_NODE MPIEXEC_BIND GPUS_PER_NODE; do [[ -v $v ]] && printf "
@@ -89,16 +95,16 @@ def source_site(
     )
     result = run(["bash", "-c", script], 30, env=site_env(tmp_path, **extra), check=True)
 
-    def read(name):
-        return dict(
-            item.split("=", 1) for item in (tmp_path / name).read_text().split("\0") if "=" in item
-        )
-
-    before, after = read("before"), read("after")
+    before, after = read_env(tmp_path / "before"), read_env(tmp_path / "after")
     exported = {k: v for k, v in after.items() if before.get(k) != v and k not in ("_", "SHLVL")}
     placement = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
     calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
     return exported, placement, calls
+
+
+def read_env(path: Path) -> dict[str, str]:
+    """An environment written by `env -0`."""
+    return dict(item.split("=", 1) for item in path.read_text().split("\0") if "=" in item)
 
 
 def readme_table() -> dict[str, dict[str, object]]:
@@ -160,6 +166,22 @@ def test_your_own_values_and_the_switches_win(tmp_path):
     assert exported["LD_LIBRARY_PATH"].endswith(":/mine") and "module load conda/2025" in calls
     _, _, calls = source_site("perlmutter", tmp_path / "d", PERLMUTTER_MODULES="pytorch/2.9 nccl")
     assert calls == ["module load pytorch/2.9 nccl"]
+
+
+def test_polaris_switch_off_unsets_the_nccl_settings_alcfs_module_exports(tmp_path):
+    """ALCF's conda module exports four NCCL settings itself; ALCF's page says to unset them to turn
+    them off. POLARIS_NCCL_OFI=0 does, and keeps a value you exported before (NCCL_NET here).
+    Before, the switch only left out the file's own exports, and the module's stayed on."""
+    alcf = dict(NCCL_NET_GDR_LEVEL="PHB", NCCL_CROSS_NIC="1", NCCL_COLLNET_ENABLE="1")
+    alcf["NCCL_NET"] = "AWS Libfabric"
+    (tmp_path / "off").mkdir()
+    (tmp_path / "on").mkdir()
+    source_site("polaris", tmp_path / "off", alcf, POLARIS_NCCL_OFI="0", NCCL_NET="Socket")
+    after = {k: v for k, v in read_env(tmp_path / "off" / "after").items() if k.startswith("NCCL_")}
+    assert after == {"NCCL_NET": "Socket"}
+    # control: switched on (the default), the module's values are there
+    source_site("polaris", tmp_path / "on", alcf)
+    assert alcf.items() <= read_env(tmp_path / "on" / "after").items()
 
 
 @pytest.mark.parametrize("site", sorted(SITE_JOBS))
@@ -273,6 +295,34 @@ def test_job_file_without_site_loads_nothing(name, tmp_path):
             "--cpu-bind",
             "depth",
         ]
+
+
+def recording_python(tmp_path: Path) -> Path:
+    """A `python` that appends its arguments, one call a line, to <tmp_path>/python.calls."""
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/bin/sh\necho "$*" >> "{tmp_path}/python.calls"\n')
+    stub.chmod(0o755)
+    return stub
+
+
+@pytest.mark.parametrize("name", PBS_JOBS + SLURM_JOBS + ["torchrun_multi_node.sh"])
+def test_job_files_pass_a_process_group_timeout_fit_for_a_cluster(name, tmp_path):
+    """On nccl the process-group timeout is also the watchdog's limit: the lessons' 60 s can end a
+    healthy job (a checkpoint write while the others wait, --compile). The job files pass 600 s,
+    before TRAIN_ARGS, whose own --timeout-s wins: the last flag counts (the config's argparse)."""
+    if name.startswith("torchrun"):
+        env = site_env(tmp_path, with_module=False, NNODES="2", RDZV_HOST="node1")
+        env.update(PYTHON=str(recording_python(tmp_path)), TRAIN_ARGS="--epochs 3")
+        result = run(["bash", REPO / "jobs" / name], 60, env=env)
+        argv = (tmp_path / "python.calls").read_text().split()
+    else:
+        result, argv, _ = run_job(name, tmp_path, None)
+    assert result.returncode == 0, result.output
+    at = argv.index("--timeout-s")
+    assert argv[at + 1] == "600" and "--epochs" in argv[at + 2 :], argv
+    from common.config import TrainConfig, parse_config
+
+    assert parse_config(TrainConfig, ["--timeout-s", "600", "--timeout-s", "5"]).timeout_s == 5
 
 
 @pytest.mark.parametrize("name", ["pbs_mpiexec.pbs", "slurm_srun.sbatch"])

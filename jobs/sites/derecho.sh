@@ -15,6 +15,8 @@
 #            docs/guide/nccl_tuning.md and docs/guide/derecho_guide.md
 #   [pals]   HPE Cray PALS mpiexec --cpu-bind list syntax with core ranges (list:1-8:9-16), as used in
 #            ALCF's Aurora guide, docs/aurora/running-jobs-aurora.md in github.com/argonne-lcf/user-guides
+#   [torch]  PyTorch, "Distributed communication package", Common environment variables: gloo binds
+#            GLOO_SOCKET_IFNAME, an interface name (a comma-separated list), not a prefix as NCCL takes
 #
 # Job header for Derecho. qsub reads #PBS lines from the job file itself, never from a file it
 # sources: copy one block over the #PBS lines of jobs/pbs_*.pbs (drop one '#'), or give the
@@ -53,6 +55,8 @@ if ((site_nounset)); then set -u; fi
 # ---- NCCL over Slingshot [hpe] [guide] ----------------------------------------------------------
 # NCCL's bootstrap and socket traffic on the Slingshot interfaces [hpe]; on Ethernet it hangs or crawls [guide].
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME-hsn}
+# gloo too (06's placement table, comm_check, CPU runs): on a Slingshot interface, by its full name [torch] [hpe].
+export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME-hsn0}
 # Rings and trees may use different NICs on different nodes: "found to improve performance" on large systems [hpe].
 export NCCL_CROSS_NIC=${NCCL_CROSS_NIC-1}
 # No InfiniBand on Slingshot: NCCL skips its IB transport [guide].

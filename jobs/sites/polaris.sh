@@ -65,6 +65,12 @@ if ! type module >/dev/null 2>&1; then
     echo "error: SITE=polaris needs the 'module' command: start the job file as a login shell (#!/bin/bash -l)" >&2
     exit 2
 fi
+# The NCCL settings that ALCF's conda module exports itself [nccl]: yours, kept through it.
+POLARIS_MODULE_NCCL=(NCCL_NET_GDR_LEVEL NCCL_CROSS_NIC NCCL_COLLNET_ENABLE NCCL_NET)
+declare -A polaris_yours=()
+for name in "${POLARIS_MODULE_NCCL[@]}"; do
+    if [[ -v $name ]]; then polaris_yours[$name]=${!name}; fi
+done
 case $- in *u*) site_nounset=1 ;; *) site_nounset=0 ;; esac
 set +u  # module and conda read variables that may be unset
 module use /soft/modulefiles
@@ -72,6 +78,14 @@ module use /soft/modulefiles
 module load $POLARIS_MODULES
 conda activate ${POLARIS_CONDA_ENV:+"$POLARIS_CONDA_ENV"}  # ALCF's base environment unless you name yours
 if ((site_nounset)); then set -u; fi
+for name in "${POLARIS_MODULE_NCCL[@]}"; do
+    if [[ -v polaris_yours[$name] ]]; then
+        # A value you exported wins over the module's [nccl].
+        export "$name=${polaris_yours[$name]}"
+    elif [[ ${POLARIS_NCCL_OFI:-1} != 1 ]]; then
+        unset "$name"  # switched off: ALCF's page says to unset what the module set [nccl]
+    fi
+done
 
 # ---- NCCL over Slingshot: ALCF's tested settings [nccl] --------------------------------------------
 # ALCF measured 2-3x faster communication for some workloads with the AWS OFI plugin; for some
