@@ -204,7 +204,7 @@ def launch_info(
 ) -> LaunchInfo:
     """Rank, local rank, world sizes, master address/port, launcher and GPU (of the `gpus` it
     sees) from `env`. A process alone, outside any job, gets port 0: any free port serves."""
-    scheduler, job_id = _scheduler(env)
+    scheduler, job = _scheduler(env)
     spawned = rank is not None or world_size is not None  # mp.spawn: every rank on one node
     found = Ranks("mp.spawn", rank, rank, world_size, world_size) if spawned else launched_by(env)
     name, rank, local_rank = found.launcher, found.rank, found.local_rank
@@ -247,9 +247,7 @@ def launch_info(
         )
     alone = name == "single" and scheduler == "none" and not env.get("MASTER_PORT")
     port, addr = 0 if alone else master_port(env), master_address(env)
-    return LaunchInfo(
-        name, rank, local_rank, world, local_world, addr, port, scheduler, job_id, gpu
-    )
+    return LaunchInfo(name, rank, local_rank, world, local_world, addr, port, scheduler, job, gpu)
 
 
 def launched_by(env: Mapping[str, str]) -> Ranks:
@@ -303,8 +301,10 @@ def _by_hand(env: Mapping[str, str]) -> Ranks:
     rank or size not set with them is the launcher's that started the process (srun's,
     mpiexec's). With none, launch_info refuses a job (every rank would drive GPU 0)."""
     found = _read(BY_HAND, env)
+    if None not in (found.local_rank, found.local_world_size):
+        return found
     job = launched_by({k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")})
-    if job.launcher == "single" or None not in (found.local_rank, found.local_world_size):
+    if job.launcher == "single":
         return found
     if (job.rank, job.world_size) != (found.rank, found.world_size):
         raise LauncherError(

@@ -19,4 +19,7 @@ SAID_BY_LAUNCHERS += [f"OMPI_COMM_WORLD_{n}" for n in ("RANK", "LOCAL_RANK", "SI
 info = launch_info(os.environ)
 detected = [info.launcher, info.rank, info.local_rank, info.world_size, info.local_world_size]
 said = {name: os.environ[name] for name in SAID_BY_LAUNCHERS if name in os.environ}
-print("probe", sys.argv[1], json.dumps({"detected": detected, "env": said}), flush=True)
+# one write, so that lines of processes sharing the job's output do not interleave (print writes
+# its parts one by one where PYTHONUNBUFFERED is set, as the tests set it)
+sys.stdout.write(f"probe {sys.argv[1]} {json.dumps({'detected': detected, 'env': said})}\n")
+sys.stdout.flush()

@@ -77,6 +77,17 @@ CASES = [
     ),
     ("env set by hand", {"RANK": "1", "WORLD_SIZE": "2"}, ("env", 1, 1, 2, 2, "127.0.0.1")),
     (
+        "all four set by hand win, whatever else is set",
+        {
+            "RANK": "1",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "PMI_RANK": "7",
+        },
+        ("env", 1, 1, 4, 2, "127.0.0.1"),
+    ),
+    (
         "openmpi",
         {
             "OMPI_COMM_WORLD_RANK": "5",
