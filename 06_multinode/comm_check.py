@@ -51,7 +51,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from common.config import field, load_config
 from common.errors import ConfigError, LauncherError, exit_on_bad_input
-from common.launcher import choose_backend, detect_launcher
+from common.launcher import choose_backend, detect_launcher, host_address
 from common.report import write_json_atomic
 
 MIB = 1 << 20
@@ -223,10 +223,7 @@ def environment(device) -> dict:
         for name, value in sorted(os.environ.items())
         if name.startswith(REPORTED_PREFIXES) or name.endswith("_SOCKET_IFNAME")
     }
-    try:
-        address = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)[0][4][0]
-    except OSError:
-        address = "unresolved"
+    address = host_address()
     return dict(
         torch=torch.__version__,
         cuda=torch.version.cuda or "none",

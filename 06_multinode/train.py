@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from common.config import TrainConfig, load_config
 from common.data import check_data, download_datasets, load_datasets, worker_start_method
 from common.launcher import choose_backend, detect_launcher
+from common.launcher import host_address  # 06's own: the gloo warning
 from common.models import build_model
 from common.report import parameter_checksum, write_summary
 
@@ -67,11 +68,8 @@ def warn_if_gloo_listens_on_loopback(launch):
     several_nodes = launch.world_size > launch.local_world_size
     if launch.local_rank != 0 or not several_nodes or os.environ.get("GLOO_SOCKET_IFNAME"):
         return
-    try:
-        address = socket.gethostbyname(socket.gethostname())
-    except OSError:
-        address = "unresolved"
-    if address == "unresolved" or address.startswith("127."):
+    address = host_address()
+    if address.startswith("127.") or address in ("::1", "unresolved"):
         print(
             f"WARNING: {socket.gethostname()} resolves to {address}, so gloo listens on loopback, "
             "where other hosts cannot connect: set GLOO_SOCKET_IFNAME",

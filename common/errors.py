@@ -1,5 +1,5 @@
-"""Bad input the user can fix is not a crash: an `error:` line, never from every rank of a job
-alike, and exit code 2, as with argparse."""
+"""Bad input the user can fix is not a crash: an `error:` line from a rank that found it, and exit
+code 2, as with argparse."""
 
 import os
 import sys

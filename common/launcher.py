@@ -1,12 +1,11 @@
 """Which launcher started this process, where rank 0 listens, which GPU is this rank's.
 
 The rule: rank, local rank and both world sizes come from the launcher that started the process,
-in this order: torchrun; RANK and WORLD_SIZE set by hand; Open MPI's or Hydra's mpiexec (MPICH,
-Intel MPI); an srun job step, read from SLURM_* whatever its MPI plugin added; HPE PALS' mpiexec.
-An mpiexec inside a Slurm job starts its daemons with srun, whose SLURM_PROCID its ranks inherit;
-Slurm's cray_shasta plugin exports PALS' variables too (PALS_RANKID; since 23.02 PALS_LOCAL_RANKID
-and PMI_*). A local world size is a launcher's own count, never a guess. launch_info(env) is the
-rule on a plain dict; it imports no torch.
+the first of: torchrun; RANK and WORLD_SIZE set by hand; Open MPI's or Hydra's mpiexec (MPICH,
+Intel MPI); an srun step, read from SLURM_* whatever its MPI plugin added; HPE PALS' mpiexec.
+mpiexec in a Slurm job starts its daemons with srun, whose SLURM_PROCID its ranks inherit; Slurm's
+cray_shasta plugin exports PALS' variables too. A local world size is a launcher's own count, never
+a guess. launch_info(env) is the rule on a plain dict; this module imports no torch.
 """
 
 import os
@@ -76,8 +75,7 @@ class LaunchInfo:
     master_port: int
     scheduler: str = "none"  # slurm, pbs or none
     job_id: str = ""
-    # this rank's GPU among those it sees: its local rank, or 0 where it sees only its own
-    gpu: int = 0
+    gpu: int = 0  # its GPU of those it sees: the local rank, or 0 where it sees only its own
 
 
 def _int(env: Mapping[str, str], name: str) -> int | None:
@@ -113,15 +111,16 @@ def _expand_ranges(spec: str, hostlist: str) -> list[str]:
     return out
 
 
-def _slurm_tasks_on_node(spec: str, node_index: int) -> int | None:
-    """SLURM_TASKS_PER_NODE looks like '2(x3),1': 2 tasks on 3 nodes, then 1."""
-    counts: list[int] = []
+def _slurm_tasks_on_node(env: Mapping[str, str]) -> int | None:
+    """This node's count in SLURM_STEP_TASKS_PER_NODE ('2(x3),1': 2 tasks on 3 nodes, then 1)."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    node_index, counts = _int(env, "SLURM_NODEID"), []
     for item in spec.split(","):
         m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
         if not m:
             return None
         counts += [int(m.group(1))] * int(m.group(2) or 1)
-    return counts[node_index] if 0 <= node_index < len(counts) else None
+    return counts[node_index] if node_index is not None and 0 <= node_index < len(counts) else None
 
 
 def _scheduler(env: Mapping[str, str]) -> tuple[str, str]:
@@ -178,8 +177,7 @@ def detect_launcher(
     with exit_on_bad_input():
         info = launch_info(os.environ, rank, world_size, gpus)
     if info.master_port == 0:
-        # torch up to 2.7 rejects port 0 in a tcp:// URL ("port number missing"), so a process
-        # started alone asks the OS for a free port here instead of leaving it to its store
+        # torch up to 2.7 refuses port 0 in a tcp:// URL ("port number missing"): ask the OS
         info = replace(info, master_port=free_port())
     return info
 
@@ -190,6 +188,14 @@ def choose_backend(device) -> str:
     import torch.distributed as dist
 
     return "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
+
+
+def host_address() -> str:
+    """What this host's name resolves to: where gloo listens unless GLOO_SOCKET_IFNAME is set."""
+    try:
+        return socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return "unresolved"
 
 
 def free_port() -> int:
@@ -214,8 +220,7 @@ def launch_info(
         raise LauncherError(f"{name}: world size {world} must be at least 1")
     if rank is None and world > 1:
         raise LauncherError(
-            f"{name}: world size is {world} but this process's rank is not set; "
-            "start it with a launcher (torchrun, srun, mpiexec) or set RANK"
+            f"{name}: world size {world}, but the rank is not set: start it with a launcher"
         )
     rank = 0 if rank is None else rank
     if not 0 <= rank < world:
@@ -237,8 +242,7 @@ def launch_info(
         )
     # 0: per-task GPU binding (srun --gpus-per-task=1, site scripts) shows one GPU
     gpu = local_rank if gpus >= local_world else 0
-    # two ranks would share a GPU, which NCCL 2.30 refuses when the communicator is created
-    # ("Multiple Ranks are using the same GPU/Partition")
+    # NCCL 2.30 refuses two ranks on one GPU ("Multiple Ranks are using the same GPU/Partition")
     if 1 < gpus < local_world:
         raise LauncherError(
             f"{local_world} ranks on this node but {gpus} GPUs visible to rank {rank} "
@@ -289,11 +293,8 @@ def _srun_task(env: Mapping[str, str]) -> Ranks:
     for name in ("PMI_RANK", "PMIX_RANK", "PALS_RANKID"):  # its MPI plugin's copy agrees
         if env.get(name) is not None and _int(env, name) != rank:
             raise LauncherError(f"SLURM_PROCID={rank} but {name}={env[name]}: an unknown mpiexec")
-    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    node = _int(env, "SLURM_NODEID")
     world = _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS")
-    local_world = _slurm_tasks_on_node(spec, node) if spec and node is not None else None
-    return Ranks("slurm", rank, _int(env, "SLURM_LOCALID"), world, local_world)
+    return Ranks("slurm", rank, _int(env, "SLURM_LOCALID"), world, _slurm_tasks_on_node(env))
 
 
 def _by_hand(env: Mapping[str, str]) -> Ranks:

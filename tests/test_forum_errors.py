@@ -192,7 +192,9 @@ def test_second_job_on_the_same_port_fails_with_address_already_in_use(tmp_path)
     first = subprocess.Popen(
         [PYTHON, REPO / TRAIN, *SHORT, "--timeout-s", "300", "--output-dir", tmp_path / "first"],
         cwd=REPO,
-        env=clean_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", SLURM_JOB_ID=str(job)),
+        env=clean_env(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", SLURM_JOB_ID=str(job)
+        ),
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

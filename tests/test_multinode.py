@@ -708,6 +708,7 @@ def test_06_is_01_line_for_line_plus_the_placement_table():
     assert removed == []
     assert added == [
         "import socket",
+        "from common.launcher import host_address",
         "warn_if_gloo_listens_on_loopback(launch)",
         "placement = gather_placement(launch, device)",
         "if launch.rank == 0:",
