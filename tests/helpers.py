@@ -86,6 +86,11 @@ def pinned_torch_only(why: str) -> pytest.MarkDecorator:
     )
 
 
+def read_env(path: Path) -> dict[str, str]:
+    """An environment written by `env -0`."""
+    return dict(item.split("=", 1) for item in path.read_text().split("\0") if "=" in item)
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     env = {
         k: v

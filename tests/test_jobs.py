@@ -20,6 +20,7 @@ from tests.helpers import (
     clean_env,
     kill_group,
     load_script,
+    read_env,
     read_summary,
     repeated_lines,
     run,
@@ -627,7 +628,7 @@ def test_pbs_deadline_saves_resubmits_and_the_next_job_resumes_bitwise(
     # The resubmitted job, as qsub -V starts it: the environment qsub had, with PBS's own variables
     # for the new job. No rendezvous address or port of the first job rides along: the second
     # derives its own (before, the first job's exports did, and the next job met at its host).
-    env = dict(item.split("=", 1) for item in (tmp_path / "qsub.env").read_text().split("\0")[:-1])
+    env = read_env(tmp_path / "qsub.env")
     assert "MASTER_ADDR" not in env and "MASTER_PORT" not in env
     env.update(PBS_JOBID="9999.pbs01")
     # this test's short wall time rode along too (-V): the next job gets the file's default

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, clean_env, markdown_table, run
+from tests.helpers import REPO, clean_env, markdown_table, read_env, run
 from tests.launcher_tools import need_tools
 
 SITES_DIR = REPO / "jobs" / "sites"
@@ -100,11 +100,6 @@ def source_site(
     placement = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
     calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
     return exported, placement, calls
-
-
-def read_env(path: Path) -> dict[str, str]:
-    """An environment written by `env -0`."""
-    return dict(item.split("=", 1) for item in path.read_text().split("\0") if "=" in item)
 
 
 def readme_table() -> dict[str, dict[str, object]]:
