@@ -4,14 +4,17 @@ Each rank sums its loss, correct predictions and samples since the last log line
 every rank all-reduces those sums, so the logged loss is the exact mean over all ranks' samples,
 and rank 0 alone prints it and writes it to TensorBoard (one run directory per job). Decisions
 come from the same all-reduced numbers, so every rank takes them alike: early stopping when the
-eval loss stops improving (--patience), and a stop at the log step after any rank's loss turned
-non-finite. `diff 01_basic_ddp/train.py 07_metrics/train.py` shows exactly that.
+eval loss stops improving (--patience), and a stop at the first non-finite gradient, which
+after backward is the same all-reduced gradient on every rank: that step is skipped everywhere,
+the last finite weights are saved and every rank exits 1.
+`diff 01_basic_ddp/train.py 07_metrics/train.py` shows exactly that.
 
     torchrun --standalone --nproc_per_node=2 07_metrics/train.py --patience 1
     tensorboard --logdir runs/latest/tensorboard
 """
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -146,10 +149,10 @@ def train(cfg, launch):
             f"batch {cfg.batch_size} x {launch.world_size} = {global_batch}",
             flush=True,
         )
-    step, images_seen, stop = 0, 0, ""
+    step, images_seen, stop, failure = 0, 0, "", ""
     best_eval_loss, epochs_without_improvement = float("inf"), 0
-    # This rank's sums since the last log step: loss, correct, samples, non-finite losses.
-    window = torch.zeros(4, dtype=torch.float64, device=device)
+    # This rank's sums since the last log step: loss, correct, samples.
+    window = torch.zeros(3, dtype=torch.float64, device=device)
     for epoch in range(cfg.epochs):
         # A new shuffle each epoch; without it every epoch repeats epoch 0.
         train_sampler.set_epoch(epoch)
@@ -163,6 +166,20 @@ def train(cfg, launch):
             optimizer.zero_grad(set_to_none=True)
             # DDP all-reduces (averages) the gradients here: every rank steps alike.
             loss.backward()
+            # The gradients are all-reduced now, the same on every rank, so one rank's inf or NaN
+            # is on every rank: each skips this step alike (as GradScaler does), with no
+            # collective, and no replica takes it. Costs one host sync per step.
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            if not torch.stack([g.isfinite().all() for g in grads]).all():
+                # Every rank is here, so every rank calls this collective: whose loss it was.
+                losses = [None] * launch.world_size
+                dist.all_gather_object(losses, loss.item())
+                ranks = [r for r, value in enumerate(losses) if not math.isfinite(value)]
+                failure = (
+                    f"a non-finite gradient at step {step + 1} (non-finite loss on ranks {ranks})"
+                )
+                stop = f"{failure}; that step was skipped on every rank"
+                break
             optimizer.step()
             step += 1
             images_seen += len(labels)
@@ -171,12 +188,11 @@ def train(cfg, launch):
             window[0] += loss.detach() * len(labels)
             window[1] += (logits.argmax(1) == labels).sum()
             window[2] += len(labels)
-            window[3] += ~torch.isfinite(loss.detach())
             if step % cfg.log_every == 0:
                 # Sums over all ranks, the exact mean of the window (not a mean of means): a
                 # collective, so every rank calls it, at the same steps.
                 dist.all_reduce(window)
-                loss_sum, correct, count, nonfinite = window.tolist()
+                loss_sum, correct, count = window.tolist()
                 window.zero_()
                 if launch.rank == 0:
                     print(
@@ -187,14 +203,6 @@ def train(cfg, launch):
                     )
                     writer.add_scalar("train/loss", loss_sum / count, step)
                     writer.add_scalar("train/accuracy", correct / count, step)
-                # The same sums on every rank, so one rank's non-finite loss stops every rank
-                # here, at this step; a rank that stopped alone would leave the others waiting in
-                # their next all-reduce.
-                if nonfinite:
-                    stop = (
-                        f"a non-finite training loss on {int(nonfinite)} batch(es) by step {step}"
-                    )
-                    break
             if step == cfg.max_steps:
                 break
         # Sums and counts over all ranks, the exact mean (not a mean of means); every rank calls it.
@@ -254,10 +262,14 @@ def train(cfg, launch):
         torch.save(model.module.state_dict(), Path(cfg.output_dir) / "model.pt")
         write_summary(cfg.output_dir, **summary)
         writer.close()
+        if failure:
+            # one line, and the exit code below: the weights saved are the last finite ones
+            print(f"error: {failure}; stopped with the weights of step {step}", file=sys.stderr)
     # Release the DDP model first: it holds the process group, which would otherwise outlive
     # destroy_process_group() and keep gloo's threads running into interpreter shutdown.
     del model
     dist.destroy_process_group()
+    return 1 if failure else 0
 
 
 # under torchrun, a failing rank's exception and traceback show in torchrun's summary
@@ -269,7 +281,8 @@ def main():
     launch = detect_launcher()
     # before any process group, so no rank waits for a failed one
     check_data(cfg, launch.world_size)
-    train(cfg, launch)
+    # non-zero on every rank after a non-finite gradient, so the launcher reports the job failed
+    sys.exit(train(cfg, launch))
 
 
 if __name__ == "__main__":

@@ -180,9 +180,14 @@ def test_each_lesson_is_01_plus_its_topic(script):
     base, lesson = functions(LESSON), functions(path)
     # Exact evaluation is the same code in every lesson.
     assert lesson["evaluate"] == base["evaluate"]
-    # main() is 01's, with the lesson's own config class.
+    # main() is 01's, with the lesson's own config class, and may exit with train()'s code.
     config_class = re.search(r"load_config\((\w+)\)", lesson["main"]).group(1)
-    assert lesson["main"].replace(config_class, "TrainConfig") == base["main"]
+    main = re.sub(
+        r"\n *#[^\n]*\n( *)sys\.exit\(train\(cfg, launch\)\)",
+        r"\n\1train(cfg, launch)",
+        lesson["main"],
+    )
+    assert main.replace(config_class, "TrainConfig") == base["main"]
     # The DDP lines of 01 appear verbatim.
     source = path.read_text()
     for line in (
@@ -423,8 +428,14 @@ def code_lines(path: Path) -> int:
             r"`CpuSyncBatchNorm` \(`cpu_sync_batchnorm.py`, about (\d+) lines of code\)",
             lambda: code_lines(REPO / "04_syncbn/cpu_sync_batchnorm.py"),
         ),
+        (
+            "07_metrics/README.md",
+            r"`diff 01_basic_ddp/train.py 07_metrics/train.py` shows exactly that "
+            r"\(about (\d+) lines",
+            lambda: diff_count(LESSON, REPO / "07_metrics/train.py"),
+        ),
     ],
-    ids=["03-diff", "04-diff", "04-cpu_sync_batchnorm"],
+    ids=["03-diff", "04-diff", "04-cpu_sync_batchnorm", "07-diff"],
 )
 def test_the_line_counts_the_readmes_give_are_the_files(readme, words, measure):
     """ "about N lines": within 10% of the measured count (diff lines as

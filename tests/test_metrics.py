@@ -33,7 +33,9 @@ README = "07_metrics/README.md"
 PATIENCE_COMMAND = "torchrun --standalone --nproc_per_node=2 07_metrics/train.py --patience 1"
 INJECT = REPO / "tests" / "inject"
 WRITER_ON_RANK_0 = "    writer = None\n    if launch.rank == 0:\n"
-STOP_ON_ALL_REDUCED_FLAG = "                if nonfinite:\n"
+SKIP_ON_NONFINITE_GRADIENT = (
+    "            if not torch.stack([g.isfinite().all() for g in grads]).all():\n"
+)
 # the job id the patience run is given, as inside a Slurm job (a requeued job keeps it)
 JOB_ID = "4242"
 
@@ -130,31 +132,66 @@ def test_early_stopping_ends_every_rank_after_the_same_epoch(patience_run):
     assert summary["replicas_identical"]
 
 
-def test_a_non_finite_loss_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
-    """inf in rank 1's 2nd forward only: the all-reduced count reaches rank 0 at step 2's log
-    step, and both ranks stop there and end normally. Control: the same decision taken from each
-    rank's own loss stops rank 1 alone, and the job fails instead of ending."""
-    env = dict(
-        PYTHONPATH=f"{REPO}:{INJECT}",
-        DDP_TEST_NONFINITE_AT_FORWARD="2",
-        DDP_TEST_NONFINITE_RANK="1",
+def finite_weights(output_dir) -> bool:
+    state = torch.load(output_dir / "model.pt", weights_only=True)
+    return all(value.isfinite().all() for value in state.values())
+
+
+NONFINITE_ENV = dict(
+    PYTHONPATH=f"{REPO}:{INJECT}",
+    DDP_TEST_NONFINITE_AT_FORWARD="2",
+    DDP_TEST_NONFINITE_RANK="1",
+)
+NONFINITE_ARGS = ("--log-every", "1", "--epochs", "1", "--timeout-s", "10")
+
+
+def test_a_non_finite_gradient_is_skipped_on_every_rank_and_fails_the_run(tmp_path):
+    """inf in rank 1's 2nd forward only: after backward every rank holds the same non-finite
+    gradient, so both skip step 2, save step 1's finite weights, identical on both ranks, and exit
+    1 with one line naming the step and the rank. Control: without the guard the run ends with
+    exit 0 and non-finite weights."""
+    out = tmp_path / "out"
+    result = torchrun(
+        SCRIPT, *NONFINITE_ARGS, "--output-dir", str(out), env=NONFINITE_ENV, check=False
     )
-    args = ("--log-every", "1", "--epochs", "1", "--timeout-s", "10")
-    result = torchrun(SCRIPT, *args, "--output-dir", str(tmp_path / "out"), env=env)
     assert "injecting inf into forward 2 on rank 1" in result.stderr
-    summary = read_summary(tmp_path / "out")
-    assert summary["steps"] == 2 and summary["replicas_identical"]
-    assert summary["stopped_early"] == "a non-finite training loss on 1 batch(es) by step 2"
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: a non-finite gradient at step 2 (non-finite loss on ranks [1]); "
+        "stopped with the weights of step 1"
+    ], result.stderr[-3000:]
+    summary = read_summary(out)
+    assert summary["steps"] == 1 and summary["replicas_identical"]
+    assert finite_weights(out)
+
+    unguarded = variant(tmp_path, SKIP_ON_NONFINITE_GRADIENT, "            if False:\n")
+    control = torchrun(
+        unguarded, *NONFINITE_ARGS, "--output-dir", str(tmp_path / "unguarded"), env=NONFINITE_ENV
+    )
+    assert control.returncode == 0
+    assert not finite_weights(tmp_path / "unguarded")
+
+
+def test_a_stop_decided_from_one_ranks_own_loss_fails_the_job(tmp_path):
+    """The guard decides from the all-reduced gradient, the same on every rank. A copy that
+    decides from each rank's own loss stops rank 1 alone, and the job fails instead of ending:
+    rank 1's next collective meets rank 0's gradient all-reduce."""
     local = variant(
-        tmp_path, STOP_ON_ALL_REDUCED_FLAG, "                if not torch.isfinite(loss):\n"
+        tmp_path, SKIP_ON_NONFINITE_GRADIENT, "            if not torch.isfinite(loss):\n"
     )
     failed = torchrun(
-        local, *args, "--output-dir", str(tmp_path / "local"), env=env, check=False, timeout=90
+        local,
+        *NONFINITE_ARGS,
+        "--output-dir",
+        str(tmp_path / "local"),
+        env=NONFINITE_ENV,
+        check=False,
+        timeout=90,
     )
     assert failed.returncode != 0, failed.output[-3000:]
     assert not (tmp_path / "local" / "summary.json").exists()
-    # and it failed because the ranks parted: rank 1's next collective met rank 0's gradient
-    # all-reduce (gloo: "collective mismatch"), or rank 0 waited for it in vain
+    # gloo: "collective mismatch", or rank 0 waited for it in vain
     assert re.search(
         r"collective mismatch|Timed out|Connection (closed|reset) by peer", failed.output
     ), failed.output[-3000:]
