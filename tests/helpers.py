@@ -324,6 +324,21 @@ def torchrun(
     return run(cmd, timeout, env=env, check=check)
 
 
+def warm_ranks(
+    script: str | Path,
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+) -> Result:
+    """`script args` on `nproc` ranks forked from one process that imported torch once
+    (tests/warm_ranks.py): for claims about what DDP computes, not about a launcher. Each rank
+    takes the lessons' `env` launcher row (RANK, WORLD_SIZE, ... set by hand)."""
+    cmd = [PYTHON, REPO / "tests" / "warm_ranks.py", "--nproc", str(nproc), REPO / script, *args]
+    return run(cmd, timeout, env=env, check=check)
+
+
 def load_script(path: str | Path, name: str):
     """Import a script that is not in a package (the numbered folders start with a digit)."""
     spec = importlib.util.spec_from_file_location(name, REPO / path)

@@ -1,12 +1,12 @@
 """benchmark/train.py --activation-checkpointing with DDP, and the peak memory the script reports.
 
-Real torchrun, 2 ranks, SmallCNN on the digits (its classifier is the checkpointed block):
-the variants that work end where the run without checkpointing ends, with identical replicas;
-reentrant checkpointing with find_unused_parameters fails inside DDP's backward with torch's
-own message (the script refuses it; the run here goes through tests/perf_unchecked.py, which
-leaves the script's checks out). In this process: the other settings that work (as a world of
-one), which modules are checkpointed, the state_dict keys, BatchNorm inside a checkpoint, a
-block checkpointed twice (needs static_graph), and the peak-memory figure.
+2 ranks forked from one warm process (tests/warm_ranks.py), SmallCNN on the digits (its classifier
+is the checkpointed block): the variants that work end where the run without checkpointing ends,
+with identical replicas; reentrant checkpointing with find_unused_parameters fails inside DDP's
+backward with torch's own message (the script refuses it; the run here goes through
+tests/perf_unchecked.py, which leaves the script's checks out). In this process: the other settings
+that work (as a world of one), which modules are checkpointed, the state_dict keys, BatchNorm inside
+a checkpoint, a block checkpointed twice (needs static_graph), and the peak-memory figure.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from tests.helpers import (
     load_script,
     read_summary,
     relative_difference,
-    torchrun,
+    warm_ranks,
 )
 
 perf = sys.modules["perf"] = load_script("benchmark/perf.py", "perf")  # as tests/test_perf.py does
@@ -61,7 +61,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("actckpt")
     results = {}
     for name, flags in VARIANTS.items():
-        results[name] = torchrun(
+        results[name] = warm_ranks(
             SCRIPT, *RUN, *flags, "--output-dir", str(root / name), timeout=240
         )
     return root, results
@@ -111,7 +111,7 @@ def test_reentrant_with_find_unused_parameters_fails_in_ddp(tmp_path):
     cannot see the parameters inside a reentrant checkpoint (its forward ran under no_grad),
     marks them unused and ready, and the recompute in backward marks them ready again."""
     out = tmp_path / "out"
-    result = torchrun(
+    result = warm_ranks(
         "tests/perf_unchecked.py",
         *RUN,
         "--log-every",

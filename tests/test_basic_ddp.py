@@ -30,6 +30,7 @@ from tests.helpers import (
     repeated_lines,
     run,
     torchrun,
+    warm_ranks,
 )
 
 SCRIPT = "01_basic_ddp/train.py"
@@ -147,11 +148,11 @@ def ddp_two_ranks(tmp_path_factory):
 @pytest.mark.min_torch
 def test_two_ranks_equal_one_process_with_twice_the_batch(ddp_two_ranks, tmp_path):
     """DDP averages gradients, so 2 ranks x batch b == 1 process x batch 2b on the same samples."""
-    torchrun(SCRIPT, "--batch-size", "32", *STEPS, "--output-dir", tmp_path / "one", nproc=1)
+    warm_ranks(SCRIPT, "--batch-size", "32", *STEPS, "--output-dir", tmp_path / "one", nproc=1)
     one = load_params(tmp_path / "one" / "model.pt")
     assert_same_params(ddp_two_ranks, one)
     # The comparison is sensitive: one process with the local batch (16) ends elsewhere.
-    torchrun(SCRIPT, "--batch-size", "16", *STEPS, "--output-dir", tmp_path / "small", nproc=1)
+    warm_ranks(SCRIPT, "--batch-size", "16", *STEPS, "--output-dir", tmp_path / "small", nproc=1)
     small = load_params(tmp_path / "small" / "model.pt")
     assert max((small[k] - one[k]).abs().max().item() for k in one) > 1e-3
 
@@ -185,7 +186,7 @@ def test_single_process_baseline_is_the_same_training_as_one_ddp_process(tmp_pat
         check=True,
     )
     assert read_summary(tmp_path / "single")["world_size"] == 1
-    torchrun(SCRIPT, "--max-steps", "30", "--output-dir", tmp_path / "ddp", nproc=1)
+    warm_ranks(SCRIPT, "--max-steps", "30", "--output-dir", tmp_path / "ddp", nproc=1)
     single, ddp = (
         load_params(tmp_path / "single" / "model.pt"),
         load_params(tmp_path / "ddp" / "model.pt"),

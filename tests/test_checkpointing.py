@@ -41,6 +41,7 @@ from tests.helpers import (
     run,
     summary_fields,
     torchrun,
+    warm_ranks,
 )
 
 SCRIPT = "05_checkpointing/train.py"
@@ -124,7 +125,7 @@ def wait_for_batches(
 def reference(tmp_path_factory) -> Path:
     """The uninterrupted run every other run must reproduce."""
     out = tmp_path_factory.mktemp("reference")
-    torchrun(SCRIPT, *ARGS, "--output-dir", str(out), env=record_env(out), timeout=180)
+    warm_ranks(SCRIPT, *ARGS, "--output-dir", str(out), env=record_env(out), timeout=180)
     summary = read_summary(out)
     assert (
         summary["steps"] == TOTAL_STEPS
@@ -332,7 +333,7 @@ def test_truncated_latest_checkpoint_falls_back_to_the_previous_one(reference, t
     assert latest.name == ckpt.checkpoint_name(TOTAL_STEPS)
     data = latest.read_bytes()
     latest.write_bytes(data[: len(data) // 2])
-    result = torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), timeout=180)
+    result = warm_ranks(SCRIPT, *ARGS, "--output-dir", str(tmp_path), timeout=180)
     warnings = [line for line in result.output.splitlines() if "unusable" in line]
     assert len(warnings) == 1 and "ckpt-00000090.pt" in warnings[0], result.output
     assert f"resumed from {folder / 'ckpt-00000080.pt'}: step 80" in result.stdout
@@ -341,7 +342,7 @@ def test_truncated_latest_checkpoint_falls_back_to_the_previous_one(reference, t
 
 def test_finished_run_started_again_does_nothing(reference, tmp_path):
     shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
-    result = torchrun(SCRIPT, *ARGS, "--output-dir", str(tmp_path), timeout=120)
+    result = warm_ranks(SCRIPT, *ARGS, "--output-dir", str(tmp_path), timeout=120)
     assert (
         f"nothing to do: {tmp_path / 'checkpoints' / 'ckpt-00000090.pt'} is the end of this run"
         in result.stdout
@@ -436,7 +437,7 @@ def read_once_problems(reads: Counter, repeats: list[int]) -> str:
 def stopped_mid_epoch(tmp_path_factory) -> Path:
     """Two ranks that stopped after step 12 (--max-steps), with its checkpoint."""
     out = tmp_path_factory.mktemp("stopped_mid_epoch")
-    result = torchrun(
+    result = warm_ranks(
         SCRIPT,
         *ARGS,
         "--output-dir",
@@ -491,7 +492,7 @@ def test_resume_on_another_number_of_processes_reads_the_rest_of_the_epoch(
     marked = [torch.Generator().manual_seed(1000 + rank).get_state() for rank in (0, 1)]
     saved["ranks"] = [{**saved["ranks"][rank], "torch": marked[rank]} for rank in (0, 1)]
     ckpt.save(saved, tmp_path / "checkpoints", STOP_STEP, keep=3)
-    result = torchrun(
+    result = warm_ranks(
         SCRIPT,
         *ARGS,
         "--keep-last",
@@ -639,7 +640,7 @@ def cifar(tmp_path_factory) -> tuple[Path, tuple[str, ...]]:
 
 def cifar_run(args: tuple[str, ...], output_dir: Path, *extra: str):
     # tests/perf_cifar.py runs the script with torchvision's MD5 check of the files off.
-    return torchrun(
+    return warm_ranks(
         "tests/perf_cifar.py",
         "run",
         SCRIPT,

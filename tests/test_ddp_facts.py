@@ -1,10 +1,10 @@
 """What the READMEs say DDP and nn.SyncBatchNorm do, held to the installed torch (2.14.1).
 
-On 2 ranks under torchrun (tests/ddp_facts_worker.py): DDP's wrap gives every rank rank 0's
-parameters and buffers; DDP broadcasts rank 0's buffers again at the start of forward;
-nn.SyncBatchNorm refuses CPU tensors; DDP(static_graph=True) with no_sync() accumulation fails
-(PyTorch issue 143580: when a release fixes it, that test fails and the README's warning can go).
-What nn.SyncBatchNorm communicates cannot run without a GPU: it is read from torch's source.
+On 2 ranks forked from one warm process (tests/ddp_facts_worker.py, tests/warm_ranks.py): DDP's wrap
+gives every rank rank 0's parameters and buffers; DDP broadcasts rank 0's buffers again at the start
+of forward; nn.SyncBatchNorm refuses CPU tensors; DDP(static_graph=True) with no_sync() accumulation
+fails (PyTorch issue 143580: when a release fixes it, that test fails and the README's warning can
+go). What nn.SyncBatchNorm communicates cannot run without a GPU: it is read from torch's source.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import torchrun, skip_below_torch
+from tests.helpers import skip_below_torch, warm_ranks
 
 WORKER = "tests/ddp_facts_worker.py"
 SYNCBN_FUNCTION = Path(torch.__file__).parent / "nn" / "modules" / "_functions.py"
@@ -26,7 +26,7 @@ SYNCBN_FUNCTION = Path(torch.__file__).parent / "nn" / "modules" / "_functions.p
 def facts() -> list[dict]:
     """Each rank's RESULT line, in rank order."""
     skip_below_torch("2.13", "the worker wraps with DDP's forward_sync_buffers")
-    result = torchrun(WORKER, timeout=150)
+    result = warm_ranks(WORKER, timeout=150)
     lines = sorted(
         line.split(" ", 2)[1:] for line in result.stdout.splitlines() if line.startswith("RESULT ")
     )

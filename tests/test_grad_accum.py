@@ -1,9 +1,11 @@
 """03_grad_accum: accumulation under DDP equals one large batch, and no_sync saves all-reduces.
 
-Every run is a real torchrun (gloo, CPU). The reference for "one large batch" is
-01_basic_ddp/train.py in ONE process with batch 2 x b x k: same seed, same sampler order.
-The all-reduces are counted from outside the lesson: tests/ddp_probe.py runs the lesson's main()
-with a counting DDP communication hook.
+The runs are 2 ranks (gloo, CPU) forked from one warm process (tests/warm_ranks.py): the claim is
+what DDP computes, not how ranks start. The one run whose output the README's sample shows is a
+real torchrun, as the README's command. The reference for "one large batch" is
+01_basic_ddp/train.py in ONE process with batch 2 x b x k: same seed, same sampler order. The
+all-reduces are counted from outside the lesson: tests/ddp_probe.py runs the lesson's main() with a
+counting DDP communication hook.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tests.helpers import (
     relative_difference,
     run,
     torchrun,
+    warm_ranks,
 )
 
 SCRIPT = "03_grad_accum/train.py"
@@ -48,7 +51,7 @@ def runs(tmp_path_factory):
     counts = {}
     for name, flags in (("no_sync", ()), ("sync_every", ("--no-use-no-sync",))):
         result_file = root / f"{name}.json"
-        torchrun(
+        warm_ranks(
             PROBE,
             str(result_file),
             SCRIPT,
@@ -62,7 +65,7 @@ def runs(tmp_path_factory):
             str(out[name]),
         )
         counts[name] = json.loads(result_file.read_text())
-    torchrun(
+    warm_ranks(
         BASIC,
         *steps,
         "--batch-size",
@@ -137,8 +140,8 @@ def clip_runs(tmp_path_factory):
     steps = ("--max-steps", "3", "--epochs", "1", "--max-grad-norm", MAX_NORM)
     accum = ("--batch-size", "4", "--accum-steps", str(K))
     out = {name: root / name for name in ("fp32", "one_process", "fp16", "fp16_overflow")}
-    torchrun(SCRIPT, *steps, *accum, "--output-dir", str(out["fp32"]))
-    torchrun(
+    warm_ranks(SCRIPT, *steps, *accum, "--output-dir", str(out["fp32"]))
+    warm_ranks(
         SCRIPT,
         *steps,
         "--batch-size",
@@ -148,13 +151,13 @@ def clip_runs(tmp_path_factory):
         nproc=1,
     )
     fp16 = (*steps, *accum, "--precision", "fp16")
-    torchrun(SCRIPT, *fp16, "--output-dir", str(out["fp16"]))
+    warm_ranks(SCRIPT, *fp16, "--output-dir", str(out["fp16"]))
     env = dict(
         PYTHONPATH=f"{REPO}:{INJECT}",
         DDP_TEST_NONFINITE_AT_FORWARD="4",
         DDP_TEST_NONFINITE_RANK="1",
     )
-    overflow = torchrun(SCRIPT, *fp16, "--output-dir", str(out["fp16_overflow"]), env=env)
+    overflow = warm_ranks(SCRIPT, *fp16, "--output-dir", str(out["fp16_overflow"]), env=env)
     assert "injecting inf into forward 4 on rank 1" in overflow.stderr, overflow.output[-3000:]
     return out
 
@@ -188,7 +191,7 @@ def test_clipping_without_unscale_clips_the_scaled_gradient(tmp_path, clip_runs)
     variant.write_text(source.replace(UNSCALE, ""))
     steps = ("--max-steps", "3", "--epochs", "1", "--max-grad-norm", MAX_NORM)
     fp16 = (*steps, "--batch-size", "4", "--accum-steps", str(K), "--precision", "fp16")
-    torchrun(variant, *fp16, "--output-dir", str(tmp_path / "out"))
+    warm_ranks(variant, *fp16, "--output-dir", str(tmp_path / "out"))
     assert read_summary(tmp_path / "out")["grad_scale"] == 2.0**16  # no step was skipped
     one_process = load_model(clip_runs["one_process"])
     assert relative_difference(load_model(tmp_path / "out"), one_process) > 1e-2
@@ -216,7 +219,7 @@ LOSS_WEIGHT = "scaler.scale(loss * len(labels) / window_samples).backward()"  # 
 def one_step_on_everything(tmp_path_factory):
     """01 in one process taking one step on all 1438 training samples."""
     reference = tmp_path_factory.mktemp("one_step")
-    torchrun(
+    warm_ranks(
         BASIC, "--batch-size", "2400", "--epochs", "1", "--output-dir", str(reference), nproc=1
     )
     assert read_summary(reference)["steps"] == 1
@@ -227,7 +230,7 @@ def test_short_last_window_of_an_epoch_is_the_exact_mean(tmp_path, one_step_on_e
     """719 samples per rank in micro-batches of 400: 400 + 319 make one
     window of 2 (not 3) micro-batches, and weighting each by its share
     of the window's samples gives one process's step on all 1438."""
-    result = torchrun(SCRIPT, *SHORT_WINDOW, "--output-dir", str(tmp_path))
+    result = warm_ranks(SCRIPT, *SHORT_WINDOW, "--output-dir", str(tmp_path))
     assert re.search(r"\b2 micro-batches\b", result.stdout), result.stdout  # the banner's count
     assert read_summary(tmp_path)["steps"] == 1
     assert relative_difference(load_model(tmp_path), one_step_on_everything) < 1e-5
@@ -253,7 +256,7 @@ def test_dividing_by_accum_steps_or_by_the_micro_batch_count_misses_the_exact_me
     variant = tmp_path / "train.py"
     # `common` is found through PYTHONPATH
     variant.write_text(source.replace(LOSS_WEIGHT, division))
-    torchrun(variant, *SHORT_WINDOW, "--output-dir", str(tmp_path / "out"))
+    warm_ranks(variant, *SHORT_WINDOW, "--output-dir", str(tmp_path / "out"))
     assert read_summary(tmp_path / "out")["steps"] == 1
     assert relative_difference(load_model(tmp_path / "out"), one_step_on_everything) > 5e-4
 
@@ -271,7 +274,7 @@ def test_accum_steps_below_one_is_rejected_in_one_line(tmp_path):
 
 def test_the_common_mistakes():
     """The README's mistakes, shown with DDP itself (tests/grad_accum_worker.py)."""
-    result = torchrun("tests/grad_accum_worker.py", timeout=90)
+    result = warm_ranks("tests/grad_accum_worker.py", timeout=90)
     # no_sync must cover the forward: DDP prepares the backward's all-reduce there.
     assert "forward+backward inside no_sync: 0 all-reduces" in result.stdout
     assert "forward outside, backward inside no_sync: 1 all-reduces" in result.stdout
@@ -312,7 +315,7 @@ def test_accum_steps_1_is_01s_loop(runs, tmp_path):
     03 with the default ends bitwise where 01 ends."""
     out, _ = runs
     assert read_summary(out["no_accum"])["accum_steps"] == 1
-    torchrun(
+    warm_ranks(
         BASIC,
         "--max-steps",
         "3",

@@ -45,6 +45,7 @@ from tests.helpers import (
     run,
     summary_fields,
     torchrun,
+    warm_ranks,
 )
 
 # benchmark/train.py imports its helpers as `perf`
@@ -90,11 +91,11 @@ def error_lines(result) -> list[str]:
 def test_every_knob_on_two_ranks(tmp_path):
     """fp16 + GradScaler, channels_last, fp16 hook, 1 MiB buckets, bucket views,
     static graph, loader settings, activation checkpointing, step profile, progress
-    lines and TensorBoard, under torchrun; on CIFAR-10-format files through
+    lines and TensorBoard, on 2 warm ranks (tests/warm_ranks.py); on CIFAR-10-format files through
     tests/perf_cifar.py (as the benchmark README's CIFAR figures were taken)."""
     write_cifar10(tmp_path / "data" / "cifar10", per_batch=20, test_size=30)
     out = tmp_path / "out"
-    result = torchrun(
+    result = warm_ranks(
         "tests/perf_cifar.py",
         "run",
         SCRIPT,

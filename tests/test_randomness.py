@@ -2,11 +2,11 @@
 is built; DDP also broadcasts rank 0's at the wrap), then reseeds with seed + rank, so random
 augmentation and DataLoader worker seeds differ between ranks and are the same in every run.
 
-The lessons run for real under torchrun with 2 ranks on CIFAR-10-format files
-(tests/cifar_files.py, whose training transform is RandomCrop + RandomHorizontalFlip).
-tests/record (a sitecustomize) records, from outside the lesson, a hash of the
-augmented view of one fixed image for every augmented sample, drawn with exactly that
-sample's random numbers: equal hashes mean equal crops and flips.
+The lessons run on 2 ranks forked from one warm process (tests/warm_ranks.py), on CIFAR-10-format
+files (tests/cifar_files.py, whose training transform is RandomCrop + RandomHorizontalFlip).
+tests/record (a sitecustomize) records, from outside the lesson, a hash of the augmented view of one
+fixed image for every augmented sample, drawn with exactly that sample's random numbers: equal
+hashes mean equal crops and flips.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from tests.cifar_files import write_cifar10
-from tests.helpers import PYTHON, REPO, clean_env, read_summary, run, torchrun
+from tests.helpers import PYTHON, REPO, clean_env, read_summary, run, warm_ranks
 
 LESSON = "01_basic_ddp/train.py"
 # 40 training images, 20 per rank: 3 steps of 4 images = 12 augmented samples per rank.
@@ -65,7 +65,7 @@ def views(out: Path, rank: int, process: str = "main") -> list[str]:
 
 def run_lesson(script: str | Path, data_dir: Path, out: Path, *extra: str):
     # tests/perf_cifar.py runs the script with torchvision's MD5 check of the files off.
-    return torchrun(
+    return warm_ranks(
         "tests/perf_cifar.py",
         "run",
         script,
@@ -129,7 +129,7 @@ def test_with_random_augmentation_ranks_do_not_equal_one_process_on_the_global_b
     digits, which have no augmentation), but crop and flip them differently."""
     args = [*ARGS]
     args[args.index("--batch-size") + 1] = str(2 * BATCH)
-    torchrun(
+    warm_ranks(
         "tests/perf_cifar.py",
         "run",
         LESSON,

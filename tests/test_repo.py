@@ -29,7 +29,7 @@ def cpu_cores() -> int:
 
 
 def test_the_suite_runs_files_in_parallel_workers_and_n0_in_one_process():
-    """README, "Tests": one worker per core up to four (pytest.ini); `-n 0` runs in one process."""
+    """tests/README.md: one worker per core up to four (pytest.ini); `-n 0` runs in one process."""
     # not one of our workers
     env = {k: v for k, v in clean_env().items() if not k.startswith("PYTEST_")}
     one_test = [

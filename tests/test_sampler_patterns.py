@@ -1,7 +1,8 @@
 """02_sampler_patterns: how DistributedSampler divides data, and the patterns around it.
 
-Every script runs under real torchrun (2 or 3 CPU processes, gloo); the tests check the
-numbers the scripts write against DistributedSampler itself, the formulas, and files on disk.
+The README's commands run under real torchrun (2 or 3 CPU processes, gloo), the other runs on ranks
+forked from one warm process (tests/warm_ranks.py); the tests check the numbers the scripts write
+against DistributedSampler itself, the formulas, and files on disk.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from tests.helpers import (
     readme_command,
     readme_sample,
     run,
-    torchrun,
+    warm_ranks,
 )
 
 DIR = "02_sampler_patterns"
@@ -308,7 +309,7 @@ def test_distributed_eval_equals_one_process(tmp_path, world_size):
             check=True,
         )
     else:
-        result = torchrun(
+        result = warm_ranks(
             f"{DIR}/distributed_eval.py",
             "--max-steps",
             "8",
@@ -795,7 +796,7 @@ def test_each_rank_opens_only_its_own_shards(tmp_path):
     )
     out = tmp_path / "run"
     # Two DataLoader workers per rank: they must split the rank's files again, not repeat them.
-    torchrun(
+    warm_ranks(
         f"{DIR}/sharded_loading.py",
         "--shards-dir",
         str(shards),
@@ -959,7 +960,7 @@ def test_join_finishes_uneven_inputs_with_identical_gradients(tmp_path):
 
 def test_join_with_momentum_lets_weights_drift_in_the_next_epoch(tmp_path):
     """The README's caveat: joined ranks skip optimizer.step(), so their momentum lags."""
-    torchrun(
+    warm_ranks(
         f"{DIR}/uneven_inputs.py",
         "--fix",
         "join",

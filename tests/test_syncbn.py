@@ -1,7 +1,9 @@
 """04_syncbn: synchronized BatchNorm on 2 ranks equals BatchNorm in one process on the full batch.
 
-Real torchrun, gloo, CPU: the script selects CpuSyncBatchNorm (nn.SyncBatchNorm is GPU-only).
-What the model holds when DDP wraps it is seen from outside the lesson (tests/ddp_probe.py).
+2 ranks forked from one warm process (tests/warm_ranks.py), gloo, CPU: the script selects
+CpuSyncBatchNorm (nn.SyncBatchNorm is GPU-only). What the model holds when DDP wraps it is seen from
+outside the lesson (tests/ddp_probe.py). The run whose output the README's sample shows is a real
+torchrun, as the README's command.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tests.helpers import (
     markdown_blocks,
     read_summary,
     torchrun,
+    warm_ranks,
 )
 
 cpu_sync_batchnorm = load_script("04_syncbn/cpu_sync_batchnorm.py", "cpu_sync_batchnorm_under_test")
@@ -39,7 +42,7 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def math() -> dict:
-    result = torchrun(WORKER, timeout=150)
+    result = warm_ranks(WORKER, timeout=150)
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     return json.loads(line[len("RESULT ") :])
 
@@ -89,7 +92,7 @@ def test_one_all_reduce_per_layer_in_training_and_none_in_eval_mode(math):
 def test_conversion_happens_before_the_ddp_wrap(tmp_path):
     """The probe records the BatchNorm classes of each model the lesson hands to DDP."""
     result_file = tmp_path / "probe.json"
-    torchrun(
+    warm_ranks(
         PROBE,
         str(result_file),
         SCRIPT,
@@ -124,7 +127,7 @@ def test_script_sync_run_equals_one_process_and_plain_run_does_not(tmp_path):
         str(two),
         timeout=180,
     )
-    torchrun(
+    warm_ranks(
         SCRIPT,
         "--batch-norm",
         "plain",

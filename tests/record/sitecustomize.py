@@ -28,10 +28,15 @@ import sys
 RECORD_DIR = os.environ.get("DDP_TEST_RECORD_DIR", "")
 
 
+def _rank_file(kind: str) -> str:
+    """Read when written: a rank forked from a warm process (tests/warm_ranks.py) gets its RANK
+    after this module was imported."""
+    return os.path.join(RECORD_DIR, f"{kind}.rank{os.environ.get('RANK', '0')}.txt")
+
+
 def _install(sampler_module) -> None:
     batch_sampler = sampler_module.BatchSampler
     original = batch_sampler.__iter__
-    path = os.path.join(RECORD_DIR, f"batches.rank{os.environ.get('RANK', '0')}.txt")
 
     def recording_iter(self):
         from torch.utils.data import DistributedSampler
@@ -41,7 +46,7 @@ def _install(sampler_module) -> None:
             return
         for batch in original(self):
             # one write per line, flushed on close: readers poll this file
-            with open(path, "a") as f:
+            with open(_rank_file("batches"), "a") as f:
                 f.write(f"{self.sampler.epoch} {','.join(map(str, batch))}\n")
             yield batch
 
@@ -59,7 +64,6 @@ def reference_image():
 def _install_augment_record(transforms_module) -> None:
     compose = transforms_module.Compose
     original = compose.__call__
-    path = os.path.join(RECORD_DIR, f"augment.rank{os.environ.get('RANK', '0')}.txt")
 
     def recording_call(self, img):
         if not any(type(t).__name__.startswith("Random") for t in self.transforms):
@@ -73,7 +77,7 @@ def _install_augment_record(transforms_module) -> None:
         view = original(self, reference_image())  # the draws the real sample is about to get
         torch.set_rng_state(state)
         worker = get_worker_info()
-        with open(path, "a") as f:
+        with open(_rank_file("augment"), "a") as f:
             f.write(
                 f"{'main' if worker is None else f'worker{worker.id}'} "
                 f"{hashlib.sha256(view.numpy().tobytes()).hexdigest()[:16]}\n"
