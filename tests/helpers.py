@@ -24,6 +24,10 @@ import pytest
 from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
+# The lessons are found, not listed: every numbered folder with a README.
+LESSON_DIRS = tuple(sorted(p.parent.name for p in REPO.glob("[0-9][0-9]_*/README.md")))
+# Every folder of code a user runs or copies.
+CODE_DIRS = ("common", *LESSON_DIRS, "benchmark", "debugging")
 PYTHON = sys.executable
 
 # Variables of launchers and schedulers: a test that runs inside a Slurm job, under mpiexec or

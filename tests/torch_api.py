@@ -22,20 +22,8 @@ import functools
 import re
 from pathlib import Path
 
-from tests.helpers import REPO
+from tests.helpers import CODE_DIRS, REPO
 
-CODE_DIRS = (
-    "common",
-    "01_basic_ddp",
-    "02_sampler_patterns",
-    "03_grad_accum",
-    "04_syncbn",
-    "05_checkpointing",
-    "06_multinode",
-    "08_several_models",
-    "benchmark",
-    "debugging",
-)
 ROOTS = ("torch", "torchvision")
 
 
