@@ -24,6 +24,9 @@ Off by default: without --bug this is a short, correct DDP run. Every bug ends w
         debugging/demo_bugs.py --bug freeze_after_wrap --fix rewrap
     torchrun --standalone --nproc_per_node=2 \
         debugging/demo_bugs.py --bug freeze_after_wrap --fix find_unused
+    torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug different_models
+    torchrun --standalone --nproc_per_node=2 \
+        debugging/demo_bugs.py --bug different_models --fix data_set_size
 
 See debugging/README.md for what each prints and why.
 """
@@ -56,6 +59,7 @@ BUGS = (
     "module_prefix",
     "wrap_frozen",
     "freeze_after_wrap",
+    "different_models",
 )
 FIXES = (
     "none",
@@ -66,6 +70,7 @@ FIXES = (
     "no_wrap",
     "freeze_first",
     "rewrap",
+    "data_set_size",
 )
 
 
@@ -80,7 +85,8 @@ class DemoConfig:
         "(every parameter takes part in the loss); for wrapper_attribute and module_prefix: "
         "module (the wrapped model, model.module); for module_prefix: strip_prefix; for "
         "wrap_frozen: no_wrap (the frozen model unwrapped); for freeze_after_wrap: freeze_first "
-        "(before the wrap), rewrap (wrap again after freezing) or find_unused",
+        "(before the wrap), rewrap (wrap again after freezing) or find_unused; for "
+        "different_models: data_set_size (a size every rank agrees on)",
         choices=FIXES,
     )
     steps: int = field(4, "training steps", min=1)
@@ -94,17 +100,18 @@ class DemoConfig:
 class TwoHeads(nn.Module):
     """A trunk with a main head and an auxiliary head; the aux head is used only when asked."""
 
-    def __init__(self):
+    def __init__(self, aux_head: bool = True):
         super().__init__()
         self.trunk = nn.Linear(8, 16)
         self.head = nn.Linear(16, 4)
-        self.aux_head = nn.Linear(16, 4)  # the "unused parameter" when forward skips it
+        # the "unused parameter" when forward skips it
+        self.aux_head = nn.Linear(16, 4) if aux_head else None
         self.num_classes = 4
 
     def forward(self, x, use_aux: bool = True):
         h = torch.relu(self.trunk(x))
         out = self.head(h)
-        return out + self.aux_head(h) if use_aux else out
+        return out + self.aux_head(h) if use_aux and self.aux_head is not None else out
 
 
 def train(cfg, launch):
@@ -122,7 +129,15 @@ def train(cfg, launch):
         timeout=timedelta(seconds=cfg.timeout_s),
     )
     torch.manual_seed(cfg.seed)
-    model = TwoHeads().to(device)
+    aux_head = True
+    if cfg.bug == "different_models" and cfg.fix != "data_set_size":
+        # BUG: the model decided from this rank's own shard: an auxiliary head only where the
+        # shard holds every class (rank 1's holds 3 of 4). The ranks build different models, and
+        # DDP's wrap compares them and refuses. The fix: decide from what every rank agrees on,
+        # the data set (or rank 0's choice, broadcast).
+        shard_classes = torch.arange(4 - launch.rank % 2).unique()
+        aux_head = len(shard_classes) == 4
+    model = TwoHeads(aux_head).to(device)
     if cfg.bug == "freeze_after_wrap" and cfg.fix == "freeze_first":
         # Freezing, fix 1: freeze first; DDP registers only the parameters that require grad.
         model.trunk.requires_grad_(False)

@@ -879,3 +879,47 @@ def test_frozen_models_and_layers_errors_and_fixes(tmp_path):
         checksums[name] = summary["replica_checksums"][0]
     # the three fixes train alike
     assert len(set(checksums.values())) == 1, checksums
+
+
+# --- different models on different ranks
+
+DIFFERENT_MODELS = (
+    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug different_models"
+)
+DIFFERENT_MODELS_FIX = (
+    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug different_models "
+    "--fix data_set_size"
+)
+
+
+@pytest.mark.torch_text
+def test_different_models_error_and_fix(tmp_path):
+    """The guide's commands: ranks that built different models (an auxiliary head on rank 0 only)
+    are refused at the wrap, before any step, in the words the guide quotes (each rank names its
+    own count first); the model decided from the data set runs on both ranks alike."""
+    guide = "debugging/README.md"
+    refused = run(
+        readme_command(guide, DIFFERENT_MODELS) + ["--output-dir", str(tmp_path / "bug")],
+        timeout=120,
+    )
+    (quoted,) = readme_sample(GUIDE, '## "DDP expects same model across all ranks"')
+    assert refused.returncode == 1, refused.output[-3000:]
+
+    def counts_masked(line):
+        return re.sub(r"\b[Rr]ank \d|\d+ params", "#", _any_rank(line))
+
+    printed = {counts_masked(line) for line in refused.output.splitlines()}
+    assert counts_masked(quoted) in printed, refused.output[-3000:]
+    assert re.search(
+        r"Rank 0 has 6 params, while rank 1 has inconsistent 4 params|"
+        r"Rank 1 has 4 params, while rank 0 has inconsistent 6 params",
+        refused.output,
+    )
+    assert "DDP expects same model across all ranks" in root_cause(refused.output)
+    assert "step 1 mean loss" not in refused.output  # raised by the wrap, before any step
+    fixed = run(
+        readme_command(guide, DIFFERENT_MODELS_FIX) + ["--output-dir", str(tmp_path / "fix")],
+        timeout=120,
+    )
+    assert fixed.returncode == 0 and "done: no bug" in fixed.stdout, fixed.output[-3000:]
+    assert read_summary(tmp_path / "fix")["replicas_identical"]

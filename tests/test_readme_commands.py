@@ -322,6 +322,17 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
             "wrapper_attribute --fix module",
         )
     },
+    # debugging: different models on different ranks
+    **{
+        command: RunElsewhere(
+            "tests/test_debugging.py::test_different_models_error_and_fix", "--output-dir"
+        )
+        for command in [
+            "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug "
+            f"different_models{flags}"
+            for flags in ("", " --fix data_set_size")
+        ]
+    },
     # debugging: frozen models and layers
     **{
         command: RunElsewhere(
