@@ -4,6 +4,7 @@ and the single-process baseline is the same training."""
 import dataclasses
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from torch.utils.data import DistributedSampler
 from common.config import TrainConfig, parse_config
 from common.data import digits
 from common.models import build_model
+from tests.launcher_tools import need_tools
 from tests.helpers import (
     PYTHON,
     REPO,
@@ -23,6 +25,7 @@ from tests.helpers import (
     free_port,
     kill_group,
     load_script,
+    markdown_blocks,
     pinned_torch_only,
     read_summary,
     readme_command,
@@ -484,3 +487,52 @@ def test_same_seed_same_initial_weights_and_the_default_run_has_no_batchnorm_or_
     data = digits()
     # fixed tensors: no transform runs per sample
     assert isinstance(data.train, torch.utils.data.TensorDataset)
+
+
+def test_01_copied_out_trains_another_model_on_other_data(tmp_path):
+    """The port sections: train.py and common/ copied side by side into an empty folder, 01's
+    README patch applied (torchvision's ResNet-18 on FakeData), and 2 ranks under torchrun, with
+    nothing of this repository on the path. They train the new model on the new data, and the
+    replicas end identical."""
+    need_tools("patch")
+    readme = (REPO / "01_basic_ddp" / "README.md").read_text()
+    section = readme.split("## Your own model and data", 1)[1]
+    patch = next(b for b in markdown_blocks(section) if b.info == "diff")
+    project = tmp_path / "project"
+    project.mkdir()
+    shutil.copy(REPO / "01_basic_ddp" / "train.py", project / "train.py")
+    shutil.copytree(
+        REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (project / "port.diff").write_text("\n".join(patch.lines) + "\n")
+    subprocess.run(
+        ["patch", "train.py"], stdin=(project / "port.diff").open(), cwd=project, check=True
+    )
+    # train.py's own sys.path entry is tmp_path, which holds no `common`: the copy is used
+    run(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "train.py",
+            "--epochs",
+            "1",
+            "--max-steps",
+            "3",
+            "--batch-size",
+            "16",
+            "--output-dir",
+            "out",
+        ],
+        timeout=180,
+        env=clean_env(PYTHONPATH=""),
+        cwd=project,
+        check=True,
+    )
+    summary = read_summary(project / "out")
+    assert summary["world_size"] == 2 and summary["steps"] == 3 and summary["replicas_identical"]
+    assert summary["eval_samples"] == 100  # FakeData's test set, not the digits'
+    weights = torch.load(project / "out" / "model.pt", weights_only=True)
+    assert "layer4.1.conv2.weight" in weights  # ResNet-18
