@@ -328,6 +328,22 @@ def torchrun(
     return run(cmd, timeout, env=env, check=check)
 
 
+_FORKSERVER = None
+
+
+def _warm_forkserver():
+    """This process's forkserver, started on first use with torch imported once in it."""
+    global _FORKSERVER
+    if _FORKSERVER is None:
+        import multiprocessing
+
+        from tests import warm_ranks as warm
+
+        _FORKSERVER = multiprocessing.get_context("forkserver")
+        _FORKSERVER.set_forkserver_preload(warm.PRELOAD)
+    return _FORKSERVER
+
+
 def warm_ranks(
     script: str | Path,
     *args: str,
@@ -335,12 +351,45 @@ def warm_ranks(
     timeout: float = 120,
     env: dict[str, str] | None = None,
     check: bool = True,
+    cwd: Path = REPO,
 ) -> Result:
-    """`script args` on `nproc` ranks forked from one process that imported torch once
+    """`script args` on `nproc` ranks forked from a process that imported torch once
     (tests/warm_ranks.py): for claims about what DDP computes, not about a launcher. Each rank
-    takes the lessons' `env` launcher row (RANK, WORLD_SIZE, ... set by hand)."""
-    cmd = [PYTHON, REPO / "tests" / "warm_ranks.py", "--nproc", str(nproc), REPO / script, *args]
-    return run(cmd, timeout, env=env, check=check)
+    takes the lessons' `env` launcher row (RANK, WORLD_SIZE, ... set by hand). As run(): a
+    timeout records the stacks of every rank, kills them all and fails the test."""
+    import tempfile
+
+    from tests.warm_ranks import run_job
+
+    what = f"warm ranks ({nproc}): {script} {' '.join(map(str, args))}"
+    with tempfile.TemporaryDirectory() as out:
+        paths = [os.path.join(out, "stdout"), os.path.join(out, "stderr")]
+        job = _warm_forkserver().Process(
+            target=run_job,
+            args=(nproc, str(REPO / script), [str(a) for a in args], env or clean_env(), str(cwd))
+            + tuple(paths),
+        )
+        job.start()
+        job.join(timeout)
+        stacks = "" if job.exitcode is not None else dump_stacks(job) or "(none readable)"
+        if stacks:
+            kill_group(job)
+            job.join(30)
+        stdout, stderr = (Path(p).read_text(errors="replace") for p in paths)
+    if stacks:
+        pytest.fail(
+            f"timed out after {timeout}s: {what}\n--- stdout\n{stdout[-4000:]}"
+            f"\n--- stderr\n{stderr[-4000:]}\n--- stacks (py-spy dump --native)\n{stacks}",
+            pytrace=False,
+        )
+    result = Result(what, job.exitcode, stdout, stderr)
+    if check and result.returncode != 0:
+        pytest.fail(
+            f"exit code {result.returncode}: {what}\n--- stdout\n{stdout[-4000:]}"
+            f"\n--- stderr\n{stderr[-4000:]}",
+            pytrace=False,
+        )
+    return result
 
 
 def load_script(path: str | Path, name: str):

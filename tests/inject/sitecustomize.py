@@ -124,11 +124,20 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _after_import(module_name, install) -> None:
+    """install(module) now if it is imported already (ranks forked from a warm process,
+    tests/warm_ranks.py), else right after its import."""
+    if module_name in sys.modules:
+        install(sys.modules[module_name])
+    else:
+        sys.meta_path.insert(0, _AfterImport(module_name, install))
+
+
 if AT_STEP or SLOW_ALL_REDUCE_S or NONFINITE_AT_FORWARD:
     import importlib.util
 if NONFINITE_AT_FORWARD:
-    sys.meta_path.insert(0, _AfterImport("torch.optim", _nonfinite_forward))
+    _after_import("torch.optim", _nonfinite_forward)
 if AT_STEP:
-    sys.meta_path.insert(0, _AfterImport("torch.optim", _install))
+    _after_import("torch.optim", _install)
 if SLOW_ALL_REDUCE_S:
-    sys.meta_path.insert(0, _AfterImport("torch.distributed", _slow_all_reduce))
+    _after_import("torch.distributed", _slow_all_reduce)

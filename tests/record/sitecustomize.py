@@ -116,4 +116,8 @@ class _AfterModules(importlib.abc.MetaPathFinder):
 
 if RECORD_DIR:
     os.makedirs(RECORD_DIR, exist_ok=True)
-    sys.meta_path.insert(0, _AfterModules())
+    # modules imported already (ranks forked from a warm process, tests/warm_ranks.py): now
+    for name in [name for name in HOOKS if name in sys.modules]:
+        HOOKS.pop(name)(sys.modules[name])
+    if HOOKS:
+        sys.meta_path.insert(0, _AfterModules())
