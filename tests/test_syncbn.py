@@ -1,9 +1,9 @@
 """04_syncbn: synchronized BatchNorm on 2 ranks equals BatchNorm in one process on the full batch.
 
 2 ranks forked from one warm process (tests/warm_ranks.py), gloo, CPU: the script selects
-CpuSyncBatchNorm (nn.SyncBatchNorm is GPU-only). What the model holds when DDP wraps it is seen from
-outside the lesson (tests/ddp_probe.py). The run whose output the README's sample shows is a real
-torchrun, as the README's command.
+CpuSyncBatchNorm (nn.SyncBatchNorm takes no CPU tensors). What the model holds when DDP wraps it
+is seen from outside the lesson (tests/ddp_probe.py). The run whose output the README's sample shows
+is a real torchrun, as the README's command.
 """
 
 from __future__ import annotations
@@ -250,9 +250,16 @@ def test_cpu_sync_batchnorm_is_a_batchnorm2d_and_plain_batchnorm_without_a_proce
 
 
 @pytest.mark.torch_text
-def test_nn_syncbatchnorm_kernels_are_gpu_only():
-    """Why nn.SyncBatchNorm refuses CPU tensors: its statistics
-    kernel has no CPU implementation (torch 2.14.1)."""
+def test_nn_syncbatchnorm_takes_cuda_xpu_hpu_privateuse1_and_no_cpu_kernel():
+    """The devices nn.SyncBatchNorm.forward accepts (torch 2.14.1's source: cuda, hpu, xpu and the
+    PrivateUse1 backend), and why not CPU: its statistics kernel has no CPU implementation."""
+    import inspect
+
+    source = inspect.getsource(nn.SyncBatchNorm.forward)
+    devices = re.search(r"input\.device\.type not in \[(.*?)\]", source, re.S).group(1)
+    named = re.findall(r'"(\w+)"', devices)
+    assert sorted(named) == ["cuda", "hpu", "xpu"], devices
+    assert "_get_privateuse1_backend_name()" in devices
     with pytest.raises(
         NotImplementedError, match="'aten::batch_norm_stats' with arguments from the 'CPU' backend"
     ):
