@@ -271,3 +271,15 @@ def test_each_site_file_names_the_date_its_sources_were_read():
     assert (
         re.search(r"^# -+ Modules: .*\[check\]", perlmutter, re.M) and "#   [check]" in perlmutter
     )
+
+
+@pytest.mark.torch_text
+def test_dataparallel_docs_recommend_ddp_even_on_one_node():
+    """ "DataParallel or DDP?": torch's DataParallel docstring recommends DDP "even if there is
+    only a single node" (torch 2.14.1)."""
+    from torch import nn
+
+    doc = " ".join(nn.DataParallel.__doc__.split())
+    assert "recommended to use :class:`~torch.nn.parallel.DistributedDataParallel`" in doc
+    assert "even if there is only a single node" in doc
+    assert '"even if there is only a single node"' in README
