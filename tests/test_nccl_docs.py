@@ -402,3 +402,14 @@ def test_the_shared_gpu_refusal_the_readmes_quote_is_nccls_and_torchs_own():
         text = " ".join(readme.read_text().split())
         for sentence in re.findall(r"[^.]*Duplicate GPU detected[^.]*", text):
             assert "older NCCL releases" in sentence, (readme.name, sentence)
+
+
+def test_the_dev_shm_error_the_guide_quotes_is_nccls_own():
+    """ "NCCL/gloo connection errors", /dev/shm too small: the line the guide quotes is NCCL's
+    format string with the path and size filled in (the bundled libnccl.so.2), and so is the
+    path NCCL creates there. The control: a wording NCCL does not print is not found."""
+    guide = " ".join(GUIDE.read_text().split())
+    assert "`Error: failed to extend /dev/shm/nccl-… to N bytes`" in guide
+    texts = ["Error: failed to extend %s to %ld bytes", "/dev/shm/nccl-", "unhandled system error"]
+    found = found_in(nccl_library(), [*texts, "failed to extend /dev/shm to"])
+    assert found == {**dict.fromkeys(texts, True), "failed to extend /dev/shm to": False}
