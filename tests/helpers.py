@@ -364,6 +364,8 @@ def warm_ranks(
     what = f"warm ranks ({nproc}): {script} {' '.join(map(str, args))}"
     with tempfile.TemporaryDirectory() as out:
         paths = [os.path.join(out, "stdout"), os.path.join(out, "stderr")]
+        for path in paths:
+            Path(path).touch()
         job = _warm_forkserver().Process(
             target=run_job,
             args=(nproc, str(REPO / script), [str(a) for a in args], env or clean_env(), str(cwd))

@@ -17,6 +17,9 @@ launcher row. It also gets what an interpreter started with the run's environmen
 environment, its PYTHONPATH on sys.path with any `sitecustomize` there imported (tests/inject,
 tests/record), OMP_NUM_THREADS as torch's thread count. The script runs as `__main__`; its exit
 code, an uncaught exception's traceback and the atexit handlers are what the interpreter's would be.
+A forked child then ends with os._exit, as Python's docs say it should: the interpreter's own
+shutdown (objects finalized at exit) is not run, so an ordinary end is proven by the tests that use
+real launchers (tests/test_clean_exit.py), not here.
 
 Like torchrun, the first rank to fail fails the run: the others are killed and its exit code is
 the run's (128 + N for signal N). Tests that are about a launcher, a README command or an exit
