@@ -13,14 +13,14 @@ from tests.helpers import PINNED_TORCH, RUNNING_TORCH
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Every test that starts the two-node Slurm cluster (the `cluster` fixture, directly or through
-    another fixture) is in the `slurm` tier.
+    another fixture) is in the `scheduler` tier.
 
     The `torch_text` tests hold the READMEs to the pinned torch's own messages, docstrings,
     source and libraries; on any other torch (a site's, the minimum) they are skipped, naming both
     versions, instead of failing on wording that torch is free to change."""
     for item in items:
         if "cluster" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.slurm)
+            item.add_marker(pytest.mark.scheduler)
     if RUNNING_TORCH == PINNED_TORCH:
         return
     skip = pytest.mark.skip(

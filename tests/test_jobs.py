@@ -529,6 +529,7 @@ GLOO_LOOPBACK_WARNING = "so gloo listens on loopback, where other hosts cannot c
 HOST_RESOLVES_TO_LOOPBACK = socket.gethostbyname(socket.gethostname()).startswith("127.")
 
 
+@pytest.mark.scheduler
 def test_pbs_mpiexec_job(tmp_path):
     need_tools("mpiexec.mpich")
     # MPICH's Hydra takes --ppn but not PALS's --cpu-bind depth: MPIEXEC_BIND is emptied.
@@ -556,6 +557,7 @@ def test_pbs_mpiexec_job(tmp_path):
     print(f"PBS mpiexec job: {time.perf_counter() - start:.1f} s")
 
 
+@pytest.mark.scheduler
 def test_pbs_torchrun_job(tmp_path):
     need_tools("mpiexec.mpich")
     env = pbs_env(
@@ -607,6 +609,7 @@ def pbs_chain_env(tmp_path, job_file, job_id, **extra):
     )
 
 
+@pytest.mark.scheduler
 @pytest.mark.parametrize("job_file", ["pbs_mpiexec.pbs", "pbs_torchrun.pbs"])
 def test_pbs_deadline_saves_resubmits_and_the_next_job_resumes_bitwise(
     job_file, uninterrupted, tmp_path
@@ -647,6 +650,7 @@ def test_pbs_deadline_saves_resubmits_and_the_next_job_resumes_bitwise(
     assert_bitwise_equal(load_params(tmp_path / "run" / "model.pt"), uninterrupted)
 
 
+@pytest.mark.scheduler
 def test_pbs_sigterm_to_the_whole_job_saves_and_resubmits(tmp_path):
     """As PBS does at the wall time or on preemption: SIGTERM to every process of the job; 05 saves
     at the next step boundary (within kill_delay) and the job file resubmits."""
@@ -677,6 +681,7 @@ def test_pbs_sigterm_to_the_whole_job_saves_and_resubmits(tmp_path):
     assert "depend=afterany:4325.pbs01" in (tmp_path / "qsub.calls").read_text()
 
 
+@pytest.mark.scheduler
 def test_pbs_crash_is_not_resubmitted_and_restarts_are_capped(tmp_path):
     need_tools("mpiexec.mpich")
     crash = tmp_path / "crash"

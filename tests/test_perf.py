@@ -651,15 +651,19 @@ def test_benchmark_keeps_the_run_with_the_median_step_time():
     assert bench.median_run(runs[:1])["run"] == 0
 
 
+BENCHMARK = "python benchmark/benchmark.py --world-sizes 1,2"
 BENCHMARK_SWEEP = "python benchmark/benchmark.py --world-sizes 1,2 --sweep -- --precision bf16"
 
 
 def test_benchmark_table_and_sweep(tmp_path):
     """benchmark/README.md's sweep command as written, shortened (one knob, 1 + 2 steps):
     world sizes 1 and 2, DDP and --no-ddp, one knob swept: 5 runs of benchmark/train.py
-    (each a real torchrun), with the flag after `--` in every run."""
+    (each a real torchrun), with the flag after `--` in every run. The README's first command is
+    this one without `--sweep -- --precision bf16`: its 4 runs and table are 4 of these."""
     out = tmp_path / "bench"
     argv = readme_command("benchmark/README.md", BENCHMARK_SWEEP)
+    table_only = readme_command("benchmark/README.md", BENCHMARK)
+    assert argv[: len(table_only)] == table_only and argv[len(table_only)] == "--sweep"
     cut = argv.index("--")  # the shortening goes to benchmark.py, before the flags for every run
     shortening = [
         "--warmup",
