@@ -4,6 +4,7 @@ of them behind, torchrun's workers in their own sessions included. Shown on a re
 whose two workers sleep, so that the test has a known line to find in the stacks."""
 
 import os
+import re
 import signal
 import time
 
@@ -17,6 +18,7 @@ from tests.helpers import (
     kill_group,
     run,
     start,
+    warm_ranks,
     without_comments,
 )
 
@@ -40,6 +42,33 @@ def test_a_timeout_records_every_processs_stacks_and_kills_the_whole_tree(tmp_pa
     assert message.count("<module> (hangs.py:3)") == 2, message[-3000:]
     # native frames too
     assert "libc.so" in message or "libpython" in message, message[-3000:]
+
+
+def test_warm_ranks_past_the_timeout_record_both_ranks_stacks_and_leave_none(tmp_path):
+    """The same guard for ranks forked from the worker's forkserver (helpers.warm_ranks): the job
+    and both ranks are dumped, then killed; none is left (they are not this process's children)."""
+    script = tmp_path / "hangs.py"
+    script.write_text(HANGS)
+    with pytest.raises(pytest.fail.Exception) as failure:
+        warm_ranks(script, timeout=20)
+    message = str(failure.value)
+    assert message.startswith("timed out after 20s") and message.count("started") == 2, message
+    assert message.count("--- pid ") >= 3, message[-3000:]
+    assert message.count("(hangs.py:3)") == 2, message[-3000:]
+    dumped = [int(pid) for pid in re.findall(r"^--- pid (\d+)", message, re.M)]
+    deadline = time.monotonic() + 30
+    while [pid for pid in dumped if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [pid for pid in dumped if _alive(pid)] == []
+
+
+def _alive(pid: int) -> bool:
+    """Running, or stopped: not gone and not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_kill_group_reaches_workers_in_their_own_sessions(tmp_path):
