@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import tokenize
 import uuid
 from dataclasses import dataclass
@@ -250,6 +251,25 @@ def stop_hung_tree(proc: subprocess.Popen) -> tuple[str, str, str]:
     return stacks, out or "", err or ""
 
 
+def fail_timed_out(timeout: float, what: str, out: str, err: str, stacks: str) -> None:
+    pytest.fail(
+        f"timed out after {timeout}s: {what}\n--- stdout\n{(out or '')[-4000:]}"
+        f"\n--- stderr\n{(err or '')[-4000:]}\n--- stacks (py-spy dump --native)\n{stacks}",
+        pytrace=False,
+    )
+
+
+def checked(result: Result, what: str, check: bool) -> Result:
+    """`result`, or with `check` and a non-zero exit code, the test failed with its output."""
+    if check and result.returncode != 0:
+        pytest.fail(
+            f"exit code {result.returncode}: {what}\n--- stdout\n{(result.stdout or '')[-4000:]}"
+            f"\n--- stderr\n{(result.stderr or '')[-4000:]}",
+            pytrace=False,
+        )
+    return result
+
+
 def finish(proc: subprocess.Popen, timeout: float, what: str) -> tuple[str, str]:
     """proc.communicate(timeout); on a timeout, the stacks of its whole tree, then the whole tree
     killed, and the test failed with both. Never waits unbounded on a pipe."""
@@ -257,11 +277,7 @@ def finish(proc: subprocess.Popen, timeout: float, what: str) -> tuple[str, str]
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         stacks, out, err = stop_hung_tree(proc)
-        pytest.fail(
-            f"timed out after {timeout}s: {what}\n--- stdout\n{(out or '')[-4000:]}"
-            f"\n--- stderr\n{(err or '')[-4000:]}\n--- stacks (py-spy dump --native)\n{stacks}",
-            pytrace=False,
-        )
+        fail_timed_out(timeout, what, out, err, stacks)
 
 
 def run(
@@ -279,14 +295,7 @@ def run(
     """
     proc = start(cmd, env=env, cwd=cwd)
     out, err = finish(proc, timeout, " ".join(map(str, cmd)))
-    result = Result(proc.args, proc.returncode, out, err)
-    if check and result.returncode != 0:
-        pytest.fail(
-            f"exit code {result.returncode}: {' '.join(map(str, cmd))}\n--- stdout\n{out[-4000:]}"
-            f"\n--- stderr\n{err[-4000:]}",
-            pytrace=False,
-        )
-    return result
+    return checked(Result(proc.args, proc.returncode, out, err), " ".join(map(str, cmd)), check)
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -357,8 +366,6 @@ def warm_ranks(
     (tests/warm_ranks.py): for claims about what DDP computes, not about a launcher. Each rank
     takes the lessons' `env` launcher row (RANK, WORLD_SIZE, ... set by hand). As run(): a
     timeout records the stacks of every rank, kills them all and fails the test."""
-    import tempfile
-
     from tests.warm_ranks import run_job
 
     what = f"warm ranks ({nproc}): {script} {' '.join(map(str, args))}"
@@ -379,19 +386,8 @@ def warm_ranks(
             job.join(30)
         stdout, stderr = (Path(p).read_text(errors="replace") for p in paths)
     if stacks:
-        pytest.fail(
-            f"timed out after {timeout}s: {what}\n--- stdout\n{stdout[-4000:]}"
-            f"\n--- stderr\n{stderr[-4000:]}\n--- stacks (py-spy dump --native)\n{stacks}",
-            pytrace=False,
-        )
-    result = Result(what, job.exitcode, stdout, stderr)
-    if check and result.returncode != 0:
-        pytest.fail(
-            f"exit code {result.returncode}: {what}\n--- stdout\n{stdout[-4000:]}"
-            f"\n--- stderr\n{stderr[-4000:]}",
-            pytrace=False,
-        )
-    return result
+        fail_timed_out(timeout, what, stdout, stderr, stacks)
+    return checked(Result(what, job.exitcode, stdout, stderr), what, check)
 
 
 def load_script(path: str | Path, name: str):
