@@ -276,10 +276,18 @@ def test_each_site_file_names_the_date_its_sources_were_read():
 @pytest.mark.torch_text
 def test_dataparallel_docs_recommend_ddp_even_on_one_node():
     """ "DataParallel or DDP?": torch's DataParallel docstring recommends DDP "even if there is
-    only a single node" (torch 2.14.1)."""
+    only a single node", splits the batch and replicates the module in every forward; its
+    parallel_apply runs the replicas in threads of the one process (torch 2.14.1)."""
+    import inspect
+
     from torch import nn
+    from torch.nn.parallel import parallel_apply
 
     doc = " ".join(nn.DataParallel.__doc__.split())
+    assert "In the forward pass, the module is replicated on each device" in doc
+    assert "splitting the input across the specified devices" in doc
+    assert "threading.Thread(" in inspect.getsource(parallel_apply)
+    assert "one process with one thread per GPU" in README
     assert "recommended to use :class:`~torch.nn.parallel.DistributedDataParallel`" in doc
     assert "even if there is only a single node" in doc
     assert '"even if there is only a single node"' in README
