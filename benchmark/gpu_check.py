@@ -1,9 +1,8 @@
 r"""GPU check: ResNet-50 throughput beside pytorch/examples' imagenet/main.py on one GPU, then
 every lesson's main command once on the GPU. One call, a few minutes; figures to JSON.
 
-    # the script users would otherwise take; not part of this repository (BSD-3, pytorch/examples)
-    mkdir -p external && curl -fsSL -o external/imagenet_main.py \
-        https://raw.githubusercontent.com/pytorch/examples/77f55b912142e11fcfdf5b530231fb9c52f181e8/imagenet/main.py
+    # imagenet/main.py of pytorch/examples at 77f55b9 (BSD-3, not part of this repository) into
+    # external/, as benchmark/README.md shows, then:
     python benchmark/gpu_check.py --imagenet-main external/imagenet_main.py
 
 Every throughput is the same measure as benchmark/benchmark.py's: the batch over the median step

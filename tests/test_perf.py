@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import difflib
 import inspect
+import json
 import math
 import os
 import re
@@ -649,6 +650,57 @@ def test_benchmark_keeps_the_run_with_the_median_step_time():
     # --repeats 2, as the published tables: the faster
     assert bench.median_run(runs[:2])["run"] == 1
     assert bench.median_run(runs[:1])["run"] == 0
+
+
+# imagenet/main.py's progress line (its ProgressMeter and AverageMeter formats at pytorch/examples
+# 77f55b9), one per batch under -p 1; the stand-in then waits, as main.py's next epochs would.
+MAIN_PY_STAND_IN = """
+import os, sys, time
+open(PID_FILE, 'w').write(str(os.getpid()))
+times = [9.0, 0.3, 0.1, 0.2, 0.2]  # batch 1 is warm-up; the median of the rest is 0.2
+total = 0.0
+for i, t in enumerate(times, 1):
+    total += t
+    print(f"Epoch: [0][{i:4d}/5005]\tTime {t:6.3f} ({total / i:6.3f})\tData  0.001 ( 0.001)",
+          flush=True)
+time.sleep(600)
+"""
+
+
+def test_gpu_check_measures_both_scripts_alike_and_stops_main_py(tmp_path):
+    """benchmark/README.md, "Measured on one GPU": gpu_check.py's images/s is the batch over the
+    median step for imagenet/main.py (its printed batch times, warm-up left out) and for
+    benchmark/train.py (its step profile), and the ratio between them; main.py, which would go on
+    for 90 epochs, is stopped once it printed enough batches. A dry run on CPU with a stand-in
+    for main.py that prints main.py's progress lines; the GPU figures come from a lent GPU."""
+    stand_in = tmp_path / "main.py"
+    pid_file = tmp_path / "main.pid"
+    stand_in.write_text(MAIN_PY_STAND_IN.replace("PID_FILE", repr(str(pid_file))))
+    cmd = [PYTHON, "benchmark/gpu_check.py", "--imagenet-main", str(stand_in), "--device", "cpu"]
+    cmd += ["--model", "small_cnn", "--image-size", "8", "--batch-size", "8", "--workers", "0"]
+    cmd += ["--warmup", "1", "--steps", "4", "--output-dir", str(tmp_path / "out")]
+    skip = "fp32_w,bf16_cl,bf16_cl_noddp,bf16_cl_2,bf16,lessons,bf16_cl_compile"
+    result = run(cmd + ["--skip", skip], timeout=180, env=clean_env(), check=True)
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    main_py, ours = report["runs"]["main_py"], report["runs"]["fp32"]
+    assert main_py["images_per_s"] == pytest.approx(8 / 0.2)
+    assert "-b 8 -j 0 -p 1" in main_py["command"]  # the same batch and workers; every batch
+    assert ours["images_per_s"] == pytest.approx(8 / (ours["step_ms"] / 1000))
+    assert "--batch-size 8" in ours["command"] and "--num-workers 0" in ours["command"]
+    row = next(line.split() for line in result.stdout.splitlines() if line.split()[:1] == ["fp32"])
+    assert float(row[2]) == pytest.approx(ours["images_per_s"] / main_py["images_per_s"], abs=0.01)
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # stopped, not left sleeping
+        os.kill(pid, 0)
+
+
+def test_gpu_check_without_main_py_says_where_to_get_it(tmp_path):
+    result = run([PYTHON, "benchmark/gpu_check.py", "--imagenet-main", str(tmp_path / "no.py")], 60)
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip().startswith("error: --imagenet-main")
+        and "\n" not in result.stderr.strip()
+    )
 
 
 BENCHMARK = "python benchmark/benchmark.py --world-sizes 1,2"

@@ -250,6 +250,12 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     "python benchmark/benchmark.py --world-sizes 1,2 --sweep -- --precision bf16": RunElsewhere(
         "tests/test_perf.py::test_benchmark_table_and_sweep", SWEEP_SHORT
     ),
+    "mkdir -p external && curl -fsSL -o external/imagenet_main.py https://raw.githubusercontent"
+    ".com/pytorch/examples/77f55b912142e11fcfdf5b530231fb9c52f181e8/imagenet/main.py": NotRun(
+        "download"
+    ),
+    # a CPU dry run with a stand-in main.py: tests/test_perf.py::test_gpu_check_*
+    "python benchmark/gpu_check.py --imagenet-main external/imagenet_main.py": NotRun("gpu"),
     # debugging: the injected failures fail on purpose
     "PYTHONPATH=.:tests/inject DDP_TEST_FAIL_AT_STEP=3 DDP_TEST_FAIL_RANK=1 torchrun --standalone "
     "--nproc_per_node=2 01_basic_ddp/train.py": Run(exit_code=1, expect=(r"injected failure at",)),
