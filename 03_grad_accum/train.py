@@ -54,6 +54,12 @@ class AccumConfig(TrainConfig):
     max_grad_norm: float = field(
         0.0, "clip the gradient's total norm at each optimizer step (0: no clipping)", min=0.0
     )
+    lr_base_batch: int = field(
+        0, "scale --lr by effective batch / this batch, the one --lr was tuned for (0: off)", min=0
+    )
+    warmup_steps: int = field(
+        0, "raise the learning rate linearly over this many optimizer steps (0: none)", min=0
+    )
 
 
 @torch.no_grad()
@@ -135,19 +141,27 @@ def train(cfg, launch):
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size)
     model = model.to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # samples per optimizer step
+    effective_batch = cfg.batch_size * launch.world_size * cfg.accum_steps
+    # Linear scaling rule (SGD): a larger batch, a proportionally larger learning rate.
+    lr = cfg.lr * effective_batch / cfg.lr_base_batch if cfg.lr_base_batch else cfg.lr
     optimizer = torch.optim.SGD(
         model.parameters(),
-        lr=cfg.lr,
+        lr=lr,
         momentum=cfg.momentum,
         weight_decay=cfg.weight_decay,
     )
+    # Warm-up: from lr / warmup_steps up to lr, one scheduler step per optimizer step.
+    warmup = None
+    if cfg.warmup_steps:
+        warmup = torch.optim.lr_scheduler.LinearLR(
+            optimizer, start_factor=1 / cfg.warmup_steps, total_iters=cfg.warmup_steps
+        )
     # From here on each rank its own augmentation and loader worker seeds.
     torch.manual_seed(cfg.seed + launch.rank)
     # fp16 only: scales the loss so small gradients do not underflow (a no-op otherwise)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
-    # samples per optimizer step
-    effective_batch = cfg.batch_size * launch.world_size * cfg.accum_steps
 
     if launch.rank == 0:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
@@ -157,7 +171,8 @@ def train(cfg, launch):
             f"batch {cfg.batch_size} x {launch.world_size} x accum {cfg.accum_steps} = "
             f"{effective_batch}, "
             f"{len(train_loader)} micro-batches per rank per epoch, no_sync {cfg.use_no_sync}, "
-            f"precision {cfg.precision}, max grad norm {cfg.max_grad_norm}",
+            f"precision {cfg.precision}, max grad norm {cfg.max_grad_norm}, "
+            f"lr {lr:g}, warm-up {cfg.warmup_steps} steps",
             flush=True,
         )
     step, images_seen = 0, 0
@@ -202,6 +217,8 @@ def train(cfg, launch):
             # every rank's gradient, so every rank skips alike.
             scaler.step(optimizer)
             scaler.update()
+            if warmup is not None:  # counts optimizer steps, not micro-batches
+                warmup.step()
             optimizer.zero_grad(set_to_none=True)  # only after a step: until then .grad accumulates
             step += 1
             if launch.rank == 0 and step % cfg.log_every == 0:
@@ -245,7 +262,9 @@ def train(cfg, launch):
         images_per_second=images_seen * launch.world_size / elapsed,
         device=str(device),
         local_batch_size=cfg.batch_size,
-        lr=cfg.lr,
+        lr=lr,
+        warmup_steps=cfg.warmup_steps,
+        final_lr=optimizer.param_groups[0]["lr"],
         epochs=epoch + 1,
         steps=step,
         final_train_loss=train_loss,

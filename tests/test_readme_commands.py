@@ -250,6 +250,11 @@ COMMANDS: dict[str, Run | NotRun | RunElsewhere] = {
     "python benchmark/benchmark.py --world-sizes 1,2 --sweep -- --precision bf16": RunElsewhere(
         "tests/test_perf.py::test_benchmark_table_and_sweep", SWEEP_SHORT
     ),
+    "python 03_grad_accum/lr_scaling.py": RunElsewhere(
+        "tests/test_grad_accum.py::test_linear_scaling_wins_back_half_of_what_four_ranks_lose_in_a_"
+        "short_run",
+        "--world-sizes 1,4",
+    ),
     "mkdir -p external && curl -fsSL -o external/imagenet_main.py https://raw.githubusercontent"
     ".com/pytorch/examples/77f55b912142e11fcfdf5b530231fb9c52f181e8/imagenet/main.py": NotRun(
         "download"
