@@ -435,6 +435,8 @@ def test_linear_scaling_wins_back_half_of_what_four_ranks_lose_in_a_short_run(tm
     args.output_dir = str(tmp_path)
     accuracy = {}
     for world_size, setting, train_args in lr_scaling.plan(args, extra):
+        if (world_size, setting) == (1, "linear + warm-up"):
+            continue  # the one row no claim reads
         warm_ranks(lr_scaling.SCRIPT, *train_args, nproc=world_size, timeout=240)
         out = train_args[train_args.index("--output-dir") + 1]
         accuracy[world_size, setting] = read_summary(out)["eval_accuracy"]
