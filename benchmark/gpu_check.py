@@ -7,16 +7,19 @@ every lesson's main command once on the GPU. One call, a few minutes; figures to
 
 Every throughput is the same measure as benchmark/benchmark.py's: the batch over the median step
 time (warm-up steps left out), the data wait included. imagenet/main.py prints each batch's time
-with `-p 1`; it is stopped once it has printed enough of them. Runs, in order (a failed or timed
-out run is recorded and the check goes on):
+with `-p 1`; it is stopped once it has printed enough of them. --dataset fake holds 2,048 images,
+8 steps at batch 256, so our median leaves out each epoch's first wait for the loader, while
+main.py's 1.28M images give its loader's steady state (benchmark/README.md).
+Runs, in order (a failed or timed out run is recorded and the check goes on):
 
     main_py            imagenet/main.py --dummy -a resnet50 -b 256, its defaults (4 loader workers,
                        fp32 with cuDNN's TF32), DDP at world size 1 as its README shows
     fp32               benchmark/train.py at equal settings (fake data 224 px, batch 256, 4 workers)
     fp32_w             the same with --workers-best loader workers (the remaining runs use them)
-    bf16, bf16_cl      --precision bf16, then with --channels-last
-    bf16_cl_noddp      --no-ddp: the same loop without DDP (DDP's cost at world size 1)
+    bf16_cl            --precision bf16 --channels-last
+    bf16_cl_noddp      the same with --no-ddp: the loop without DDP (DDP's cost at world size 1)
     bf16_cl_2          bf16_cl again, so DDP's cost is read against two DDP runs
+    bf16               --precision bf16 alone
     lessons            each lesson's main command, one rank on the GPU: exit code and accuracy
     bf16_cl_compile    --compile (last: the longest to start)
 
@@ -43,7 +46,7 @@ from benchmark import REPO, figures, print_table  # benchmark/benchmark.py, besi
 # imagenet/main.py's progress line: "Epoch: [0][ 12/5005]\tTime  0.201 ( 0.380)\t..."
 MAIN_PY_LINE = re.compile(r"Epoch: \[\d+\]\[\s*(\d+)/\d+\]\s+Time\s+([\d.]+)\s+\(\s*([\d.]+)\)")
 
-# (name, script and flags): one rank each; {out} is the run's folder
+# (name, script and flags): one rank each; {runs} is --output-dir
 LESSONS = [
     ("01", "01_basic_ddp/train.py"),
     ("02_eval", "02_sampler_patterns/distributed_eval.py"),
