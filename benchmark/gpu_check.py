@@ -46,6 +46,13 @@ from benchmark import REPO, figures, print_table  # benchmark/benchmark.py, besi
 # imagenet/main.py's progress line: "Epoch: [0][ 12/5005]\tTime  0.201 ( 0.380)\t..."
 MAIN_PY_LINE = re.compile(r"Epoch: \[\d+\]\[\s*(\d+)/\d+\]\s+Time\s+([\d.]+)\s+\(\s*([\d.]+)\)")
 
+TORCHRUN_ONE_RANK = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc_per_node=1",
+]
 # (name, script and flags): one rank each; {runs} is --output-dir
 LESSONS = [
     ("01", "01_basic_ddp/train.py"),
@@ -190,11 +197,7 @@ def run_main_py(args, out: Path, timeout: float) -> dict:
 def run_ours(args, name: str, flags: list[str], out: Path, timeout: float) -> dict:
     """One torchrun of benchmark/train.py with a step profile; figures as benchmark.py's."""
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=1",
+        *TORCHRUN_ONE_RANK,
         "benchmark/train.py",
         "--device",
         args.device,
@@ -254,11 +257,7 @@ def run_lessons(args, runs: Path, timeout: float) -> dict:
         out = runs / name
         out.mkdir(parents=True, exist_ok=True)
         cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=1",
+            *TORCHRUN_ONE_RANK,
             *command.format(runs=runs).split(),
             "--output-dir",
             str(out),
