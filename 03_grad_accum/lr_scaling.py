@@ -23,21 +23,6 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = "03_grad_accum/train.py"
 
 
-def runs(world_sizes: list[int], base_batch: int, warmup_steps: int) -> list[tuple]:
-    """(world size, setting, flags of train.py) for every run. At one rank the global batch is
-    the base batch, so "linear" would repeat "as given" and is left out."""
-    linear = ["--lr-base-batch", str(base_batch)]
-    table = []
-    for world_size in world_sizes:
-        table.append((world_size, "as given", []))
-        if world_size > 1:
-            table.append((world_size, "linear", linear))
-        table.append(
-            (world_size, "linear + warm-up", linear + ["--warmup-steps", str(warmup_steps)])
-        )
-    return table
-
-
 def row(world_size: int, setting: str, summary: dict) -> dict:
     return {
         "world size": world_size,
@@ -75,11 +60,22 @@ def plan(args: argparse.Namespace, extra: list[str]) -> list[tuple[int, str, lis
     world_sizes = [int(w) for w in args.world_sizes.split(",")]
     common = ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
     common += ["--lr", str(args.lr)]
+    linear = ["--lr-base-batch", str(args.batch_size)]
+    settings = {
+        "as given": [],
+        "linear": linear,
+        "linear + warm-up": linear + ["--warmup-steps", str(args.warmup_steps)],
+    }
     planned = []
-    for world_size, setting, flags in runs(world_sizes, args.batch_size, args.warmup_steps):
-        name = f"w{world_size}_{setting.replace(' ', '').replace('+', '_')}"
-        out = Path(args.output_dir).resolve() / name
-        planned.append((world_size, setting, [*common, "--output-dir", str(out), *flags, *extra]))
+    for world_size in world_sizes:
+        for setting, flags in settings.items():
+            if world_size == 1 and setting == "linear":
+                continue  # the global batch is the base batch: "linear" would repeat "as given"
+            name = f"w{world_size}_{setting.replace(' ', '').replace('+', '_')}"
+            out = Path(args.output_dir).resolve() / name
+            planned.append(
+                (world_size, setting, [*common, "--output-dir", str(out), *flags, *extra])
+            )
     return planned
 
 

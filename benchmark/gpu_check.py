@@ -33,7 +33,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ import time
 from pathlib import Path
 
 from benchmark import REPO, figures, print_table  # benchmark/benchmark.py, beside this file
+from common.launcher import free_port  # importable: benchmark.py put the repository on sys.path
 
 # imagenet/main.py's progress line: "Epoch: [0][ 12/5005]\tTime  0.201 ( 0.380)\t..."
 MAIN_PY_LINE = re.compile(r"Epoch: \[\d+\]\[\s*(\d+)/\d+\]\s+Time\s+([\d.]+)\s+\(\s*([\d.]+)\)")
@@ -68,12 +68,6 @@ LESSONS = [
 ]
 # after 01, whose weights it distils
 LESSON_AFTER_01 = ("08", "08_several_models/train.py --teacher {runs}/01/model.pt")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MemoryPoller:
