@@ -452,3 +452,19 @@ def test_linear_scaling_wins_back_half_of_what_four_ranks_lose_in_a_short_run(tm
         SCRIPT, "--epochs", "3", "--lr", "0.4", "--output-dir", str(tmp_path / "0.4"), nproc=1
     )
     assert read_summary(tmp_path / "0.4")["eval_accuracy"] < 0.3
+
+
+def test_lr_scaling_starts_its_runs_with_torchrun_and_prints_the_table(tmp_path):
+    """The driver itself, as a user runs it: real torchrun per run (one rank, 2 steps each), then
+    one table row per run with the rate each run used. The figures are the test above's."""
+    cmd = [PYTHON, "03_grad_accum/lr_scaling.py", "--world-sizes", "1"]
+    cmd += ["--output-dir", str(tmp_path), "--", "--max-steps", "2", "--epochs", "1"]
+    result = run(cmd, timeout=240, check=True)
+    table = result.stdout.splitlines()[-3:]
+    assert table[0].split() == "world size global batch setting lr steps eval accuracy".split()
+    assert [line.split()[2:5] for line in table[1:]] == [
+        ["as", "given", "0.1"],
+        ["linear", "+", "warm-up"],
+    ]
+    assert all(line.split()[-2] == "2" for line in table[1:])  # the flags after -- reached each run
+    assert len(list(tmp_path.glob("*/summary.json"))) == 2
