@@ -103,6 +103,8 @@ def check_knobs(cfg) -> None:
             f"{'.'.join(map(str, torch.cuda.get_device_capability(slow[0])))}; Ampere, 8.0, and "
             "newer have it): use --precision fp16, which adds a GradScaler"
         )
+    if cfg.fake_images and cfg.dataset != "fake":
+        raise ConfigError(f"fake_images: applies to --dataset fake only, not {cfg.dataset}")
     if not cfg.ddp:
         defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
         changed = [k for k in DDP_ONLY if getattr(cfg, k) != defaults[k]]
@@ -379,7 +381,7 @@ class StepTimer:
     def profile(self) -> dict:
         """Collective when profiling: each part's median over the profiled steps
         of the mean over ranks (median_s is None when profiling is off)."""
-        result = {"warmup_steps": self.warmup, "steps": 0, "median_s": None}
+        result = {"warmup_steps": self.warmup, "steps": 0, "median_s": None, "mean_step_s": None}
         if self.steps == 0:
             return result
         count = torch.tensor([len(self.rows)], device=self.device)
@@ -394,7 +396,9 @@ class StepTimer:
         for i, part in enumerate(self.PARTS):
             values = [v for v in table[:n, i].tolist() if not math.isnan(v)]
             median[part] = statistics.median(values) if values else None
-        return dict(result, steps=n, median_s=median if n else None)
+        # the mean step counts the loader's occasional stalls, which the median leaves out
+        mean_step = statistics.mean(table[:n, self.PARTS.index("step")].tolist()) if n else None
+        return dict(result, steps=n, median_s=median if n else None, mean_step_s=mean_step)
 
 
 def perf_settings(

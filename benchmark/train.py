@@ -103,6 +103,12 @@ class PerfConfig(TrainConfig):
     prefetch_factor: int = field(
         2, "batches each DataLoader worker loads ahead (num_workers > 0)", min=1
     )
+    fake_images: int = field(
+        0,
+        "--dataset fake: this many training images (0: 2,048, 8 steps at batch 256); an epoch "
+        "longer than the measured steps times the loader's steady state, not its start",
+        min=0,
+    )
     profile_steps: int = field(
         0,
         "time this many steps (after profile_warmup) and write the median split of a "
@@ -166,6 +172,8 @@ def train(cfg, launch):
             download_datasets(cfg)
         dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
     data = load_datasets(cfg, launch.world_size)
+    if cfg.fake_images:  # random images from the same seeds; only the epoch's length changes
+        data.train.size = cfg.fake_images
     # Each rank a disjoint 1/world_size of the training set, shuffled alike (seed + epoch).
     train_sampler = DistributedSampler(
         data.train,
@@ -341,6 +349,7 @@ def train(cfg, launch):
         lr=cfg.lr,
         epochs=epoch + 1,
         steps=step,
+        train_samples=len(data.train),
         final_train_loss=train_loss,
         eval_loss=eval_loss,
         eval_accuracy=eval_acc,

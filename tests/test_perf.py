@@ -253,11 +253,12 @@ def test_precision_scaler_and_hook_in_process(here, tmp_path, monkeypatch, preci
             "warmup_steps": 5,
             "steps": 0,
             "median_s": None,
+            "mean_step_s": None,
             "images_per_second": summary["profile"]["images_per_second"],
             "data_wait_fraction": summary["profile"]["data_wait_fraction"],
         }
         base = set(read_summary_keys_of_01())
-        assert set(summary) == base | {"perf", "profile"}
+        assert set(summary) == base | {"perf", "profile", "train_samples"}
 
 
 def read_summary_keys_of_01() -> list[str]:
@@ -516,6 +517,7 @@ def test_step_profile_on_a_gpu_marks_cuda_events(one_rank_group):
         ),
         (["--backend", "nccl", "--device", "cpu"], "backend: nccl needs CUDA tensors"),
         (["--precision", "fp8"], "config key 'precision' must be one of fp32, bf16, fp16"),
+        (["--fake-images", "4096"], "fake_images: applies to --dataset fake only, not digits"),
     ],
 )
 def test_bad_knob_combinations_are_refused(flags, message):
@@ -657,7 +659,7 @@ def test_benchmark_keeps_the_run_with_the_median_step_time():
 MAIN_PY_STAND_IN = """
 import os, sys, time
 open(PID_FILE, 'w').write(str(os.getpid()))
-times = [9.0, 0.3, 0.1, 0.2, 0.2]  # batch 1 is warm-up; the median of the rest is 0.2
+times = [9.0, 0.2, 0.1, 0.2, 0.3, 1.2]  # batch 1 is warm-up; the rest: median 0.2, mean 0.4
 total = 0.0
 for i, t in enumerate(times, 1):
     total += t
@@ -670,23 +672,31 @@ time.sleep(600)
 def test_gpu_check_measures_both_scripts_alike_and_stops_main_py(tmp_path):
     """benchmark/README.md, "Measured on one GPU": gpu_check.py's images/s is the batch over the
     median step for imagenet/main.py (its printed batch times, warm-up left out) and for
-    benchmark/train.py (its step profile), and the ratio between them; main.py, which would go on
-    for 90 epochs, is stopped once it printed enough batches. A dry run on CPU with a stand-in
-    for main.py that prints main.py's progress lines; the GPU figures come from a lent GPU."""
+    benchmark/train.py (its step profile), and the ratio between them; the mean step as well,
+    which counts the loader's stalls; ours runs one epoch a little longer than its steps;
+    main.py, which would go on for 90 epochs, is stopped once it printed enough batches. A dry
+    run on CPU with a stand-in for main.py that prints main.py's progress lines; the GPU figures
+    come from a lent GPU."""
     stand_in = tmp_path / "main.py"
     pid_file = tmp_path / "main.pid"
     stand_in.write_text(MAIN_PY_STAND_IN.replace("PID_FILE", repr(str(pid_file))))
     cmd = [PYTHON, "benchmark/gpu_check.py", "--imagenet-main", str(stand_in), "--device", "cpu"]
     cmd += ["--model", "small_cnn", "--image-size", "8", "--batch-size", "8", "--workers", "0"]
-    cmd += ["--warmup", "1", "--steps", "4", "--output-dir", str(tmp_path / "out")]
+    cmd += ["--warmup", "1", "--steps", "5", "--output-dir", str(tmp_path / "out")]
     skip = "fp32_w,bf16_cl,bf16_cl_noddp,bf16_cl_2,bf16,lessons,bf16_cl_compile"
     result = run(cmd + ["--skip", skip], timeout=180, env=clean_env(), check=True)
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     main_py, ours = report["runs"]["main_py"], report["runs"]["fp32"]
+    summary = json.loads((tmp_path / "out" / "fp32" / "summary.json").read_text())
     assert main_py["images_per_s"] == pytest.approx(8 / 0.2)
+    assert main_py["mean_images_per_s"] == pytest.approx(8 / 0.4)  # the stall counts
     assert "-b 8 -j 0 -p 1" in main_py["command"]  # the same batch and workers; every batch
     assert ours["images_per_s"] == pytest.approx(8 / (ours["step_ms"] / 1000))
+    assert ours["mean_images_per_s"] == pytest.approx(8 / summary["profile"]["mean_step_s"])
     assert "--batch-size 8" in ours["command"] and "--num-workers 0" in ours["command"]
+    # ours in one epoch longer than its steps: the loader's steady state, as main.py's
+    assert (summary["epochs"], summary["steps"]) == (1, 1 + 5 + 1)
+    assert summary["train_samples"] == 8 * (1 + 5 + 2)
     row = next(line.split() for line in result.stdout.splitlines() if line.split()[:1] == ["fp32"])
     assert float(row[2]) == pytest.approx(ours["images_per_s"] / main_py["images_per_s"], abs=0.01)
     pid = int(pid_file.read_text())
@@ -933,7 +943,8 @@ def test_device_auto_is_cuda_where_there_is_a_gpu(monkeypatch):
 def test_profile_is_the_median_over_steps_of_the_mean_over_ranks(monkeypatch):
     """Two ranks' step times, [0, 1, 10] s here and [10, 10, 0] s on the other: the means
     per step are [5, 5.5, 5], their median 5 (the mean of the two ranks' medians would be
-    5.5). A part missing on a rank (NaN) leaves that step out of the part's median."""
+    5.5). A part missing on a rank (NaN) leaves that step out of the part's median. The mean
+    step counts every step, so a loader's occasional stall shows in it."""
     model = SmallCNN()
     timer = perf.StepTimer(
         model, torch.optim.SGD(model.parameters(), lr=0.1), CPU, warmup=0, steps=3
@@ -950,8 +961,10 @@ def test_profile_is_the_median_over_steps_of_the_mean_over_ranks(monkeypatch):
 
     monkeypatch.setattr(perf.dist, "all_reduce", all_reduce)
     monkeypatch.setattr(perf.dist, "get_world_size", lambda: 2)
-    median = timer.profile()["median_s"]
+    profile = timer.profile()
+    median = profile["median_s"]
     assert median["step"] == 5.0 and median["data_wait"] == 2.0 and median["optimizer"] == 1.0
+    assert profile["mean_step_s"] == pytest.approx((5 + 5.5 + 5) / 3)  # every step counts
 
 
 def test_gradient_as_bucket_view_puts_the_gradients_into_the_bucket(one_rank_group):
