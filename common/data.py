@@ -98,10 +98,9 @@ def _transforms(name: str, image_size: int):
             T.RandomCrop(image_size or 32, padding=(image_size or 32) // 8),
             T.RandomHorizontalFlip(),
         ]
-    tail = [
-        T.ToTensor(),
-        T.Normalize(*STATS["imagenet" if name in ("imagefolder", "fake") else name]),
-    ]
+    if name == "fake":  # made at its size; noise has no statistics (imagenet/main.py's --dummy)
+        return T.ToTensor(), T.ToTensor()
+    tail = [T.ToTensor(), T.Normalize(*STATS["imagenet" if name == "imagefolder" else name])]
     return T.Compose(train + tail), T.Compose(test + tail)
 
 
