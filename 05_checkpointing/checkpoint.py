@@ -1,8 +1,9 @@
 """Checkpoint files for 05_checkpointing: atomic writes, keep-last-K, a `latest`
-pointer, safe loading with fallback, and RNG states as plain tensors.
+pointer, safe loading with fallback, RNG states as plain tensors, and the sampler that
+resumes an epoch part-way.
 
-Plain file I/O only (no collectives): train.py calls save() on rank 0 and
-puts the gather and the barrier around it itself, where a reader sees them.
+No collectives: train.py calls save() on rank 0 and puts the gather and the barrier
+around it itself, where a reader sees them.
 
 Folder layout:
     ckpt-00000040.pt     one complete checkpoint per saved step (the last `keep` are kept)
@@ -13,6 +14,7 @@ Folder layout:
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import re
@@ -21,6 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch.utils.data import DistributedSampler
 
 # Exit code after a preemption save: EX_TEMPFAIL from sysexits.h ("temporary failure, retry later").
 # Distinct from 143 (128 + SIGTERM), which is what a
@@ -30,7 +33,6 @@ NAME_RE = re.compile(r"^ckpt-(\d{8})\.pt$")
 REQUIRED_KEYS = (
     "model",
     "optimizer",
-    "scheduler",
     "step",
     "epoch",
     "consumed",
@@ -197,3 +199,29 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     )
     if device.type in state:
         getattr(torch, device.type).set_rng_state(state[device.type].cpu(), device)
+
+
+# --- the epoch resumed part-way ----------------------------------------------------------------
+
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler (shuffle=True, drop_last=False) that can start an epoch part-way, on
+    any number of ranks. After k steps of batch b on W ranks, the ranks have together read
+    the first k x b x W samples of the epoch's order (randperm seeded with seed + epoch;
+    rank r reads positions r, r + W, ...). So a resume drops the first `consumed` samples
+    of that order and splits the rest as DistributedSampler splits an epoch: rank r takes
+    every W-th from r, padded to a multiple of W with the order's first samples."""
+
+    consumed = 0  # samples of this epoch that the ranks have trained on before the checkpoint
+
+    def __iter__(self):
+        order = torch.randperm(
+            len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch)
+        )
+        order = order.tolist()
+        rest = order[self.consumed :]
+        rest += (order * self.num_replicas)[: len(self) * self.num_replicas - len(rest)]  # padding
+        return iter(rest[self.rank :: self.num_replicas])
+
+    def __len__(self):
+        return math.ceil((len(self.dataset) - self.consumed) / self.num_replicas)

@@ -49,6 +49,8 @@ def read_state_dict(source: Path) -> tuple[dict, dict | None]:
     if not isinstance(state, dict):
         raise DataError(f"{source} holds a {type(state).__name__}, not a checkpoint or state_dict")
     model_args = state.get("model_args")
+    if isinstance(model_args, list):  # train.py saves build_model's arguments in order
+        model_args = dict(zip(("name", "num_classes", "in_channels", "image_size"), model_args))
     weights = (
         dict(state["model"])
         if "model" in state and isinstance(state["model"], dict)

@@ -1,24 +1,13 @@
-"""05 - complete, atomic, exactly resumable checkpoints, and preemption.
+"""05 - checkpoints: complete, atomic, and resumed exactly, mid-epoch and on another world size.
 
-01_basic_ddp/train.py plus what a long job needs to be stopped and started again as if nothing
-happened: a checkpoint holds the model, optimizer, LR scheduler, the step (hence the position
-in the epoch) and every rank's RNG states; rank 0 writes it atomically (checkpoint.py);
-start-up resumes from the newest one that loads. SIGTERM/SIGUSR1, or the --time-limit-s
-deadline (PBS warns no one before its wall time), make all ranks save at the same step boundary
-and exit with code 75 (requeue me). `diff 01_basic_ddp/train.py train.py` shows exactly that.
-
-    torchrun --standalone --nproc_per_node=2 05_checkpointing/train.py --save-every-steps 20
-    # stop it (kill -TERM <torchrun pid>) and run the same command again: it resumes where it
-    # stopped
-
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=2 \
-        05_checkpointing/train.py   # survives a crashed worker (README: why the variable)
+01_basic_ddp/train.py plus a checkpoint of the training state (model, optimizer), where the run
+is (step, epoch, samples read) and every rank's RNG states; rank 0 writes it atomically
+(checkpoint.py) and a new start resumes from the newest one that loads. preempt.py adds
+stopping on a signal or a deadline. `diff 01_basic_ddp/train.py train.py` shows this lesson.
 """
 
 import dataclasses
-import math
 import os
-import signal
 import sys
 import time
 from datetime import timedelta
@@ -32,9 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Subset
 
-# 05_checkpointing/checkpoint.py: atomic files, `latest`, fallback, RNG states
+# 05_checkpointing/checkpoint.py: atomic files, `latest`, RNG states, the resumable sampler
 import checkpoint as ckpt
 from common.config import TrainConfig, field, load_config
 from common.data import check_data, download_datasets, load_datasets, worker_start_method
@@ -53,72 +42,10 @@ class CheckpointConfig(TrainConfig):
     keep_last: int = field(
         3, "checkpoints to keep (older ones are deleted after a successful save)", min=1
     )
-    resume: bool = field(
-        True, "resume from the newest checkpoint that loads (--no-resume: refuse if there is one)"
-    )
-    time_limit_s: float = field(
-        0.0,
-        "save and exit with code 75 after this many seconds (0: no limit); set it "
-        "below the job's wall time where the scheduler gives no warning",
-        min=0.0,
-    )
 
     @property
     def checkpoints(self) -> Path:
         return Path(self.checkpoint_dir or Path(self.output_dir) / "checkpoints")
-
-    def validate(self):  # called by load_config: one error line, exit code 2
-        if not self.resume and ckpt.list_checkpoints(self.checkpoints):
-            raise ConfigError(
-                f"--no-resume but {self.checkpoints} holds checkpoints of an earlier run: "
-                "remove them or pass another --checkpoint-dir"
-            )
-
-
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler (shuffle=True, drop_last=False) that can start an epoch part-way, on
-    any number of ranks. After k steps of batch b on W ranks, the ranks have together read
-    the first k x b x W samples of the epoch's order (randperm seeded with seed + epoch;
-    rank r reads positions r, r + W, ...). So a resume drops the first `consumed` samples
-    of that order and splits the rest as DistributedSampler splits an epoch: rank r takes
-    every W-th from r, padded to a multiple of W with the order's first samples."""
-
-    consumed = 0  # samples of this epoch that the ranks have trained on before the checkpoint
-
-    def __iter__(self):
-        order = torch.randperm(
-            len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch)
-        )
-        order = order.tolist()
-        rest = order[self.consumed :]
-        rest += (order * self.num_replicas)[: len(self) * self.num_replicas - len(rest)]  # padding
-        return iter(rest[self.rank :: self.num_replicas])
-
-    def __len__(self):
-        return math.ceil((len(self.dataset) - self.consumed) / self.num_replicas)
-
-
-class Preemption:
-    """SIGTERM / SIGUSR1 only set a flag, and the deadline is only compared; the ranks act together
-    at a step boundary. A rank that saved and exited on its own would leave the others hanging in
-    their next all-reduce. requested() is a collective (MAX over ranks): if any rank was signalled
-    or is past the deadline, every rank learns it after the same step.
-    """
-
-    def __init__(self, time_limit_s=0.0):
-        self.signum, self.deadline = 0, time.monotonic() + (time_limit_s or float("inf"))
-        for s in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(s, self.handler)
-
-    def handler(self, signum, frame):
-        self.signum = signum
-
-    def requested(self, device) -> str:
-        """Why to stop after this step ("SIGTERM", "SIGUSR1", "time limit"), or "" to go on."""
-        flag = torch.tensor([self.signum, time.monotonic() >= self.deadline], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        signum, late = flag.tolist()
-        return signal.Signals(signum).name if signum else "time limit" if late else ""
 
 
 @torch.no_grad()
@@ -144,116 +71,58 @@ def evaluate(model, loader, device):
     return loss_sum / count, correct / count, int(count)
 
 
-def save_or_stop(
-    cfg, launch, device, preemption, model, optimizer, scheduler, model_args, progress
-):
-    """Collective, at every step boundary: learn whether any rank was signalled (or is past the
-    deadline), and save a checkpoint on a stop, every save_every_steps, at the end of an epoch
-    and at max_steps. `progress` is (step, epoch, batch, train_loader, loss_and_count). Every
-    rank sends its RNG states and loss sums to rank 0, which writes the one file (the replicas
-    are identical); the barrier keeps all ranks from going on before it is complete. On a stop,
-    rank 0 also writes checkpoints/REQUEUE before the barrier: the job files requeue on it, as
-    the launcher may stop rank 0 once another rank has exited. Returns why to stop ("SIGTERM",
-    "SIGUSR1", "time limit"), or "" to go on."""
-    step, epoch, batch, train_loader, loss_and_count = progress
-    stop = preemption.requested(device)
-    periodic = cfg.save_every_steps and step % cfg.save_every_steps == 0
-    epoch_done = batch == len(train_loader)
-    if not (stop or periodic or epoch_done or step == cfg.max_steps):
-        return stop
+def save(cfg, launch, device, training, where, loss_and_count):
+    """Collective: rank 0 writes `training` (the replicas are identical), `where`, and every rank's
+    RNG states and loss sums; the barrier keeps all ranks from going on before the file is whole."""
     ranks = [None] * launch.world_size if launch.rank == 0 else None
     rank_state = {**ckpt.rng_state(device), "loss_and_count": loss_and_count.cpu()}
     dist.gather_object(rank_state, ranks, dst=0)
     if launch.rank == 0:
-        # Where to go on: the next epoch, or this one after the samples all ranks have read.
-        read_now = batch * cfg.batch_size * launch.world_size
-        state = {
-            "model": model.module.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "step": step,
-            "ranks": ranks,
-            "epoch": epoch + 1 if epoch_done else epoch,
-            "consumed": 0 if epoch_done else train_loader.sampler.consumed + read_now,
-            "world_size": launch.world_size,
-            "batch_size": cfg.batch_size,
-            "model_args": model_args,
-        }
-        path = ckpt.save(state, cfg.checkpoints, step, cfg.keep_last)
+        state = {name: part.state_dict() for name, part in training.items()}
+        state.update(where, ranks=ranks, world_size=launch.world_size, batch_size=cfg.batch_size)
+        path = ckpt.save(state, cfg.checkpoints, where["step"], cfg.keep_last)
         print(f"saved {path}", flush=True)
-        if stop:
-            (cfg.checkpoints / "REQUEUE").write_text(f"{stop} at step {step}\n")
-            print(
-                f"{stop}: checkpoint at step {step} saved; exiting with code "
-                f"{ckpt.REQUEUE_EXIT_CODE} (requeue me)",
-                flush=True,
-            )
-    # Nobody goes on, resumes or exits before rank 0 has finished writing.
     dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
-    return stop
 
 
-def resume(cfg, launch, device, model, optimizer, scheduler, train_loader):
-    """Collective: rank 0 picks the newest checkpoint that loads and tells the others which one;
-    every rank loads it onto its own device with weights_only=True (tensors and plain values
-    only). Returns (the checkpoint or None, step, epoch, samples of that epoch already trained
-    on, this rank's share of that epoch's loss sums)."""
-    resumed_sums = torch.zeros(2, dtype=torch.float64, device=device)
+def resume(cfg, launch, device, training):
+    """Collective: rank 0 picks the newest checkpoint that loads; every rank loads it (weights_only)
+    and restores `training` and its own RNG states. Returns it, or where a new run starts."""
     found, state = None, None
     if launch.rank == 0:
-        # this run's own stop will write a new one
-        (cfg.checkpoints / "REQUEUE").unlink(missing_ok=True)
         found, state = ckpt.find_resumable(cfg.checkpoints, map_location=device)
     choice = [found]
     dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:
-        return None, 0, 0, 0, resumed_sums
+        return dict(step=0, epoch=0, consumed=0)
     if launch.rank != 0:
         state = ckpt.load(choice[0], map_location=device)
-    # the same on every rank: rank 0 says it, all exit with code 2
-    with exit_on_bad_input():
+    with exit_on_bad_input():  # the same on every rank: rank 0 says it, all exit with code 2
         if state["batch_size"] != cfg.batch_size:
             raise ConfigError(
                 f"{choice[0]} was written with batch size {state['batch_size']} per rank; a "
-                f"resume needs the same (now {cfg.batch_size}), or start afresh with another "
-                "--checkpoint-dir"
+                f"resume needs the same (now {cfg.batch_size}), or another --checkpoint-dir"
             )
-    model.module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    # this rank's own RNG states; a new rank keeps its seed + rank
+    for name, part in training.items():
+        part.load_state_dict(state[name])
+    # this rank's own RNG states; a rank the saved run did not have keeps its seed + rank
     if launch.rank < len(state["ranks"]):
         ckpt.set_rng_state(state["ranks"][launch.rank], device)
-    step, epoch, consumed = state["step"], state["epoch"], state["consumed"]
-    # The epoch's loss sums so far: with W ranks now, rank r adds those of the saved ranks r,
-    # r + W, ...
-    resumed_sums += sum(
+    # The epoch's loss sums so far: with W ranks now, rank r adds those of saved ranks r, r + W, ...
+    state["loss_and_count"] = sum(
         s["loss_and_count"] for s in state["ranks"][launch.rank :: launch.world_size]
     )
-    # Mid-epoch: the same order, without the samples trained on before the checkpoint.
-    steps_per_epoch = len(train_loader)
-    train_loader.sampler.consumed = consumed
-    # The cosine goes on from the LR it has reached and ends at this run's last step (another
-    # world size changes the number of steps left); len(train_loader) is now the resumed epoch's.
-    steps_left = len(train_loader) + (cfg.epochs - epoch - 1) * steps_per_epoch
-    scheduler.T_max = step + steps_left
     if launch.rank == 0:
-        saved_world_size = state["world_size"]
-        change = ""
-        if saved_world_size != launch.world_size:
-            change = (
-                f"; world size {saved_world_size} -> {launch.world_size}: global batch "
-                f"{cfg.batch_size * saved_world_size} -> {cfg.batch_size * launch.world_size} "
-                f"({cfg.batch_size} per rank), learning rate not rescaled"
-            )
-        print(f"resumed from {choice[0]}: step {step}, epoch {epoch + 1}{change}", flush=True)
-    return choice[0], step, epoch, consumed, resumed_sums
+        print(
+            f"resumed from {choice[0]}: step {state['step']}, epoch {state['epoch'] + 1}, "
+            f"world size {state['world_size']} -> {launch.world_size}",
+            flush=True,
+        )
+    return state
 
 
 def train(cfg, launch):
     start_time = time.perf_counter()
-    # First: a signal from now on is not lost.
-    preemption = Preemption(cfg.time_limit_s)
     # One GPU per process: the local rank's, or 0 where the site shows each rank only its own;
     # else CPU (gloo).
     device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
@@ -279,7 +148,7 @@ def train(cfg, launch):
         dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
     data = load_datasets(cfg, launch.world_size)
     # Each rank a disjoint 1/world_size of the training set, shuffled alike (seed + epoch).
-    train_sampler = ResumableSampler(
+    train_sampler = ckpt.ResumableSampler(
         data.train,
         num_replicas=launch.world_size,
         rank=launch.rank,
@@ -310,14 +179,9 @@ def train(cfg, launch):
     )
 
     # To this rank's device, then wrap: DDP's hooks all-reduce the gradients in backward().
-    model_args = dict(
-        name=cfg.model,
-        num_classes=data.num_classes,
-        in_channels=data.in_channels,
-        # saved, so that export_model.py can rebuild the network
-        image_size=data.image_size,
-    )
-    model = build_model(**model_args)
+    # saved, so that export_model.py can rebuild the network
+    model_args = [cfg.model, data.num_classes, data.in_channels, data.image_size]
+    model = build_model(*model_args)
     model = model.to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(
@@ -328,18 +192,13 @@ def train(cfg, launch):
     )
     # From here on each rank its own augmentation and loader worker seeds.
     torch.manual_seed(cfg.seed + launch.rank)
-    # The LR changes every step, so the scheduler's position is part of the state to restore.
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
-        optimizer, T_max=cfg.epochs * len(train_loader)
-    )
-    checkpoint, step, start_epoch, consumed, resumed_sums = resume(
-        cfg, launch, device, model, optimizer, scheduler, train_loader
-    )
-    resumed_from = step
-    # A finished run, started again.
-    if start_epoch >= cfg.epochs or 0 < cfg.max_steps <= step:
+    # The training state, saved and restored whole (model.module: no "module." prefix).
+    training = {"model": model.module, "optimizer": optimizer}
+    state = resume(cfg, launch, device, training)
+    step, start_epoch, consumed = state["step"], state["epoch"], state["consumed"]
+    if start_epoch >= cfg.epochs or 0 < cfg.max_steps <= step:  # a finished run, started again
         if launch.rank == 0:
-            print(f"nothing to do: {checkpoint} is the end of this run", flush=True)
+            print(f"nothing to do: step {step} is the end of this run", flush=True)
         del model
         dist.destroy_process_group()
         return
@@ -353,7 +212,7 @@ def train(cfg, launch):
             f"batch {cfg.batch_size} x {launch.world_size} = {global_batch}",
             flush=True,
         )
-    images_seen, stop = 0, ""
+    images_seen = 0
     for epoch in range(start_epoch, cfg.epochs):
         # A new shuffle each epoch; without it every epoch repeats epoch 0.
         train_sampler.set_epoch(epoch)
@@ -362,10 +221,10 @@ def train(cfg, launch):
         # worker seeds: per rank and epoch
         generator.manual_seed(cfg.seed + launch.rank + epoch * launch.world_size)
         model.train()
-        # This rank's loss sum and sample count (with those of the batches before a resume).
+        # This rank's loss sum and sample count.
         loss_and_count = torch.zeros(2, dtype=torch.float64, device=device)
-        if train_sampler.consumed:
-            loss_and_count += resumed_sums
+        if train_sampler.consumed:  # and those of the batches before the resume
+            loss_and_count += state["loss_and_count"]
         for batch, (images, labels) in enumerate(train_loader, 1):
             images, labels = images.to(device), labels.to(device)
             loss = F.cross_entropy(model(images), labels)
@@ -373,7 +232,6 @@ def train(cfg, launch):
             # DDP all-reduces (averages) the gradients here: every rank steps alike.
             loss.backward()
             optimizer.step()
-            scheduler.step()
             step += 1
             images_seen += len(labels)
             loss_and_count[0] += loss.detach() * len(labels)
@@ -383,15 +241,18 @@ def train(cfg, launch):
                     f"epoch {epoch + 1} step {step} loss {loss.item():.4f} (rank 0's batch)",
                     flush=True,
                 )
-            # Step boundary: every rank calls it, and every rank learns whether to stop.
-            progress = (step, epoch, batch, train_loader, loss_and_count)
-            stop = save_or_stop(
-                cfg, launch, device, preemption, model, optimizer, scheduler, model_args, progress
-            )
-            if stop or step == cfg.max_steps:
+            # Save at the same step on every rank (a collective): periodically, at each epoch's end.
+            epoch_done = batch == len(train_loader)
+            periodic = cfg.save_every_steps and step % cfg.save_every_steps == 0
+            if periodic or epoch_done or step == cfg.max_steps:
+                # Where to go on: the next epoch, or this one after the samples all ranks have read.
+                where = dict(step=step, epoch=epoch + 1, consumed=0, model_args=model_args)
+                if not epoch_done:
+                    read = batch * cfg.batch_size * launch.world_size
+                    where.update(epoch=epoch, consumed=train_sampler.consumed + read)
+                save(cfg, launch, device, training, where, loss_and_count)
+            if step == cfg.max_steps:
                 break
-        if stop:
-            break
         # Sums and counts over all ranks, the exact mean (not a mean of means); every rank calls it.
         dist.all_reduce(loss_and_count)
         train_loss = (loss_and_count[0] / loss_and_count[1]).item()
@@ -406,11 +267,6 @@ def train(cfg, launch):
         if step == cfg.max_steps:
             break
 
-    if stop:
-        # Release the DDP model, destroy the group, exit with code 75: requeue me.
-        del model
-        dist.destroy_process_group()
-        sys.exit(ckpt.REQUEUE_EXIT_CODE)
     elapsed = time.perf_counter() - start_time
     # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
     checksums = [None] * launch.world_size
@@ -427,7 +283,7 @@ def train(cfg, launch):
         lr=cfg.lr,
         epochs=epoch + 1,
         steps=step,
-        resumed_from_step=resumed_from,
+        resumed_from_step=state["step"],
         final_train_loss=train_loss,
         eval_loss=eval_loss,
         eval_accuracy=eval_acc,

@@ -62,6 +62,7 @@ LESSONS = [
     ("03", "03_grad_accum/train.py --batch-size 8 --accum-steps 4"),
     ("04", "04_syncbn/train.py --batch-norm sync --batch-size 2"),
     ("05", "05_checkpointing/train.py --save-every-steps 20"),
+    ("05_preempt", "05_checkpointing/preempt.py --time-limit-s 3600"),
     ("06", "06_multinode/train.py"),
     ("07", "07_metrics/train.py --patience 1"),
     ("08_gan", "08_several_models/gan.py"),

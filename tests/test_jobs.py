@@ -94,7 +94,9 @@ def test_slurm_file_settings(name):
     assert "$((15000 + SLURM_JOB_ID % 15000))" in text  # common.launcher derives the same port
     # srun does not inherit it (Slurm 22.05-23.02)
     assert '--cpus-per-task="${SLURM_CPUS_PER_TASK:-1}"' in text
-    assert "SCRIPT=${SCRIPT:-05_checkpointing/train.py}" in text  # the default script can resume
+    assert (
+        "SCRIPT=${SCRIPT:-05_checkpointing/preempt.py}" in text
+    )  # the default: saves on a signal, resumes
     assert f"REQUEUE_EXIT_CODE={REQUEUE_EXIT_CODE}" in text
 
 
@@ -311,7 +313,7 @@ def test_01_trains_under_srun_with_the_pmi2_plugin(cluster, tmp_path):
     )
 
 
-# -- preemption and requeue: 05_checkpointing/train.py
+# -- preemption and requeue: 05_checkpointing/preempt.py
 # under each job file, on the two-node cluster --
 
 # Long enough (8 epochs of 45 steps) to be stopped mid-run; a checkpoint every 20 steps.

@@ -1,0 +1,377 @@
+"""05 - preemption: save on a signal or a deadline, then exit with code 75 (requeue me).
+
+05_checkpointing/train.py plus what a scheduler's preemption needs. SIGTERM or SIGUSR1 (Slurm's
+warning), or the --time-limit-s deadline (PBS warns no one before its wall time), make all ranks
+save at the same step boundary, write checkpoints/REQUEUE and exit with code 75; the job files in
+jobs/ requeue on it. `diff 05_checkpointing/train.py 05_checkpointing/preempt.py` shows this lesson.
+
+    torchrun --standalone --nproc_per_node=2 05_checkpointing/preempt.py --time-limit-s 60
+"""
+
+import dataclasses
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+# make `common` importable
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset
+
+# 05_checkpointing/checkpoint.py: atomic files, `latest`, RNG states, the resumable sampler
+import checkpoint as ckpt
+from common.config import TrainConfig, field, load_config
+from common.data import check_data, download_datasets, load_datasets, worker_start_method
+from common.errors import ConfigError, exit_on_bad_input
+from common.launcher import choose_backend, detect_launcher
+from common.models import build_model
+from common.report import parameter_checksum, write_summary
+
+
+@dataclasses.dataclass
+class CheckpointConfig(TrainConfig):
+    checkpoint_dir: str = field("", "checkpoint folder (empty: <output_dir>/checkpoints)")
+    save_every_steps: int = field(
+        0, "also save every N optimizer steps (0: only at the end of each epoch)", min=0
+    )
+    keep_last: int = field(
+        3, "checkpoints to keep (older ones are deleted after a successful save)", min=1
+    )
+
+    time_limit_s: float = field(
+        0.0,
+        "save and exit with code 75 after this many seconds (0: no limit); set it "
+        "below the job's wall time where the scheduler gives no warning",
+        min=0.0,
+    )
+
+    @property
+    def checkpoints(self) -> Path:
+        return Path(self.checkpoint_dir or Path(self.output_dir) / "checkpoints")
+
+
+class Preemption:
+    """SIGTERM / SIGUSR1 only set a flag, and the deadline is only compared; the ranks act together
+    at a step boundary. A rank that saved and exited on its own would leave the others hanging in
+    their next all-reduce. requested() is a collective (MAX over ranks): if any rank was signalled
+    or is past the deadline, every rank learns it after the same step."""
+
+    def __init__(self, time_limit_s=0.0):
+        self.signum, self.deadline = 0, time.monotonic() + (time_limit_s or float("inf"))
+        for s in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(s, self.handler)
+
+    def handler(self, signum, frame):
+        self.signum = signum
+
+    def requested(self, device) -> str:
+        """Why to stop after this step ("SIGTERM", "SIGUSR1", "time limit"), or "" to go on."""
+        flag = torch.tensor([self.signum, time.monotonic() >= self.deadline], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        signum, late = flag.tolist()
+        return signal.Signals(signum).name if signum else "time limit" if late else ""
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Exact distributed evaluation: this rank's sums, all-reduced. `model` is the plain module
+    (ddp_model.module): ranks may hold different numbers of test batches."""
+    model.eval()
+    # loss sum, correct, count
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for images, labels in loader:
+        images, labels = images.to(device), labels.to(device)
+        logits = model(images)
+        totals += torch.stack(
+            [
+                F.cross_entropy(logits, labels, reduction="sum"),
+                (logits.argmax(1) == labels).sum(),
+                torch.tensor(len(labels), device=device),
+            ]
+        )
+    # Sum over ranks: a collective, so every rank calls it.
+    dist.all_reduce(totals)
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum / count, correct / count, int(count)
+
+
+def save(cfg, launch, device, training, where, loss_and_count):
+    """Collective: rank 0 writes `training` (the replicas are identical), `where`, and every rank's
+    RNG states and loss sums; the barrier keeps all ranks from going on before the file is whole."""
+    ranks = [None] * launch.world_size if launch.rank == 0 else None
+    rank_state = {**ckpt.rng_state(device), "loss_and_count": loss_and_count.cpu()}
+    dist.gather_object(rank_state, ranks, dst=0)
+    if launch.rank == 0:
+        state = {name: part.state_dict() for name, part in training.items()}
+        state.update(where, ranks=ranks, world_size=launch.world_size, batch_size=cfg.batch_size)
+        path = ckpt.save(state, cfg.checkpoints, where["step"], cfg.keep_last)
+        print(f"saved {path}", flush=True)
+    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def resume(cfg, launch, device, training):
+    """Collective: rank 0 picks the newest checkpoint that loads; every rank loads it (weights_only)
+    and restores `training` and its own RNG states. Returns it, or where a new run starts."""
+    found, state = None, None
+    if launch.rank == 0:
+        # this run's own stop will write a new one
+        (cfg.checkpoints / "REQUEUE").unlink(missing_ok=True)
+        found, state = ckpt.find_resumable(cfg.checkpoints, map_location=device)
+    choice = [found]
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return dict(step=0, epoch=0, consumed=0)
+    if launch.rank != 0:
+        state = ckpt.load(choice[0], map_location=device)
+    with exit_on_bad_input():  # the same on every rank: rank 0 says it, all exit with code 2
+        if state["batch_size"] != cfg.batch_size:
+            raise ConfigError(
+                f"{choice[0]} was written with batch size {state['batch_size']} per rank; a "
+                f"resume needs the same (now {cfg.batch_size}), or another --checkpoint-dir"
+            )
+    for name, part in training.items():
+        part.load_state_dict(state[name])
+    # this rank's own RNG states; a rank the saved run did not have keeps its seed + rank
+    if launch.rank < len(state["ranks"]):
+        ckpt.set_rng_state(state["ranks"][launch.rank], device)
+    # The epoch's loss sums so far: with W ranks now, rank r adds those of saved ranks r, r + W, ...
+    state["loss_and_count"] = sum(
+        s["loss_and_count"] for s in state["ranks"][launch.rank :: launch.world_size]
+    )
+    if launch.rank == 0:
+        print(
+            f"resumed from {choice[0]}: step {state['step']}, epoch {state['epoch'] + 1}, "
+            f"world size {state['world_size']} -> {launch.world_size}",
+            flush=True,
+        )
+    return state
+
+
+def train(cfg, launch) -> int:
+    """Returns the exit code: 0, or REQUEUE_EXIT_CODE after a preemption save."""
+    start_time = time.perf_counter()
+    # First: a signal from now on is not lost.
+    preemption = Preemption(cfg.time_limit_s)
+    # One GPU per process: the local rank's, or 0 where the site shows each rank only its own;
+    # else CPU (gloo).
+    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
+    # nccl where this torch has it (Linux GPUs); gloo on CPUs and on Windows and macOS
+    backend = choose_backend(device)
+    if device.type == "cuda":
+        # before the process group, so its collectives use this device
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )
+    # Same initial weights on every rank (and DDP broadcasts rank 0's at the wrap).
+    torch.manual_seed(cfg.seed)
+
+    if cfg.download:
+        # Rank 0 downloads while the others wait at the barrier, which every rank must call.
+        if launch.rank == 0:
+            download_datasets(cfg)
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    data = load_datasets(cfg, launch.world_size)
+    # Each rank a disjoint 1/world_size of the training set, shuffled alike (seed + epoch).
+    train_sampler = ckpt.ResumableSampler(
+        data.train,
+        num_replicas=launch.world_size,
+        rank=launch.rank,
+        shuffle=True,
+        seed=cfg.seed,
+    )
+    # A DataLoader draws a seed at every iter() from `generator`, or else from the global RNG,
+    # which the checkpoint restores: its own generator keeps the loaders from shifting that stream.
+    generator = torch.Generator()
+    train_loader = DataLoader(
+        data.train,
+        batch_size=cfg.batch_size,
+        sampler=train_sampler,
+        num_workers=cfg.num_workers,
+        # not fork(), which can copy a lock that gloo's or NCCL's threads hold (common/data.py)
+        multiprocessing_context=worker_start_method(cfg.num_workers),
+        pin_memory=device.type == "cuda",
+        generator=generator,
+    )
+    # A strided slice per rank: every test sample once (DistributedSampler pads with repeats).
+    test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
+    test_loader = DataLoader(
+        test_shard,
+        batch_size=cfg.batch_size,
+        num_workers=cfg.num_workers,
+        multiprocessing_context=worker_start_method(cfg.num_workers),
+        generator=generator,
+    )
+
+    # To this rank's device, then wrap: DDP's hooks all-reduce the gradients in backward().
+    # saved, so that export_model.py can rebuild the network
+    model_args = [cfg.model, data.num_classes, data.in_channels, data.image_size]
+    model = build_model(*model_args)
+    model = model.to(device)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(
+        model.parameters(),
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+    )
+    # From here on each rank its own augmentation and loader worker seeds.
+    torch.manual_seed(cfg.seed + launch.rank)
+    # The training state, saved and restored whole (model.module: no "module." prefix).
+    training = {"model": model.module, "optimizer": optimizer}
+    state = resume(cfg, launch, device, training)
+    step, start_epoch, consumed = state["step"], state["epoch"], state["consumed"]
+    if start_epoch >= cfg.epochs or 0 < cfg.max_steps <= step:  # a finished run, started again
+        if launch.rank == 0:
+            print(f"nothing to do: step {step} is the end of this run", flush=True)
+        del model
+        dist.destroy_process_group()
+        return 0
+
+    if launch.rank == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        global_batch = cfg.batch_size * launch.world_size
+        print(
+            f"launcher {launch.launcher}, {backend} on {device} "
+            f"(CUDA_VISIBLE_DEVICES={visible}), world size {launch.world_size}, "
+            f"batch {cfg.batch_size} x {launch.world_size} = {global_batch}",
+            flush=True,
+        )
+    images_seen, stop = 0, ""
+    for epoch in range(start_epoch, cfg.epochs):
+        # A new shuffle each epoch; without it every epoch repeats epoch 0.
+        train_sampler.set_epoch(epoch)
+        # Mid-epoch resume: the same order, without the samples trained on before the checkpoint.
+        train_sampler.consumed = consumed if epoch == start_epoch else 0
+        # worker seeds: per rank and epoch
+        generator.manual_seed(cfg.seed + launch.rank + epoch * launch.world_size)
+        model.train()
+        # This rank's loss sum and sample count.
+        loss_and_count = torch.zeros(2, dtype=torch.float64, device=device)
+        if train_sampler.consumed:  # and those of the batches before the resume
+            loss_and_count += state["loss_and_count"]
+        for batch, (images, labels) in enumerate(train_loader, 1):
+            images, labels = images.to(device), labels.to(device)
+            loss = F.cross_entropy(model(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            # DDP all-reduces (averages) the gradients here: every rank steps alike.
+            loss.backward()
+            optimizer.step()
+            step += 1
+            images_seen += len(labels)
+            loss_and_count[0] += loss.detach() * len(labels)
+            loss_and_count[1] += len(labels)
+            if launch.rank == 0 and step % cfg.log_every == 0:
+                print(
+                    f"epoch {epoch + 1} step {step} loss {loss.item():.4f} (rank 0's batch)",
+                    flush=True,
+                )
+            # Step boundary: every rank calls it, and every rank learns whether to stop.
+            stop = preemption.requested(device)
+            # Save at the same step on every rank (a collective): periodically, at each epoch's end.
+            epoch_done = batch == len(train_loader)
+            periodic = cfg.save_every_steps and step % cfg.save_every_steps == 0
+            if stop or periodic or epoch_done or step == cfg.max_steps:
+                # Where to go on: the next epoch, or this one after the samples all ranks have read.
+                where = dict(step=step, epoch=epoch + 1, consumed=0, model_args=model_args)
+                if not epoch_done:
+                    read = batch * cfg.batch_size * launch.world_size
+                    where.update(epoch=epoch, consumed=train_sampler.consumed + read)
+                save(cfg, launch, device, training, where, loss_and_count)
+            if stop:
+                # The job files requeue on this file: written before any rank leaves, as the
+                # launcher may stop rank 0 once another rank has exited.
+                if launch.rank == 0:
+                    (cfg.checkpoints / "REQUEUE").write_text(f"{stop} at step {step}\n")
+                    print(
+                        f"{stop}: checkpoint at step {step} saved; exiting with code "
+                        f"{ckpt.REQUEUE_EXIT_CODE} (requeue me)",
+                        flush=True,
+                    )
+                dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+                break
+            if step == cfg.max_steps:
+                break
+        if stop:
+            break
+        # Sums and counts over all ranks, the exact mean (not a mean of means); every rank calls it.
+        dist.all_reduce(loss_and_count)
+        train_loss = (loss_and_count[0] / loss_and_count[1]).item()
+        eval_loss, eval_acc, eval_count = evaluate(model.module, test_loader, device)
+        if launch.rank == 0:
+            print(
+                f"epoch {epoch + 1} done: train loss {train_loss:.4f}, "
+                f"eval loss {eval_loss:.4f}, "
+                f"eval accuracy {eval_acc:.4f} ({eval_count} images)",
+                flush=True,
+            )
+        if step == cfg.max_steps:
+            break
+
+    if stop:
+        # Release the DDP model, destroy the group; main() exits with code 75: requeue me.
+        del model
+        dist.destroy_process_group()
+        return ckpt.REQUEUE_EXIT_CODE
+    elapsed = time.perf_counter() - start_time
+    # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
+    checksums = [None] * launch.world_size
+    dist.all_gather_object(checksums, parameter_checksum(model))
+    summary = dict(
+        world_size=launch.world_size,
+        launcher=launch.launcher,
+        backend=backend,
+        global_batch_size=cfg.batch_size * launch.world_size,
+        # every rank saw as many
+        images_per_second=images_seen * launch.world_size / elapsed,
+        device=str(device),
+        local_batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        epochs=epoch + 1,
+        steps=step,
+        resumed_from_step=state["step"],
+        final_train_loss=train_loss,
+        eval_loss=eval_loss,
+        eval_accuracy=eval_acc,
+        eval_samples=eval_count,
+        wall_time_s=elapsed,
+        replica_checksums=checksums,
+    )
+    # Plain file I/O on one rank; model.module drops DDP's "module." prefix.
+    if launch.rank == 0:
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        torch.save(model.module.state_dict(), Path(cfg.output_dir) / "model.pt")
+        write_summary(cfg.output_dir, **summary)
+    # Release the DDP model first: it holds the process group, which would otherwise outlive
+    # destroy_process_group() and keep gloo's threads running into interpreter shutdown.
+    del model
+    dist.destroy_process_group()
+    return 0
+
+
+# under torchrun, a failing rank's exception and traceback show in torchrun's summary
+@record
+def main():
+    # bad input (here and below): one "error:" line, exit code 2
+    cfg = load_config(CheckpointConfig)
+    # rank, local rank, world size, rendezvous address: torchrun, srun, mpiexec
+    launch = detect_launcher()
+    # before any process group, so no rank waits for a failed one
+    check_data(cfg, launch.world_size)
+    return train(cfg, launch)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
