@@ -224,7 +224,7 @@ def test_the_code_is_python_3_10_syntax():
     """ "Quick start": Python 3.10+. Every .py file parses with Python 3.10's
     grammar (ast's feature_version, best effort: it catches newer syntax
     such as except*, the control below); tested with 3.11 ("Versions")."""
-    assert "(Python 3.10+;" in README
+    assert "(Python 3.10+)" in README
     files = tracked_files("*.py")
     assert len(files) > 30
     for path in files:
