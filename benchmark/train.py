@@ -105,8 +105,8 @@ class PerfConfig(TrainConfig):
     )
     fake_images: int = field(
         0,
-        "--dataset fake: this many training images (0: 2,048, 8 steps at batch 256); an epoch "
-        "longer than the measured steps times the loader's steady state, not its start",
+        "--dataset fake: this many training images (0: 2,048, 8 steps at batch 256), so that "
+        "the measured steps see the loader's steady state, not each epoch's start",
         min=0,
     )
     profile_steps: int = field(
