@@ -103,7 +103,7 @@ def evaluate(model, loader, device):
     return loss_sum / count, correct / count, int(count)
 
 
-def save(cfg, launch, device, training, where, loss_and_count):
+def save_checkpoint(cfg, launch, device, training, where, loss_and_count):
     """Collective: rank 0 writes `training` (the replicas are identical), `where`, and every rank's
     RNG states and loss sums; the barrier keeps all ranks from going on before the file is whole."""
     ranks = [None] * launch.world_size if launch.rank == 0 else None
@@ -289,7 +289,7 @@ def train(cfg, launch) -> int:
                 if not epoch_done:
                     read = batch * cfg.batch_size * launch.world_size
                     where.update(epoch=epoch, consumed=train_sampler.consumed + read)
-                save(cfg, launch, device, training, where, loss_and_count)
+                save_checkpoint(cfg, launch, device, training, where, loss_and_count)
             if stop:
                 # The job files requeue on this file: written before any rank leaves, as the
                 # launcher may stop rank 0 once another rank has exited.

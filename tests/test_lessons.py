@@ -431,11 +431,11 @@ def test_the_line_count_04s_readme_gives_for_cpu_sync_batchnorm_is_the_files():
 
 
 def test_05s_train_is_about_as_long_as_01s_with_resume_and_save_in_their_own_functions():
-    """05's topic lives in resume() and save() beside train(), which train() calls once before the
-    loop and once in it, so train() reads like 01's (it was twice as long with both inline)."""
+    """05's topic lives in resume() and save_checkpoint() beside train(), which train() calls once
+    before the loop and once in it, so train() reads like 01's (twice as long with both inline)."""
     lesson = functions(REPO / "05_checkpointing" / "train.py")
     length = {name: len(code.splitlines()) for name, code in lesson.items()}
     assert length["train"] <= 1.4 * len(functions(LESSON)["train"].splitlines())
-    assert {"resume", "save"} <= lesson.keys()
-    calls = re.findall(r"(?<![.\w])(resume|save)\(", lesson["train"])
-    assert calls == ["resume", "save"]
+    assert {"resume", "save_checkpoint"} <= lesson.keys()
+    calls = re.findall(r"\b(resume|save_checkpoint)\(", lesson["train"])
+    assert calls == ["resume", "save_checkpoint"]
