@@ -131,8 +131,10 @@ def test_error_handling_modes_and_trace_buffer_default_are_the_installed_headers
     guide = " ".join(GUIDE.read_text().split())
     for claim in (
         "`3`, the default in PyTorch's C++ code, takes the process down without aborting the NCCL "
-        "communicators; `1` aborts them first",
-        "`2` only aborts them; `0` only logs",
+        "communicators;",
+        "- `1` aborts them first",
+        "- `2` only aborts them;",
+        "- `0` only logs",
         "`TORCH_NCCL_TRACE_BUFFER_SIZE` collectives (2000 by default",
     ):
         assert claim in guide, claim
