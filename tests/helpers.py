@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
+from markdown_it import MarkdownIt
 from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
@@ -463,15 +466,11 @@ def relative_difference(a: dict, b: dict) -> float:
     return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm()).item() for k in a)
 
 
-def readme_command(readme: str, command: str) -> list[str]:
-    """The argv of `command`, taken as written from a ```bash block of
-    `readme` (failing if that no longer shows it), with `python` and
-    `torchrun` run by this interpreter, and leading VAR=value words
-    given to `env`; relative paths need cwd=REPO."""
-    import shlex
-
-    shown = {c.text for c in readme_commands() if c.readme == readme}
-    assert command in shown, f"{readme} no longer shows `{command}`"
+def command_argv(command: str) -> list[str]:
+    """The argv of a README command (the exact text a README's ```bash block shows; the marker
+    above the block names the test that runs it, and tests/test_readme_commands.py holds the two
+    equal), with `python` and `torchrun` run by this interpreter and leading VAR=value words given
+    to `env`; relative paths need cwd=REPO."""
     argv = shlex.split(command)
     # leading VAR=value words set the command's environment, as the shell does: `env` does that
     assignments = list(itertools.takewhile(re.compile(r"[A-Za-z_]\w*=.*", re.S).fullmatch, argv))
@@ -480,125 +479,6 @@ def readme_command(readme: str, command: str) -> list[str]:
     return (
         (["env", *assignments] if assignments else []) + launchers.get(argv[0], argv[:1]) + argv[1:]
     )
-
-
-# --- Markdown: the one reader of the READMEs (fenced blocks, sections, tables) for every test
-# -----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Block:
-    info: str  # the fence's info string: "bash", "python", or "" for a sample output
-    lines: tuple[str, ...]  # the lines between the fences
-    start: int  # the index of the opening fence's line in the text's lines
-
-
-def markdown_blocks(text: str) -> list[Block]:
-    """The fenced code blocks of `text`, in order (a fence is a line starting with ```)."""
-    blocks, info, start, body = [], None, 0, []
-    for number, line in enumerate(text.splitlines()):
-        if info is None and line.lstrip().startswith("```"):
-            info, start, body = line.strip()[3:].strip(), number, []
-        elif info is not None and line.strip() == "```":
-            blocks.append(Block(info, tuple(body), start))
-            info = None
-        elif info is not None:
-            body.append(line)
-    return blocks
-
-
-def markdown_section(text: str, heading: str) -> str:
-    """The text of the section whose heading line starts with `heading` (e.g. "## 3." or
-    "## Output"), up to the next heading of the same or a higher level."""
-    level = heading.split(" ", 1)[0]
-    lines = text.splitlines()
-    first = next(i for i, line in enumerate(lines) if line.startswith(heading))
-    rest = lines[first + 1 :]
-    ends = [
-        i
-        for i, line in enumerate(rest)
-        if line.startswith("#") and len(line.split(" ", 1)[0]) <= len(level)
-    ]
-    # a '#' comment inside a fenced block is not a heading
-    fenced = {
-        i
-        for b in markdown_blocks("\n".join(rest))
-        for i in range(b.start, b.start + len(b.lines) + 2)
-    }
-    end = next((i for i in ends if i not in fenced), len(rest))
-    return "\n".join([lines[first], *rest[:end]])
-
-
-def markdown_table(text: str, after: str) -> list[list[str]]:
-    """The body rows, as stripped cells, of the first Markdown table at or after the first line
-    that contains `after`."""
-    lines = text.splitlines()
-    first = next(i for i, line in enumerate(lines) if after in line)
-    header = next(i for i in range(first, len(lines)) if lines[i].startswith("|"))
-    rows = []
-    for line in lines[header + 2 :]:  # after the header and the |---| line
-        if not line.startswith("|"):
-            break
-        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
-    return rows
-
-
-def readme_sample(readme: Path, after: str) -> list[str]:
-    """The lines of the first sample-output block (a fence without a language) after the first
-    occurrence of the text `after` in `readme`."""
-    text = Path(readme).read_text()
-    line = text[: text.index(after)].count("\n")
-    return next(list(b.lines) for b in markdown_blocks(text) if b.start >= line and not b.info)
-
-
-# --- the commands of the READMEs' ```bash blocks
-# ----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Command:
-    # the command, whitespace-normalised, without its trailing comment (the table's key)
-    text: str
-    source: str  # the command as written (continuation lines included, comment left out)
-    comment: str  # its trailing `# ...` annotation, if any
-    before: str  # the paragraph just before its ```bash block
-    readme: str
-
-
-def _split_comment(line: str) -> tuple[str, str]:
-    """`cmd  # note` -> ("cmd", "note"); a # inside quotes
-    or a word (`$#`, `a#b`) is not a comment."""
-    quote = ""
-    for i, ch in enumerate(line):
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
-            return line[:i].rstrip(), line[i + 1 :].strip()
-    return line.rstrip(), ""
-
-
-def _open_quote(text: str) -> bool:
-    quote = ""
-    for ch in text:
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-    return bool(quote)
-
-
-def _paragraph_before(lines: list[str], index: int) -> str:
-    """The non-blank lines just above line `index` (blank lines between skipped), joined."""
-    j = index - 1
-    while j >= 0 and not lines[j].strip():
-        j -= 1
-    paragraph = []
-    while j >= 0 and lines[j].strip():
-        paragraph.insert(0, lines[j])
-        j -= 1
-    return " ".join(paragraph)
 
 
 def tracked_files(*patterns: str) -> list[Path]:
@@ -610,27 +490,130 @@ def tracked_files(*patterns: str) -> list[Path]:
     return sorted(REPO / name for name in names if (REPO / name).is_file())
 
 
+# --- Markdown, read with markdown-it-py: fenced blocks, sections, tables, and the READMEs' commands
+# -----------------------------------------------------------------------------------------------
+
+_MARKDOWN = MarkdownIt("commonmark").enable("table")
+
+
+@dataclass(frozen=True)
+class Block:
+    info: str  # the fence's info string: "bash", "python", or "" for a sample output
+    lines: tuple[str, ...]  # the lines between the fences, as written
+    start: int  # the index of the opening fence's line in the text's lines
+    marker: str = ""  # the HTML comment just above the fence, if any
+    top: int = 0  # the index of the marker's first line, or of the fence's without one
+
+
+def markdown_blocks(text: str) -> list[Block]:
+    """The fenced code blocks of `text`, in order."""
+    lines, tokens, blocks = text.splitlines(), _MARKDOWN.parse(text), []
+    for i, token in enumerate(tokens):
+        if token.type == "fence":
+            above = tokens[i - 1] if i and tokens[i - 1].type == "html_block" else token
+            marker = above.content if above is not token else ""
+            body = tuple(lines[token.map[0] + 1 : token.map[1] - 1])
+            blocks.append(Block(token.info.strip(), body, token.map[0], marker, above.map[0]))
+    return blocks
+
+
+def markdown_section(text: str, heading: str) -> str:
+    """The text of the section whose heading line starts with `heading` (e.g. "## 3." or
+    "## Output"), up to the next heading of the same or a higher level."""
+    lines = text.splitlines()
+    headings = [
+        (t.map[0], int(t.tag[1])) for t in _MARKDOWN.parse(text) if t.type == "heading_open"
+    ]
+    first, level = next((n, lv) for n, lv in headings if lines[n].startswith(heading))
+    end = next((n for n, lv in headings if n > first and lv <= level), len(lines))
+    return "\n".join(lines[first:end])
+
+
+def markdown_table(text: str, after: str) -> list[list[str]]:
+    """The body rows, as cells of raw Markdown, of the first table after the first line that
+    contains `after`."""
+    first = next(i for i, line in enumerate(text.splitlines()) if after in line)
+    rows, in_table = [], False
+    for token in _MARKDOWN.parse(text):
+        if token.type == "table_open" and token.map[0] >= first:
+            in_table = True
+        elif in_table and token.type == "tr_open":
+            rows.append([])
+        elif in_table and token.type == "inline":
+            rows[-1].append(token.content)
+        elif in_table and token.type == "table_close":
+            return rows[1:]  # without the header row
+    raise AssertionError(f"no table after {after!r}")
+
+
+def readme_sample(readme: Path, after: str) -> list[str]:
+    """The lines of the first sample-output block (a fence without a language) after the first
+    occurrence of the text `after` in `readme`."""
+    text = Path(readme).read_text()
+    line = text[: text.index(after)].count("\n")
+    return next(list(b.lines) for b in markdown_blocks(text) if b.start >= line and not b.info)
+
+
+@dataclass(frozen=True)
+class Command:
+    text: str  # the command, whitespace-normalised, without its trailing comment
+    source: str  # the command as written (continuation lines included, comment left out)
+    comment: str  # its trailing `# ...` annotation, if any
+    before: str  # the paragraph just above its ```bash block (and the block's marker)
+    readme: str
+    block: int  # the line number of its block's opening fence
+    how: dict  # its entry in the marker above the block: {"run": {...}}, {"not-run": reason}...
+
+
+def _split_comment(line: str) -> tuple[str, str]:
+    """`cmd  # note` -> ("cmd", "note"): the first ` #` outside quotes starts the comment."""
+    for match in re.finditer(r"(?:^|\s)#", line):
+        try:
+            shlex.split(line[: match.start()])
+        except ValueError:  # inside a quote
+            continue
+        return line[: match.start()].rstrip(), line[match.end() :].strip()
+    return line.rstrip(), ""
+
+
 def readme_commands() -> list[Command]:
+    """Every command of the ```bash blocks of the tracked Markdown files, each with its entry in
+    the marker above its block: an HTML comment `<!-- commands: ... -->` holding a YAML list with
+    one entry a command (tests/README.md, "README commands")."""
     commands = []
     for path in tracked_files("*.md"):
-        readme = path.relative_to(REPO).as_posix()
-        text = path.read_text()
+        readme, text = path.relative_to(REPO).as_posix(), path.read_text()
+        lines = text.splitlines()
         for block in markdown_blocks(text):
             if block.info != "bash":
                 continue
-            before = _paragraph_before(text.splitlines(), block.start)
-            pending = ""
+            head = lines[: block.top]
+            while head and not head[-1].strip():
+                head.pop()
+            before = " ".join(reversed(list(itertools.takewhile(str.strip, reversed(head)))))
+            marker = block.marker.strip().removeprefix("<!--").removesuffix("-->").strip()
+            entries = yaml.safe_load(marker.removeprefix("commands:")) if marker else []
+            texts, pending = [], ""
             for line in block.lines:
                 if not pending and (not line.strip() or line.lstrip().startswith("#")):
                     continue
                 pending = f"{pending}\n{line}" if pending else line
-                # a backslash continues the line; so does a quote left open ('... &&\n    ...')
                 source, comment = _split_comment(pending)
-                if source.endswith("\\") or _open_quote(source):
-                    continue
-                command = " ".join(source.replace("\\\n", " ").split())
-                commands.append(Command(command, source, comment, before, readme))
-                pending = ""
+                try:  # a backslash continues the line; so does a quote left open
+                    complete = not source.endswith("\\") and shlex.split(source) is not None
+                except ValueError:
+                    complete = False
+                if complete:
+                    texts.append((" ".join(source.replace("\\\n", " ").split()), source, comment))
+                    pending = ""
+            where = f"{readme}:{block.start + 1}"
+            assert marker.startswith("commands:"), f"{where}: no <!-- commands: --> marker above"
+            assert len(entries) == len(texts), f"{where}: {len(texts)} commands, marker {entries}"
+            for (command, source, comment), how in zip(texts, entries):
+                how = {how: None} if isinstance(how, str) else how
+                commands.append(
+                    Command(command, source, comment, before, readme, block.start + 1, how)
+                )
     return commands
 
 

@@ -28,7 +28,7 @@ from tests.helpers import (
     markdown_blocks,
     pinned_torch_only,
     read_summary,
-    readme_command,
+    command_argv,
     readme_sample,
     repeated_lines,
     run,
@@ -66,7 +66,7 @@ def quick_start(tmp_path_factory):
     """The README's quick-start command, as written, with only the output folder moved."""
     out = tmp_path_factory.mktemp("quick_start")
     result = run(
-        readme_command("01_basic_ddp/README.md", QUICK_START) + ["--output-dir", str(out)],
+        command_argv(QUICK_START) + ["--output-dir", str(out)],
         timeout=180,
         check=True,
     )
@@ -164,7 +164,7 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(ddp_two_ranks, tmp_pat
 def test_mp_spawn_variant_matches_torchrun(ddp_two_ranks, tmp_path):
     """The README's command, as written, with a smaller batch and fewer steps."""
     result = run(
-        readme_command("01_basic_ddp/README.md", SPAWN)
+        command_argv(SPAWN)
         + ["--batch-size", "16", *STEPS, "--output-dir", str(tmp_path / "spawn")],
         timeout=120,
         check=True,
@@ -183,8 +183,7 @@ def test_single_process_baseline_is_the_same_training_as_one_ddp_process(tmp_pat
     rank changes nothing), so `diff` between them shows only DDP. The README's command, as
     written, with fewer steps."""
     run(
-        readme_command("01_basic_ddp/README.md", SINGLE)
-        + ["--max-steps", "30", "--output-dir", str(tmp_path / "single")],
+        command_argv(SINGLE) + ["--max-steps", "30", "--output-dir", str(tmp_path / "single")],
         timeout=120,
         check=True,
     )

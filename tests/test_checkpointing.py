@@ -38,7 +38,7 @@ from tests.helpers import (
     kill_group,
     load_script,
     read_summary,
-    readme_command,
+    command_argv,
     run,
     summary_fields,
     torchrun,
@@ -47,7 +47,6 @@ from tests.helpers import (
 
 SCRIPT = "05_checkpointing/train.py"
 PREEMPT = "05_checkpointing/preempt.py"  # train.py plus stopping on a signal or a deadline
-README_NAME = "05_checkpointing/README.md"
 RUN_IT = "torchrun --standalone --nproc_per_node=2 05_checkpointing/train.py --save-every-steps 20"
 EXPORT = "python 05_checkpointing/export_model.py runs/latest/checkpoints model.pt"
 # 2 epochs of 45 steps (digits, 2 ranks x 16), a checkpoint every 10 steps and at each epoch's end.
@@ -157,7 +156,7 @@ def stopped_and_resumed(tmp_path_factory) -> tuple[Path, str, str]:
     for command in sample.commands[1:]:  # the first empties the README's folder
         assert command.startswith(f"{RUN_IT} "), command
         flags = command.removeprefix(RUN_IT).replace(sample.output_dir, str(out))
-        argv = readme_command(README_NAME, RUN_IT) + shlex.split(flags)
+        argv = command_argv(RUN_IT) + shlex.split(flags)
         outputs.append(run(argv, timeout=180, env=record_env(out), check=True).stdout)
     return out, outputs[0], outputs[1]
 
@@ -777,7 +776,7 @@ def test_exported_state_dict_loads_into_a_plain_model(reference, tmp_path):
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "latest").symlink_to(reference, target_is_directory=True)
     (tmp_path / "05_checkpointing").symlink_to(REPO / "05_checkpointing", target_is_directory=True)
-    run(readme_command(README_NAME, EXPORT), 60, cwd=tmp_path, check=True)
+    run(command_argv(EXPORT), 60, cwd=tmp_path, check=True)
     exported = tmp_path / "model.pt"
     sd = torch.load(exported, weights_only=True)
     assert not any(k.startswith("module.") for k in sd)
@@ -833,7 +832,7 @@ def test_dcp_save_on_two_ranks_loads_on_one(tmp_path):
     work = tmp_path
     tmp_path = work / "runs" / "dcp"  # the README's runs/dcp, under a folder of this test's own
     saved = run(
-        readme_command("05_checkpointing/README.md", DCP_SAVE) + ["--output-dir", str(tmp_path)],
+        command_argv(DCP_SAVE) + ["--output-dir", str(tmp_path)],
         timeout=240,
         check=True,
     )
@@ -851,7 +850,7 @@ def test_dcp_save_on_two_ranks_loads_on_one(tmp_path):
     assert len(files) == 2 and all(f.stat().st_size > 0 for f in files)
     assert one_copy <= sum(f.stat().st_size for f in files) < 1.1 * one_copy  # not 2 copies
     loaded = run(
-        readme_command("05_checkpointing/README.md", DCP_LOAD) + ["--output-dir", str(tmp_path)],
+        command_argv(DCP_LOAD) + ["--output-dir", str(tmp_path)],
         timeout=240,
         check=True,
     )
@@ -864,7 +863,7 @@ def test_dcp_save_on_two_ranks_loads_on_one(tmp_path):
     assert summary["momentum_buffers"] == 8
     # dcp_to_torch: one file holding the same model weights as the reference run's.
     run(
-        readme_command("05_checkpointing/README.md", DCP_TO_TORCH),
+        command_argv(DCP_TO_TORCH),
         timeout=240,
         cwd=work,
         check=True,

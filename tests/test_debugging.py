@@ -29,7 +29,7 @@ from tests.helpers import (
     markdown_section,
     pinned_torch_only,
     read_summary,
-    readme_command,
+    command_argv,
     readme_sample,
     root_cause,
     run,
@@ -713,30 +713,29 @@ WRAPPER_ATTRIBUTE_FIX = (
 def test_wrapper_in_place_of_the_model_errors_and_fixes(tmp_path):
     """The guide's commands: each error as the README quotes it, from rank 0 and in torchrun's Root
     Cause; each fix runs to the end (the saved weights load into the plain model)."""
-    guide = "debugging/README.md"
 
     def demo(argv, name):
         return run(argv + ["--output-dir", str(tmp_path / name)], timeout=120)
 
-    prefix = demo(readme_command(guide, MODULE_PREFIX), "prefix")
+    prefix = demo(command_argv(MODULE_PREFIX), "prefix")
     quoted = readme_sample(GUIDE, "Both come from using the wrapper")
     assert prefix.returncode == 1 and len(quoted) == 3
     printed = prefix.output.splitlines()
     assert all(line in printed for line in quoted), (quoted, prefix.output[-3000:])
     assert "Unexpected key(s) in state_dict" in root_cause(prefix.output)
     for argv, name in (
-        (readme_command(guide, MODULE_PREFIX_SAVE_MODULE), "save_module"),
-        (readme_command(guide, MODULE_PREFIX_STRIP), "strip"),
+        (command_argv(MODULE_PREFIX_SAVE_MODULE), "save_module"),
+        (command_argv(MODULE_PREFIX_STRIP), "strip"),
     ):
         fixed = demo(argv, name)
         assert fixed.returncode == 0, fixed.output[-3000:]
         assert "the saved weights load into a plain TwoHeads" in fixed.stdout
 
-    attribute = demo(readme_command(guide, WRAPPER_ATTRIBUTE), "attribute")
+    attribute = demo(command_argv(WRAPPER_ATTRIBUTE), "attribute")
     error = "AttributeError: 'DistributedDataParallel' object has no attribute 'num_classes'"
     assert attribute.returncode == 1 and f"[rank0]: {error}" in attribute.output
     assert f"`{error}`" in GUIDE.read_text()
-    fixed = demo(readme_command(guide, WRAPPER_ATTRIBUTE_FIX), "attribute_fixed")
+    fixed = demo(command_argv(WRAPPER_ATTRIBUTE_FIX), "attribute_fixed")
     assert fixed.returncode == 0 and "rank 0: 4 classes" in fixed.stdout, fixed.output[-3000:]
     assert "done: no bug" in fixed.stdout
 
@@ -835,12 +834,11 @@ def test_frozen_models_and_layers_errors_and_fixes(tmp_path):
     unwrapped teacher runs; a part of the model frozen after the wrap passes step 1 (with
     unaveraged gradients: replicas differ after one step) and fails at step 2's forward as
     quoted; freezing first, wrapping again and find_unused_parameters each run, and train alike."""
-    guide = "debugging/README.md"
 
     def demo(argv, name):
         return run(argv + ["--output-dir", str(tmp_path / name)], timeout=120)
 
-    refused = demo(readme_command(guide, WRAP_FROZEN), "wrap_frozen")
+    refused = demo(command_argv(WRAP_FROZEN), "wrap_frozen")
     quoted = readme_sample(GUIDE, '## "DistributedDataParallel is not needed')
     assert refused.returncode == 1 and len(quoted) == 1, refused.output[-3000:]
     assert _quoted_lines_printed(quoted, refused.output) == [], refused.output[-3000:]
@@ -850,11 +848,11 @@ def test_frozen_models_and_layers_errors_and_fixes(tmp_path):
     lesson = " ".join((REPO / "08_several_models" / "README.md").read_text().split())
     refusal = re.search(r"RuntimeError: DistributedDataParallel is not needed[^`]*", lesson)
     assert refusal and refusal.group() in refused.output, refusal
-    fixed = demo(readme_command(guide, WRAP_FROZEN_FIX), "no_wrap")
+    fixed = demo(command_argv(WRAP_FROZEN_FIX), "no_wrap")
     assert fixed.returncode == 0 and "done: no bug" in fixed.stdout, fixed.output[-3000:]
     assert read_summary(tmp_path / "no_wrap")["replicas_identical"]
 
-    frozen = demo(readme_command(guide, FREEZE_AFTER_WRAP), "freeze_after_wrap")
+    frozen = demo(command_argv(FREEZE_AFTER_WRAP), "freeze_after_wrap")
     quoted = readme_sample(GUIDE, "`model.module.trunk.requires_grad_(False)` after")
     assert frozen.returncode == 1 and len(quoted) == 2, frozen.output[-3000:]
     assert _quoted_lines_printed(quoted, frozen.output) == [], frozen.output[-3000:]
@@ -862,15 +860,15 @@ def test_frozen_models_and_layers_errors_and_fixes(tmp_path):
     assert "step 1 mean loss" in frozen.output and "step 2 mean loss" not in frozen.output
     assert re.search(r"^\[rank\d\]:\s+logits = model\(x, use_aux=use_aux\)$", frozen.output, re.M)
     assert "Expected to have finished reduction" in root_cause(frozen.output)
-    one_step = demo(readme_command(guide, FREEZE_AFTER_WRAP_ONE_STEP), "one_step")
+    one_step = demo(command_argv(FREEZE_AFTER_WRAP_ONE_STEP), "one_step")
     assert one_step.returncode == 0, one_step.output[-3000:]
     assert read_summary(tmp_path / "one_step")["replicas_identical"] is False
 
     checksums = {}
     for argv, name in (
-        (readme_command(guide, FREEZE_FIRST), "freeze_first"),
-        (readme_command(guide, FREEZE_REWRAP), "rewrap"),
-        (readme_command(guide, FREEZE_FIND_UNUSED), "find_unused"),
+        (command_argv(FREEZE_FIRST), "freeze_first"),
+        (command_argv(FREEZE_REWRAP), "rewrap"),
+        (command_argv(FREEZE_FIND_UNUSED), "find_unused"),
     ):
         fixed = demo(argv, name)
         assert fixed.returncode == 0 and "done: no bug" in fixed.stdout, fixed.output[-3000:]
@@ -897,9 +895,8 @@ def test_different_models_error_and_fix(tmp_path):
     """The guide's commands: ranks that built different models (an auxiliary head on rank 0 only)
     are refused at the wrap, before any step, in the words the guide quotes (each rank names its
     own count first); the model decided from the data set runs on both ranks alike."""
-    guide = "debugging/README.md"
     refused = run(
-        readme_command(guide, DIFFERENT_MODELS) + ["--output-dir", str(tmp_path / "bug")],
+        command_argv(DIFFERENT_MODELS) + ["--output-dir", str(tmp_path / "bug")],
         timeout=120,
     )
     (quoted,) = readme_sample(GUIDE, '## "DDP expects same model across all ranks"')
@@ -918,7 +915,7 @@ def test_different_models_error_and_fix(tmp_path):
     assert "DDP expects same model across all ranks" in root_cause(refused.output)
     assert "step 1 mean loss" not in refused.output  # raised by the wrap, before any step
     fixed = run(
-        readme_command(guide, DIFFERENT_MODELS_FIX) + ["--output-dir", str(tmp_path / "fix")],
+        command_argv(DIFFERENT_MODELS_FIX) + ["--output-dir", str(tmp_path / "fix")],
         timeout=120,
     )
     assert fixed.returncode == 0 and "done: no bug" in fixed.stdout, fixed.output[-3000:]

@@ -20,7 +20,7 @@ from tests.helpers import (
     clean_env,
     free_port,
     needs_torch,
-    readme_command,
+    command_argv,
     root_cause,
     run,
     torchrun,
@@ -210,9 +210,7 @@ def test_rank_killed_with_sigkill_ends_job_without_restarts(script, tmp_path):
 def test_hung_rank_ends_the_job_at_the_timeout(tmp_path):
     """Rank 1 stops calling collectives; rank 0 waits in DDP's all-reduce until --timeout-s, then
     gloo raises and torchrun stops the job. The root cause names the timeout and where it waited."""
-    result = run(
-        readme_command("debugging/README.md", HANG) + ["--output-dir", str(tmp_path)], timeout=180
-    )
+    result = run(command_argv(HANG) + ["--output-dir", str(tmp_path)], timeout=180)
     ended = time.time()
     out = result.output
     assert result.returncode == 1

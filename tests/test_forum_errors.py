@@ -28,7 +28,7 @@ from tests.helpers import (
     kill_group,
     needs_torch,
     read_summary,
-    readme_command,
+    command_argv,
     root_cause,
     run,
 )
@@ -43,13 +43,12 @@ SHORT = ("--max-steps", "1", "--epochs", "1", "--batch-size", "16")
 # --- torchrun's summary: exit codes of ranks killed
 # by a signal ----------------------------------------
 
-DEBUG_README = "debugging/README.md"
 RANK_ABORT = "torchrun --standalone --nproc_per_node=2 debugging/rank_signal.py --how abort"
 
 
 @pytest.mark.torch_text
 def test_rank_aborted_is_exitcode_minus_6_sigabrt():
-    result = run(readme_command("debugging/README.md", RANK_ABORT), timeout=120)
+    result = run(command_argv(RANK_ABORT), timeout=120)
     out = result.output
     assert result.returncode != 0
     assert "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in out
@@ -267,7 +266,7 @@ def test_second_job_on_the_same_port_fails_with_address_already_in_use(tmp_path)
 
 LAUNCH = [PYTHON, "-m", "torch.distributed.launch", "--nproc-per-node=2", "--master-port"]
 # debugging/README.md's three commands, run as written
-# (tests/test_readme_commands.py: RunElsewhere). Neither
+# (the README marks them `proven-by` this file). Neither
 # launcher is --standalone: both rendezvous on --master-port,
 # which they also read from PET_MASTER_PORT (torch's
 # `env` argparse action), so each run gets a free port without a flag the README does not show.
@@ -293,7 +292,7 @@ def test_torch_distributed_launch_passes_local_rank_argument(monkeypatch):
     def on_a_free_port():
         return clean_env(PET_MASTER_PORT=str(free_port()))
 
-    plain = run(readme_command(DEBUG_README, LAUNCH_PLAIN), timeout=120, env=on_a_free_port())
+    plain = run(command_argv(LAUNCH_PLAIN), timeout=120, env=on_a_free_port())
     assert plain.returncode == 1  # the launcher's, for a failed rank
     # The first rank to fail ends the job: the other may be stopped before its parser prints.
     assert any(
@@ -305,11 +304,9 @@ def test_torch_distributed_launch_passes_local_rank_argument(monkeypatch):
     assert "FutureWarning: The module torch.distributed.launch is deprecated" in plain.stderr
     # The parser that accepts both spellings gets the
     # argument; under torchrun, which passes none, LOCAL_RANK.
-    fixed = run(
-        readme_command(DEBUG_README, LAUNCH_FIXED), timeout=120, env=on_a_free_port(), check=True
-    )
+    fixed = run(command_argv(LAUNCH_FIXED), timeout=120, env=on_a_free_port(), check=True)
     modern = run(
-        readme_command(DEBUG_README, TORCHRUN_NOT_STANDALONE),
+        command_argv(TORCHRUN_NOT_STANDALONE),
         timeout=120,
         env=on_a_free_port(),
         check=True,
@@ -479,7 +476,7 @@ def test_train_spawn_has_a_module_level_worker_and_spawns_in_main():
 
 TWO_FORWARDS = "debugging/two_forwards.py"
 # debugging/README.md's commands, run as written with --output-dir
-# added (tests/test_readme_commands.py: RunElsewhere)
+# added (the README marks them `proven-by` this file)
 TWO_FORWARDS_INPLACE = (
     "torchrun --standalone --nproc_per_node=2 debugging/two_forwards.py --buffers inplace"
 )
@@ -500,7 +497,7 @@ def test_two_forwards_with_buffers_synced_in_place_fail(tmp_path):
     """What DDP did up to torch 2.11: the second forward's
     buffer sync breaks the first forward's graph."""
     result = run(
-        readme_command(DEBUG_README, TWO_FORWARDS_INPLACE) + ["--output-dir", str(tmp_path)],
+        command_argv(TWO_FORWARDS_INPLACE) + ["--output-dir", str(tmp_path)],
         timeout=120,
     )
     out = result.output
@@ -515,8 +512,8 @@ def test_two_forwards_with_buffers_synced_in_place_fail(tmp_path):
 @pytest.mark.parametrize("fix", ["concat", "local"])
 def test_two_forwards_fixes_run_with_identical_replicas(tmp_path, fix):
     command = {
-        "concat": readme_command(DEBUG_README, TWO_FORWARDS_CONCAT),
-        "local": readme_command(DEBUG_README, TWO_FORWARDS_LOCAL),
+        "concat": command_argv(TWO_FORWARDS_CONCAT),
+        "local": command_argv(TWO_FORWARDS_LOCAL),
     }[fix]
     result = run(command + ["--output-dir", str(tmp_path)], timeout=120, check=True)
     assert "step 3 discriminator loss" in result.stdout and "done:" in result.stdout

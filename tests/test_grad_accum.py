@@ -28,7 +28,7 @@ from tests.helpers import (
     markdown_blocks,
     load_script,
     read_summary,
-    readme_command,
+    command_argv,
     readme_sample,
     relative_difference,
     run,
@@ -430,7 +430,7 @@ def test_linear_scaling_wins_back_half_of_what_four_ranks_lose_in_a_short_run(tm
     back about half of the loss (more than 40%); a 5-step warm-up adds nothing. The same scaled
     rate at one rank's batch diverges: the rate belongs to the batch."""
     lr_scaling = load_script("03_grad_accum/lr_scaling.py", "lr_scaling")
-    argv = readme_command("03_grad_accum/README.md", LR_SCALING)[2:]
+    argv = command_argv(LR_SCALING)[2:]
     args, extra = lr_scaling.parse(argv + ["--world-sizes", "1,4"])  # 2 ranks left out: time
     args.output_dir = str(tmp_path)
     accuracy = {}

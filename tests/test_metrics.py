@@ -22,14 +22,13 @@ from tests.helpers import (
     REPO,
     clean_env,
     read_summary,
-    readme_command,
+    command_argv,
     repeated_lines,
     run,
     torchrun,
 )
 
 SCRIPT = "07_metrics/train.py"
-README = "07_metrics/README.md"
 PATIENCE_COMMAND = "torchrun --standalone --nproc_per_node=2 07_metrics/train.py --patience 1"
 INJECT = REPO / "tests" / "inject"
 WRITER_ON_RANK_0 = "    writer = None\n    if launch.rank == 0:\n"
@@ -67,7 +66,7 @@ def patience_run(tmp_path_factory):
     line every step, and a Slurm job id in the environment."""
     out = tmp_path_factory.mktemp("metrics") / "patience"
     result = run(
-        readme_command(README, PATIENCE_COMMAND) + ["--log-every", "1", "--output-dir", str(out)],
+        command_argv(PATIENCE_COMMAND) + ["--log-every", "1", "--output-dir", str(out)],
         timeout=180,
         env=clean_env(SLURM_JOB_ID=JOB_ID),
         check=True,

@@ -22,7 +22,7 @@ from tests.helpers import (
     free_port,
     load_script,
     read_summary,
-    readme_command,
+    command_argv,
     run,
     summary_fields,
     torchrun,
@@ -324,7 +324,7 @@ def test_comm_check_prints_busbw_per_size(tmp_path):
     """The README's command, as written, with smaller messages and fewer iterations."""
     env = clean_env(FI_PROVIDER="tcp", NCCL_SOCKET_IFNAME="lo", UNRELATED_SETTING="x")
     result = run(
-        readme_command("06_multinode/README.md", COMM_CHECK)
+        command_argv(COMM_CHECK)
         + ["--max-bytes", "65536", "--iters", "3", "--output-dir", str(tmp_path)],
         timeout=120,
         env=env,

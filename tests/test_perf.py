@@ -41,7 +41,7 @@ from tests.helpers import (
     load_script,
     markdown_table,
     read_summary,
-    readme_command,
+    command_argv,
     relative_difference,
     run,
     summary_fields,
@@ -723,8 +723,8 @@ def test_benchmark_table_and_sweep(tmp_path):
     (each a real torchrun), with the flag after `--` in every run. The README's first command is
     this one without `--sweep -- --precision bf16`: its 4 runs and table are 4 of these."""
     out = tmp_path / "bench"
-    argv = readme_command("benchmark/README.md", BENCHMARK_SWEEP)
-    table_only = readme_command("benchmark/README.md", BENCHMARK)
+    argv = command_argv(BENCHMARK_SWEEP)
+    table_only = command_argv(BENCHMARK)
     assert argv[: len(table_only)] == table_only and argv[len(table_only)] == "--sweep"
     cut = argv.index("--")  # the shortening goes to benchmark.py, before the flags for every run
     shortening = [

@@ -34,7 +34,7 @@ from tests.helpers import (
     load_script,
     pinned_torch_only,
     read_summary,
-    readme_command,
+    command_argv,
     readme_sample,
     run,
     warm_ranks,
@@ -44,7 +44,7 @@ DIR = "02_sampler_patterns"
 README = (REPO / DIR / "README.md").read_text()
 
 # The README's commands, which the tests below run as
-# written (tests/test_readme_commands.py: RunElsewhere),
+# written (the README marks them `proven-by` this file),
 # adding only --output-dir.
 VIEWER = (
     "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/partition_viewer.py "
@@ -160,7 +160,7 @@ def test_a_wrong_flag_is_one_error_line_before_any_process_group(script, capsys)
 def viewer(tmp_path_factory):
     """One real 3-rank run of the viewer on 10 samples; (stdout, partition.json)."""
     out = tmp_path_factory.mktemp("viewer")
-    argv = readme_command(README_PATH, VIEWER)  # 2 epochs, the default
+    argv = command_argv(VIEWER)  # 2 epochs, the default
     result = run(argv + ["--output-dir", str(out)], timeout=180, check=True)
     return result.stdout, json.loads((out / "partition.json").read_text())
 
@@ -276,7 +276,7 @@ def test_without_set_epoch_or_with_different_seeds_the_split_goes_wrong():
 
 def test_plain_dataloader_duplicates_and_distributed_sampler_does_not(tmp_path):
     result = run(
-        readme_command(README_PATH, NO_SAMPLER) + ["--output-dir", str(tmp_path)],
+        command_argv(NO_SAMPLER) + ["--output-dir", str(tmp_path)],
         timeout=180,
         check=True,
     )
@@ -304,7 +304,7 @@ def test_distributed_eval_equals_one_process(tmp_path, world_size):
     # the default); 1 and 2 ranks: 8 steps, to save time.
     if world_size == 3:
         result = run(
-            readme_command(README_PATH, EVAL) + ["--output-dir", str(tmp_path)],
+            command_argv(EVAL) + ["--output-dir", str(tmp_path)],
             timeout=180,
             check=True,
         )
@@ -472,7 +472,7 @@ def test_gathered_predictions_equal_one_process_row_for_row(
 ):
     weights, labels, predictions, _ = predictions_setup
     result = run(
-        on_ranks(readme_command(README_PATH, GATHER), world_size)
+        on_ranks(command_argv(GATHER), world_size)
         + ["--weights", str(weights), "--output-dir", str(tmp_path)],
         timeout=180,
         check=True,
@@ -515,7 +515,7 @@ def test_gathering_over_a_padded_distributed_sampler_repeats_samples(
     DistributedSampler(drop_last=False) has ceil(N/W)*W rows."""
     weights, labels, _, _ = predictions_setup
     result = run(
-        on_ranks(readme_command(README_PATH, GATHER_PADDED), world_size)
+        on_ranks(command_argv(GATHER_PADDED), world_size)
         + ["--weights", str(weights), "--output-dir", str(tmp_path)],
         timeout=180,
         check=True,
@@ -702,7 +702,7 @@ TOLERANCE_ALL, TOLERANCE_RANK = 0.03, 0.06  # the README states these
 def test_weighted_sampler_is_disjoint_and_balanced(tmp_path):
     w = 2
     result = run(
-        readme_command(README_PATH, WEIGHTED) + ["--output-dir", str(tmp_path)],
+        command_argv(WEIGHTED) + ["--output-dir", str(tmp_path)],
         timeout=180,
         check=True,
     )
@@ -939,7 +939,7 @@ def per_step(summary):
 def test_join_finishes_uneven_inputs_with_identical_gradients(tmp_path):
     w = 3
     result = run(
-        readme_command(README_PATH, UNEVEN_JOIN) + ["--output-dir", str(tmp_path)],
+        command_argv(UNEVEN_JOIN) + ["--output-dir", str(tmp_path)],
         timeout=180,
         check=True,
     )  # exit code 0, within the timeout; 2 epochs, the default
@@ -986,7 +986,7 @@ def test_join_with_momentum_lets_weights_drift_in_the_next_epoch(tmp_path):
 def test_drop_last_runs_the_smallest_rank_count(tmp_path):
     w = 3  # the README's command
     result = run(
-        readme_command(README_PATH, UNEVEN_DROP_LAST) + ["--output-dir", str(tmp_path)],
+        command_argv(UNEVEN_DROP_LAST) + ["--output-dir", str(tmp_path)],
         timeout=180,
         check=True,
     )
@@ -1001,9 +1001,7 @@ def test_drop_last_runs_the_smallest_rank_count(tmp_path):
 def test_without_a_fix_uneven_inputs_time_out_naming_the_rank_that_never_arrived(tmp_path):
     """Rank 1 runs out of batches and waits at the end-of-epoch barrier while rank 0 waits in its
     next gradient all-reduce: at --timeout-s gloo's monitored_barrier names rank 0."""
-    result = run(
-        readme_command(README_PATH, UNEVEN_NONE) + ["--output-dir", str(tmp_path)], timeout=120
-    )
+    result = run(command_argv(UNEVEN_NONE) + ["--output-dir", str(tmp_path)], timeout=120)
     out = result.output
     assert result.returncode == 1  # torchrun's, for a failed rank
     assert (

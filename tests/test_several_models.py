@@ -19,7 +19,7 @@ from tests.helpers import (
     REPO,
     load_model,
     read_summary,
-    readme_command,
+    command_argv,
     readme_sample,
     root_cause,
     run,
@@ -52,18 +52,14 @@ def distillation(tmp_path_factory):
     out = tmp_path_factory.mktemp("distillation")
     short = ["--epochs", "2"]
     run(
-        readme_command(README, TEACHER) + short + ["--output-dir", str(out / "teacher")],
+        command_argv(TEACHER) + short + ["--output-dir", str(out / "teacher")],
         timeout=120,
         check=True,
     )
     teacher = ["--teacher", str(out / "teacher" / "model.pt")]
     for name, extra in (("student", []), ("plain", ["--distill-weight", "0"])):
         run(
-            readme_command(README, DISTILL)
-            + teacher
-            + short
-            + extra
-            + ["--output-dir", str(out / name)],
+            command_argv(DISTILL) + teacher + short + extra + ["--output-dir", str(out / name)],
             timeout=120,
             check=True,
         )
@@ -142,7 +138,7 @@ def gan(tmp_path_factory):
     """The README's GAN command as written, 20 steps, output folder moved."""
     out = tmp_path_factory.mktemp("gan")
     result = run(
-        readme_command(README, GAN) + ["--max-steps", "20", "--output-dir", str(out)],
+        command_argv(GAN) + ["--max-steps", "20", "--output-dir", str(out)],
         timeout=120,
         check=True,
     )
@@ -165,7 +161,7 @@ def test_gan_keeps_both_models_identical_on_every_rank(gan):
 def test_gan_without_detach_fails_in_the_g_step(tmp_path):
     """The error the README quotes, raised by the G step's backward on a rank."""
     result = run(
-        readme_command(README, GAN_NO_DETACH) + ["--max-steps", "3", "--output-dir", str(tmp_path)],
+        command_argv(GAN_NO_DETACH) + ["--max-steps", "3", "--output-dir", str(tmp_path)],
         timeout=120,
     )
     assert result.returncode == 1, result.output[-3000:]
