@@ -393,6 +393,32 @@ def warm_ranks(
     return checked(Result(what, job.exitcode, stdout, stderr), what, check)
 
 
+def warm_command(
+    command: str,
+    *extra: str,
+    nproc: int | None = None,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    check: bool = False,
+) -> Result:
+    """A README's `torchrun --standalone --nproc_per_node=N script args`, plus `extra`, on warm
+    ranks (warm_ranks): the same script, arguments and rank count (or `nproc`), without torchrun's
+    agent. For a command whose claim is what the script does; each script's README commands keep
+    at least one run under the real torchrun (tests/README.md, "How ranks start")."""
+    words = shlex.split(command)
+    count = re.fullmatch(r"--nproc_per_node=(\d+)", words[2]) if len(words) > 3 else None
+    assert words[:2] == ["torchrun", "--standalone"] and count, f"not a torchrun command: {command}"
+    return warm_ranks(
+        words[3],
+        *words[4:],
+        *extra,
+        nproc=nproc or int(count.group(1)),
+        timeout=timeout,
+        env=env,
+        check=check,
+    )
+
+
 def load_script(path: str | Path, name: str):
     """Import a script that is not in a package (the numbered folders start with a digit)."""
     spec = importlib.util.spec_from_file_location(name, REPO / path)

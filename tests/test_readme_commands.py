@@ -274,8 +274,9 @@ def test_ci_runs_the_readmes_test_command():
 
 
 def test_commands_proven_elsewhere_are_run_as_written_by_that_test():
-    """A `proven-by` test (or fixture) exists and runs the command through command_argv, the
-    README's exact text a string constant in it or in its module."""
+    """A `proven-by` test (or fixture) exists and runs the command through command_argv (or,
+    ranks started warm, warm_command), the README's exact text a string constant in it or in its
+    module."""
     for command in readme_commands():
         if _kind(command) != "proven-by":
             continue
@@ -293,10 +294,15 @@ def test_commands_proven_elsewhere_are_run_as_written_by_that_test():
             None,
         )
         assert test is not None, f"{path}::{name} does not exist"
-        runs = [
-            constants.get(arg.id) if isinstance(arg, ast.Name) else getattr(arg, "value", None)
-            for call in ast.walk(test)
-            if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "command_argv"
-            for arg in call.args[:1]
-        ]
-        assert command.text in runs, f"{path}::{name} does not run command_argv({command.text!r})"
+        calls = {
+            getattr(node.func, "id", None) for node in ast.walk(test) if isinstance(node, ast.Call)
+        }
+        strings = {
+            constants.get(node.id) if isinstance(node, ast.Name) else node.value
+            for node in ast.walk(test)
+            if isinstance(node, (ast.Name, ast.Constant))
+        }
+        runs = strings if calls & {"command_argv", "warm_command"} else set()
+        assert command.text in runs, (
+            f"{path}::{name} does not run {command.text!r} (command_argv, warm_command)"
+        )
