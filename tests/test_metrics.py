@@ -26,6 +26,7 @@ from tests.helpers import (
     repeated_lines,
     run,
     torchrun,
+    warm_ranks,
 )
 
 SCRIPT = "07_metrics/train.py"
@@ -82,7 +83,7 @@ def test_only_rank_0_writes_one_run_of_event_files(patience_run, tmp_path):
     assert repeated_lines(result.stdout) == []
     # Control: a writer on every rank makes one event file per rank (TensorBoard: two runs).
     copy = variant(tmp_path, WRITER_ON_RANK_0, "    if True:\n")
-    torchrun(copy, "--max-steps", "2", "--output-dir", str(tmp_path / "out"))
+    warm_ranks(copy, "--max-steps", "2", "--output-dir", str(tmp_path / "out"))
     assert len(event_files(tmp_path / "out")) == 2
     # outside a job, the run is named by its start time
     assert all(re.fullmatch(r"\d{8}-\d{6}", f.parent.name) for f in event_files(tmp_path / "out"))
@@ -150,7 +151,8 @@ def test_a_non_finite_gradient_is_skipped_on_every_rank_and_fails_the_run(tmp_pa
     1 with one line naming the step and the rank. Control: without the guard the run ends with
     exit 0 and non-finite weights."""
     out = tmp_path / "out"
-    result = torchrun(
+    # what the guard computes is the claim: ranks started warm
+    result = warm_ranks(
         SCRIPT, *NONFINITE_ARGS, "--output-dir", str(out), env=NONFINITE_ENV, check=False
     )
     assert "injecting inf into forward 2 on rank 1" in result.stderr
@@ -165,7 +167,7 @@ def test_a_non_finite_gradient_is_skipped_on_every_rank_and_fails_the_run(tmp_pa
     assert finite_weights(out)
 
     unguarded = variant(tmp_path, SKIP_ON_NONFINITE_GRADIENT, "            if False:\n")
-    control = torchrun(
+    control = warm_ranks(
         unguarded, *NONFINITE_ARGS, "--output-dir", str(tmp_path / "unguarded"), env=NONFINITE_ENV
     )
     assert control.returncode == 0

@@ -23,6 +23,7 @@ from tests.helpers import (
     readme_sample,
     root_cause,
     run,
+    warm_command,
 )
 
 README = "08_several_models/README.md"
@@ -51,18 +52,16 @@ def distillation(tmp_path_factory):
     trained by 01, a student distilled from it; and the student with --distill-weight 0."""
     out = tmp_path_factory.mktemp("distillation")
     short = ["--epochs", "2"]
+    # The teacher (01) and the control start their ranks warm: what they compute is the claim.
+    warm_command(TEACHER, *short, "--output-dir", str(out / "teacher"), check=True)
+    teacher = ["--teacher", str(out / "teacher" / "model.pt")]
     run(
-        command_argv(TEACHER) + short + ["--output-dir", str(out / "teacher")],
+        command_argv(DISTILL) + teacher + short + ["--output-dir", str(out / "student")],
         timeout=120,
         check=True,
     )
-    teacher = ["--teacher", str(out / "teacher" / "model.pt")]
-    for name, extra in (("student", []), ("plain", ["--distill-weight", "0"])):
-        run(
-            command_argv(DISTILL) + teacher + short + extra + ["--output-dir", str(out / name)],
-            timeout=120,
-            check=True,
-        )
+    plain = [*teacher, *short, "--distill-weight", "0", "--output-dir", str(out / "plain")]
+    warm_command(DISTILL, *plain, check=True)
     return out
 
 
