@@ -28,13 +28,18 @@ def cpu_cores() -> int:
     return psutil.cpu_count(logical=False) or psutil.cpu_count()
 
 
-def test_the_suite_runs_files_in_parallel_workers_and_n0_in_one_process():
-    """tests/README.md: one worker per core up to four (pytest.ini); `-n 0` runs in one process."""
+def test_the_suite_runs_files_in_parallel_workers_and_n0_in_one_process(tmp_path):
+    """tests/README.md: one worker per core up to four (pytest.ini); `-n 0` runs in one process.
+    Shown on a test file of its own, which imports nothing, under the repository's pytest.ini."""
     # not one of our workers
     env = {k: v for k, v in clean_env().items() if not k.startswith("PYTEST_")}
+    (tmp_path / "test_one.py").write_text("def test_one():\n    pass\n")
     one_test = [
-        "tests/test_repo.py::"
-        "test_requirements_pin_a_torch_torchvision_pair_whose_compiled_ops_work",
+        "-c",
+        str(REPO / "pytest.ini"),
+        "--rootdir",
+        str(tmp_path),
+        str(tmp_path / "test_one.py"),
         "-p",
         "no:cacheprovider",
     ]
