@@ -77,17 +77,20 @@ def _fail_env(mode: str, step: int = 3, rank: int = 1, **extra: str) -> dict[str
     )
 
 
+# debugging/README.md's test injection, as written (its marker: proven-by the test below)
+INJECTED_FAILURE = (
+    "PYTHONPATH=.:tests/inject DDP_TEST_FAIL_AT_STEP=3 DDP_TEST_FAIL_RANK=1 torchrun --standalone "
+    "--nproc_per_node=2 01_basic_ddp/train.py"
+)
+
+
 @pytest.mark.parametrize("script", FAILURE_SCRIPTS)
 def test_rank_raising_mid_training_ends_job_fast_and_torchrun_names_it(script, tmp_path):
-    result = torchrun(
-        script,
-        *FAST,
-        "--output-dir",
-        str(tmp_path),
-        env=_fail_env("raise"),
-        check=False,
-        timeout=180,
-    )
+    flags = [*FAST, "--output-dir", str(tmp_path)]
+    if script == "01_basic_ddp/train.py":  # the guide's command
+        result = run(command_argv(INJECTED_FAILURE) + flags, timeout=180)
+    else:
+        result = torchrun(script, *flags, env=_fail_env("raise"), check=False, timeout=180)
     ended = time.time()
     out = result.output
     assert result.returncode == 1  # torchrun's own exit code
