@@ -216,16 +216,6 @@ def test_single_process_baseline_is_the_same_training_as_one_ddp_process(tmp_pat
 
 
 @pytest.mark.min_torch
-def test_single_process_without_launcher(tmp_path):
-    run(
-        [PYTHON, REPO / SCRIPT, "--max-steps", "3", "--output-dir", tmp_path],
-        timeout=120,
-        check=True,
-    )
-    summary = read_summary(tmp_path)
-    assert (summary["launcher"], summary["world_size"], summary["steps"]) == ("single", 1, 3)
-
-
 def test_two_single_processes_side_by_side_do_not_share_a_port(tmp_path):
     """Started alone, a script's store binds any free port, so two at once
     on one machine both run. (With a fixed port, here MASTER_PORT, the
