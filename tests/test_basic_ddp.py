@@ -4,7 +4,9 @@ and the single-process baseline is the same training."""
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -236,6 +238,7 @@ def test_two_single_processes_side_by_side_do_not_share_a_port(tmp_path):
             # its first line comes after init_process_group: the first one's store is up
             while not (line := first.stdout.readline()).strip():
                 assert line and time.monotonic() < deadline, "the first run never printed"
+            os.killpg(first.pid, signal.SIGSTOP)  # it keeps its port, and leaves the CPU alone
             second = run(
                 [PYTHON, REPO / SCRIPT, "--max-steps", "3", "--output-dir", tmp_path / "second"],
                 timeout=120,
