@@ -71,8 +71,6 @@ def test_collectives_in_a_different_order_silently_mix_tensors_of_the_same_shape
     assert [f["order"]["same_order"] for f in facts] == [[3.0, 30.0]] * 2
     # Rank 0's loss sum met rank 1's count, and the other way round.
     assert [f["order"]["swapped_on_rank_1"] for f in facts] == [[21.0, 12.0], [12.0, 21.0]]
-    guide = " ".join((Path(__file__).parents[1] / "debugging" / "README.md").read_text().split())
-    assert "if the shapes happen to match, **silently mixes the wrong tensors**" in guide
 
 
 @pytest.mark.torch_text

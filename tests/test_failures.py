@@ -323,17 +323,6 @@ def test_training_scripts_catch_no_exception():
     assert try_statements(REPO / "05_checkpointing" / "checkpoint.py")
 
 
-def test_timeout_defaults_are_60_s_and_10_s_in_the_demos():
-    from common.config import TrainConfig
-    from tests.helpers import load_script
-
-    demo = load_script("debugging/demo_bugs.py", "demo_bugs")
-    assert (TrainConfig().timeout_s, demo.DemoConfig().timeout_s) == (60.0, 10.0)
-    guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
-    assert "is `--timeout-s` (60 s by default, 10 s in the demos)" in guide
-    assert "(default 60 s here, 10 s in the demos;" in guide
-
-
 # Bad input: (id, extra args, extra environment, words the
 # one line must contain: the key or file, and the fix).
 # {tmp} is replaced by the test's temporary folder.

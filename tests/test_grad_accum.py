@@ -12,24 +12,19 @@ from __future__ import annotations
 
 import inspect
 import json
-import math
 import re
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
 
-from common.data import digits
 
 from tests.helpers import (
     PYTHON,
     REPO,
     load_model,
-    markdown_blocks,
     load_script,
     read_summary,
     command_argv,
-    readme_sample,
     relative_difference,
     run,
     torchrun,
@@ -332,54 +327,8 @@ def test_accum_steps_1_is_01s_loop(runs, tmp_path):
     assert basic.keys() == accum_1.keys() and all(torch.equal(basic[k], accum_1[k]) for k in basic)
 
 
-# --- what the README quotes and counts, held to the
-# script -------------------------------------------
-
-README = REPO / "03_grad_accum" / "README.md"
-
-
-def test_the_readmes_code_is_the_scripts():
-    """Each line of the README's loop excerpt (without its comment) is a line of the script."""
-    script = {line.split("  #")[0].strip() for line in (REPO / SCRIPT).read_text().splitlines()}
-    blocks = [b.lines for b in markdown_blocks(README.read_text()) if b.info == "python"]
-    code = [[line.split("  #")[0].strip() for line in block if line.strip()] for block in blocks]
-    assert [len(lines) for lines in code] == [7, 5]  # the accumulation loop; clipping
-    assert [line for lines in code for line in lines if line not in script] == []
-    # "a config subclass with six keys"
-    source = (REPO / SCRIPT).read_text()
-    accum_config = source.split("class AccumConfig(TrainConfig):", 1)[1].split("\n\n", 1)[0]
-    assert re.findall(r"^    (\w+): ", accum_config, re.M) == [
-        "accum_steps",
-        "use_no_sync",
-        "precision",
-        "max_grad_norm",
-        "lr_base_batch",
-        "warmup_steps",
-    ]
-
-
-def test_the_sample_outputs_counts():
-    """90 micro-batches of 8 per rank per epoch (719 samples per rank) make 23 optimizer steps of
-    accum 4: 22 full windows and a last one of 2; the sample's step lines follow from that."""
-    data = digits()
-    loader = DataLoader(
-        data.train, batch_size=8, sampler=DistributedSampler(data.train, num_replicas=2, rank=0)
-    )
-    per_epoch = len(loader)
-    steps = math.ceil(per_epoch / 4)
-    text = " ".join(README.read_text().split())
-    assert (per_epoch, steps) == (90, 23)
-    assert (
-        f"{per_epoch} micro-batches per epoch make {steps} optimizer steps: {per_epoch // 4} "
-        "windows of 4 and a "
-        f"last window of {per_epoch % 4}."
-    ) in text
-    sample = "\n".join(readme_sample(README, "## Output"))
-    # the banner's numbers (its words: test_readme_sample_lines_are_what_the_script_prints)
-    assert re.search(r"\b8 x 2 x accum 4 = 64, 90 micro-batches\b", sample)
-    logged = [(int(e), int(s)) for e, s in re.findall(r"epoch (\d) step (\d+) loss", sample)]
-    # the epoch each step falls in
-    assert logged and all((s - 1) // steps + 1 == e for e, s in logged)
+# --- the README's sample (what it quotes and counts of the script: tests/test_readme_facts.py)
+# ---------------------------------------------------------------------------------------------
 
 
 def test_readme_sample_lines_are_what_the_script_prints(runs):

@@ -39,7 +39,6 @@ from tests.helpers import (
     free_port,
     load_model,
     load_script,
-    markdown_table,
     read_summary,
     command_argv,
     relative_difference,
@@ -843,10 +842,8 @@ def test_benchmark_refuses_bad_input(tmp_path, flags, message):
     )
 
 
-# --- what benchmark/README.md and the scripts' docstrings
-# say ------------------------------------------
-
-README = (REPO / "benchmark" / "README.md").read_text()
+# --- what the scripts' docstrings say (benchmark/README.md's tables: tests/test_readme_facts.py)
+# ---------------------------------------------------------------------------------------------
 
 
 def test_the_script_is_01_plus_the_knob_lines():
@@ -1095,56 +1092,6 @@ def test_benchmark_repeats_round_robin():
     result = bench.run_all(cfg, [("a", 1, []), ("b", 2, [])], [], 1)
     assert order == ["a_r0", "b_r0", "a_r1", "b_r1", "a_r2", "b_r2"]
     assert result["a"]["run"] == "a_r1" and result["b"]["run"] == "b_r1"  # the median step time
-
-
-def test_the_readme_lists_every_sweep_knob():
-    bench = load_script("benchmark/benchmark.py", "benchmark_main")
-    listed = README.split("Available knobs:")[1].split("Both tables")[0]
-    assert re.findall(r"`(\w+)`", listed) == list(bench.KNOBS)
-
-
-def readme_table(after: str) -> list[list[str]]:
-    """The body rows of the first table after the line with `after`, as cells without bold."""
-    return [[cell.strip("*") for cell in row] for row in markdown_table(README, after)]
-
-
-def test_the_published_figures_agree_with_the_formulas():
-    """The README's tables, as printed: efficiency = images/s / (2 x the
-    1-rank images/s), images/s = global batch / step, exposed-comm
-    ratio = default / setting, and the sentences that quote them."""
-    digits = readme_table("Small CNN on the embedded digits")
-    one = float(digits[0][1])
-    assert 128 / (float(digits[0][4]) / 1000) == pytest.approx(one, rel=0.005)
-    for row in digits[1:]:
-        images_per_s, efficiency, step_ms = float(row[1]), float(row[2]), float(row[4])
-        assert efficiency == pytest.approx(images_per_s / (2 * one), abs=0.001), row
-        assert 2 * 128 / (step_ms / 1000) == pytest.approx(images_per_s, rel=0.005), row
-    # "brings efficiency above 0.9" (the bf16 hook)
-    assert max(float(row[2]) for row in digits[1:]) > 0.9
-    # "a step of only 14 ms", "2-3 ms"
-    assert float(digits[0][4]) == 14.0 and 2 <= float(digits[1][3]) <= 3
-    resnet = readme_table("ResNet-18 at 32x32 on CIFAR-10-format data")
-    one, default_comm = float(resnet[0][1]), float(resnet[1][3])
-    for row in resnet[1:]:
-        # integer images/s
-        assert float(row[2]) == pytest.approx(float(row[1]) / (2 * one), rel=0.02), row
-        assert float(row[4]) == pytest.approx(default_comm / float(row[3]), abs=0.01), row
-    assert max(float(row[4]) for row in resnet[1:]) == 1.58  # "cuts exposed communication 1.58x"
-    # "data wait ... under 1% of the step"
-    assert all(float(row[5].rstrip("%")) < 1 for row in resnet)
-    memory = readme_table("| setting (2 ranks) | peak memory, batch 64")
-    plain64, plain128 = float(memory[0][1]), [float(v) for v in memory[0][2].split(",")]
-    saved64, saved128 = [], []
-    for row in memory[1:]:
-        peak64, saving = re.fullmatch(r"(\d+) \(-(\d+)\)", row[1]).groups()
-        assert plain64 - float(peak64) == float(saving), row
-        saved64.append(float(saving))
-        saved128 += [p - float(v) for p, v in zip(plain128, row[2].split(","))]
-    assert (min(saved64), max(saved64), min(saved128), max(saved128)) == (108, 137, 150, 255)
-    rank_gaps = [abs(a - b) for a, b in (map(float, row[2].split(",")) for row in memory)]
-    assert max(rank_gaps) == 100  # "peaks differ by up to 100 MiB between ranks"
-    # "(2x slower)"
-    assert [round(float(memory[0][3]) / float(row[3])) for row in memory[1:]] == [2, 2]
 
 
 @pytest.mark.torch_text

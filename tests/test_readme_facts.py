@@ -1,8 +1,9 @@
-"""The top-level README's own statements that no folder's test shows: each test names its sentence.
+"""What the READMEs say, held to the code and the installed torch: each test names its sentence.
 
-All in this process or with small subprocesses: DistributedSampler's padding,
---download's order on rank 0 and the others (01 under torchrun),
-a virtual environment on top of this Python, the defaults the README quotes.
+The top-level README's own statements first (DistributedSampler's padding, --download's order on
+rank 0 and the others, a virtual environment on top of this Python, the defaults it quotes), then
+the lessons', the benchmark's and the guide's statements that a test can check without a run. The
+runs that show a behaviour live in the lesson's own test file; a test here names it.
 """
 
 from __future__ import annotations
@@ -17,10 +18,24 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from common.config import DATASETS, TrainConfig
-from tests.helpers import REPO, clean_env, markdown_section, torchrun, tracked_files
+from common.data import digits
+from tests.helpers import (
+    REPO,
+    clean_env,
+    load_script,
+    markdown_blocks,
+    markdown_section,
+    markdown_table,
+    readme_sample,
+    torchrun,
+    tracked_files,
+)
 
 README_TEXT = (REPO / "README.md").read_text()
 README = " ".join(README_TEXT.split())  # line breaks as spaces
@@ -291,3 +306,192 @@ def test_dataparallel_docs_recommend_ddp_even_on_one_node():
     assert "recommended to use :class:`~torch.nn.parallel.DistributedDataParallel`" in doc
     assert "even if there is only a single node" in doc
     assert '"even if there is only a single node"' in README
+
+
+# --- debugging/README.md: what the guide says of the code
+# --------------------------------------------
+
+
+def test_timeout_defaults_are_60_s_and_10_s_in_the_demos():
+    from common.config import TrainConfig
+    from tests.helpers import load_script
+
+    demo = load_script("debugging/demo_bugs.py", "demo_bugs")
+    assert (TrainConfig().timeout_s, demo.DemoConfig().timeout_s) == (60.0, 10.0)
+    guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
+    assert "is `--timeout-s` (60 s by default, 10 s in the demos)" in guide
+    assert "(default 60 s here, 10 s in the demos;" in guide
+
+
+def test_the_guide_says_collectives_in_another_order_silently_mix_same_shaped_tensors():
+    """ "Hang mid-epoch": shown by tests/test_ddp_facts.py::
+    test_collectives_in_a_different_order_silently_mix_tensors_of_the_same_shape."""
+    guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
+    assert "if the shapes happen to match, **silently mixes the wrong tensors**" in guide
+
+
+# --- 04_syncbn/README.md
+# -----------------------------------------------------------------------------
+
+SYNCBN_README = REPO / "04_syncbn" / "README.md"
+SYNCBN_SCRIPT = "04_syncbn/train.py"
+
+
+def test_04s_readme_code_is_the_scripts():
+    """The README's three lines are the script's statements (`...` stands for arguments left out;
+    compared as `ast.unparse` writes them, so the formatter's line breaks do not matter)."""
+    statements = [
+        ast.unparse(node)
+        for node in ast.walk(ast.parse((REPO / SYNCBN_SCRIPT).read_text()))
+        if isinstance(node, ast.Assign)
+    ]
+    (block,) = [b.lines for b in markdown_blocks(SYNCBN_README.read_text()) if b.info == "python"]
+    code = [line.split("  #")[0].strip() for line in block if line.strip()]
+    assert len(code) == 3
+    for line in code:
+        line = line.replace('"', "'")
+        pattern = r".*".join(map(re.escape, line.split("...")))
+        assert any(re.fullmatch(pattern, s) for s in statements), line
+
+
+def test_04s_defaults_are_the_readmes():
+    folder = str(REPO / "04_syncbn")
+    # the script imports its neighbour cpu_sync_batchnorm.py, as when run
+    sys.path.insert(0, folder)
+    try:
+        syncbn_config = load_script(SYNCBN_SCRIPT, "syncbn_for_defaults").SyncBNConfig()
+    finally:
+        sys.path.remove(folder)
+    assert (
+        syncbn_config.batch_norm,
+        syncbn_config.batch_size,
+        syncbn_config.epochs,
+        syncbn_config.lr,
+    ) == ("compare", 4, 3, 0.01)
+    assert (
+        "`--batch-norm compare|plain|sync`; defaults: 4 samples per rank, 3 epochs, lr 0.01"
+        in SYNCBN_README.read_text()
+    )
+
+
+def test_resnet50_has_53_batchnorm_layers_and_vit_and_convnext_none():
+    """The README: a ResNet-50 has 53 BatchNorm layers; ViT
+    and ConvNeXt (torchvision's) use LayerNorm only."""
+    from torchvision.models import convnext_tiny, resnet50, vit_b_16
+
+    with torch.device("meta"):  # the layers, without initializing their weights
+        resnet, models = resnet50(), [vit_b_16(), convnext_tiny()]
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in resnet.modules()) == 53
+    assert "A ResNet-50 has 53 BatchNorm layers." in SYNCBN_README.read_text()
+    for model in models:
+        names = {type(m).__name__ for m in model.modules()}
+        assert "LayerNorm" in names and not any("BatchNorm" in name for name in names), names
+
+
+# --- 03_grad_accum/README.md
+# -------------------------------------------------------------------------
+
+ACCUM_README = REPO / "03_grad_accum" / "README.md"
+ACCUM_SCRIPT = "03_grad_accum/train.py"
+
+
+def test_03s_readme_code_is_the_scripts():
+    """Each line of the README's loop excerpt (without its comment) is a line of the script."""
+    script = {
+        line.split("  #")[0].strip() for line in (REPO / ACCUM_SCRIPT).read_text().splitlines()
+    }
+    blocks = [b.lines for b in markdown_blocks(ACCUM_README.read_text()) if b.info == "python"]
+    code = [[line.split("  #")[0].strip() for line in block if line.strip()] for block in blocks]
+    assert [len(lines) for lines in code] == [7, 5]  # the accumulation loop; clipping
+    assert [line for lines in code for line in lines if line not in script] == []
+    # "a config subclass with six keys"
+    source = (REPO / ACCUM_SCRIPT).read_text()
+    accum_config = source.split("class AccumConfig(TrainConfig):", 1)[1].split("\n\n", 1)[0]
+    assert re.findall(r"^    (\w+): ", accum_config, re.M) == [
+        "accum_steps",
+        "use_no_sync",
+        "precision",
+        "max_grad_norm",
+        "lr_base_batch",
+        "warmup_steps",
+    ]
+
+
+def test_the_sample_outputs_counts():
+    """90 micro-batches of 8 per rank per epoch (719 samples per rank) make 23 optimizer steps of
+    accum 4: 22 full windows and a last one of 2; the sample's step lines follow from that."""
+    data = digits()
+    loader = DataLoader(
+        data.train, batch_size=8, sampler=DistributedSampler(data.train, num_replicas=2, rank=0)
+    )
+    per_epoch = len(loader)
+    steps = math.ceil(per_epoch / 4)
+    text = " ".join(ACCUM_README.read_text().split())
+    assert (per_epoch, steps) == (90, 23)
+    assert (
+        f"{per_epoch} micro-batches per epoch make {steps} optimizer steps: {per_epoch // 4} "
+        "windows of 4 and a "
+        f"last window of {per_epoch % 4}."
+    ) in text
+    sample = "\n".join(readme_sample(ACCUM_README, "## Output"))
+    # the banner's numbers (its words: test_readme_sample_lines_are_what_the_script_prints)
+    assert re.search(r"\b8 x 2 x accum 4 = 64, 90 micro-batches\b", sample)
+    logged = [(int(e), int(s)) for e, s in re.findall(r"epoch (\d) step (\d+) loss", sample)]
+    # the epoch each step falls in
+    assert logged and all((s - 1) // steps + 1 == e for e, s in logged)
+
+
+# --- benchmark/README.md
+# -----------------------------------------------------------------------------
+
+BENCH_README = (REPO / "benchmark" / "README.md").read_text()
+
+
+def test_the_readme_lists_every_sweep_knob():
+    bench = load_script("benchmark/benchmark.py", "benchmark_main")
+    listed = BENCH_README.split("Available knobs:")[1].split("Both tables")[0]
+    assert re.findall(r"`(\w+)`", listed) == list(bench.KNOBS)
+
+
+def bench_table(after: str) -> list[list[str]]:
+    """The body rows of the first table after the line with `after`, as cells without bold."""
+    return [[cell.strip("*") for cell in row] for row in markdown_table(BENCH_README, after)]
+
+
+def test_the_published_figures_agree_with_the_formulas():
+    """The README's tables, as printed: efficiency = images/s / (2 x the
+    1-rank images/s), images/s = global batch / step, exposed-comm
+    ratio = default / setting, and the sentences that quote them."""
+    digits = bench_table("Small CNN on the embedded digits")
+    one = float(digits[0][1])
+    assert 128 / (float(digits[0][4]) / 1000) == pytest.approx(one, rel=0.005)
+    for row in digits[1:]:
+        images_per_s, efficiency, step_ms = float(row[1]), float(row[2]), float(row[4])
+        assert efficiency == pytest.approx(images_per_s / (2 * one), abs=0.001), row
+        assert 2 * 128 / (step_ms / 1000) == pytest.approx(images_per_s, rel=0.005), row
+    # "brings efficiency above 0.9" (the bf16 hook)
+    assert max(float(row[2]) for row in digits[1:]) > 0.9
+    # "a step of only 14 ms", "2-3 ms"
+    assert float(digits[0][4]) == 14.0 and 2 <= float(digits[1][3]) <= 3
+    resnet = bench_table("ResNet-18 at 32x32 on CIFAR-10-format data")
+    one, default_comm = float(resnet[0][1]), float(resnet[1][3])
+    for row in resnet[1:]:
+        # integer images/s
+        assert float(row[2]) == pytest.approx(float(row[1]) / (2 * one), rel=0.02), row
+        assert float(row[4]) == pytest.approx(default_comm / float(row[3]), abs=0.01), row
+    assert max(float(row[4]) for row in resnet[1:]) == 1.58  # "cuts exposed communication 1.58x"
+    # "data wait ... under 1% of the step"
+    assert all(float(row[5].rstrip("%")) < 1 for row in resnet)
+    memory = bench_table("| setting (2 ranks) | peak memory, batch 64")
+    plain64, plain128 = float(memory[0][1]), [float(v) for v in memory[0][2].split(",")]
+    saved64, saved128 = [], []
+    for row in memory[1:]:
+        peak64, saving = re.fullmatch(r"(\d+) \(-(\d+)\)", row[1]).groups()
+        assert plain64 - float(peak64) == float(saving), row
+        saved64.append(float(saving))
+        saved128 += [p - float(v) for p, v in zip(plain128, row[2].split(","))]
+    assert (min(saved64), max(saved64), min(saved128), max(saved128)) == (108, 137, 150, 255)
+    rank_gaps = [abs(a - b) for a, b in (map(float, row[2].split(",")) for row in memory)]
+    assert max(rank_gaps) == 100  # "peaks differ by up to 100 MiB between ranks"
+    # "(2x slower)"
+    assert [round(float(memory[0][3]) / float(row[3])) for row in memory[1:]] == [2, 2]

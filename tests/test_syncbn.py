@@ -8,11 +8,9 @@ is a real torchrun, as the README's command.
 
 from __future__ import annotations
 
-import ast
 import copy
 import json
 import re
-import sys
 
 import pytest
 import torch
@@ -20,9 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.helpers import (
-    REPO,
     load_script,
-    markdown_blocks,
     read_summary,
     torchrun,
     warm_ranks,
@@ -172,47 +168,8 @@ def test_script_sync_run_equals_one_process_and_plain_run_does_not(tmp_path):
     assert closing[-2:] == ["BatchNorm2d", "CpuSyncBatchNorm"], result.stdout
 
 
-# --- what the README says, in this process
+# --- the module itself, in this process (what the README says of it: tests/test_readme_facts.py)
 # ------------------------------------------------------------
-
-README = REPO / "04_syncbn" / "README.md"
-
-
-def test_the_readmes_code_is_the_scripts():
-    """The README's three lines are the script's statements (`...` stands for arguments left out;
-    compared as `ast.unparse` writes them, so the formatter's line breaks do not matter)."""
-    statements = [
-        ast.unparse(node)
-        for node in ast.walk(ast.parse((REPO / SCRIPT).read_text()))
-        if isinstance(node, ast.Assign)
-    ]
-    (block,) = [b.lines for b in markdown_blocks(README.read_text()) if b.info == "python"]
-    code = [line.split("  #")[0].strip() for line in block if line.strip()]
-    assert len(code) == 3
-    for line in code:
-        line = line.replace('"', "'")
-        pattern = r".*".join(map(re.escape, line.split("...")))
-        assert any(re.fullmatch(pattern, s) for s in statements), line
-
-
-def test_defaults_are_the_readmes():
-    folder = str(REPO / "04_syncbn")
-    # the script imports its neighbour cpu_sync_batchnorm.py, as when run
-    sys.path.insert(0, folder)
-    try:
-        syncbn_config = load_script(SCRIPT, "syncbn_for_defaults").SyncBNConfig()
-    finally:
-        sys.path.remove(folder)
-    assert (
-        syncbn_config.batch_norm,
-        syncbn_config.batch_size,
-        syncbn_config.epochs,
-        syncbn_config.lr,
-    ) == ("compare", 4, 3, 0.01)
-    assert (
-        "`--batch-norm compare|plain|sync`; defaults: 4 samples per rank, 3 epochs, lr 0.01"
-        in README.read_text()
-    )
 
 
 def test_cpu_sync_batchnorm_is_a_batchnorm2d_and_plain_batchnorm_without_a_process_group():
@@ -277,17 +234,3 @@ def test_per_sample_norms_have_no_batch_statistics(name):
     assert torch.allclose(norm.train()(x)[:2], norm(x[:2]), atol=1e-6)
     batch_norm = nn.BatchNorm2d(3).train()
     assert not torch.allclose(batch_norm(x)[:2], batch_norm(x[:2]), atol=1e-3)
-
-
-def test_resnet50_has_53_batchnorm_layers_and_vit_and_convnext_none():
-    """The README: a ResNet-50 has 53 BatchNorm layers; ViT
-    and ConvNeXt (torchvision's) use LayerNorm only."""
-    from torchvision.models import convnext_tiny, resnet50, vit_b_16
-
-    with torch.device("meta"):  # the layers, without initializing their weights
-        resnet, models = resnet50(), [vit_b_16(), convnext_tiny()]
-    assert sum(isinstance(m, nn.BatchNorm2d) for m in resnet.modules()) == 53
-    assert "A ResNet-50 has 53 BatchNorm layers." in README.read_text()
-    for model in models:
-        names = {type(m).__name__ for m in model.modules()}
-        assert "LayerNorm" in names and not any("BatchNorm" in name for name in names), names
