@@ -227,17 +227,6 @@ def readme_section(title: str) -> str:
     return markdown_section(README, f"## {title}")
 
 
-def test_the_readme_shows_the_quick_start_and_the_cluster_install():
-    quick = readme_section("Quick start")
-    assert (
-        "```bash\npip install -r requirements.txt && torchrun --standalone --nproc_per_node=2 "
-        "01_basic_ddp/train.py\n```"
-    ) in quick
-    cluster = readme_section("On a cluster")
-    block = re.search(r"```bash\n(.+?)\n```", cluster, re.S).group(1)
-    assert block.splitlines()[-1] == "pip install -r requirements-site.txt"
-
-
 def test_nothing_needs_scikit_learn_any_more():
     for path in [
         *REPO.glob("requirements*.txt"),

@@ -418,18 +418,6 @@ def code_lines(path: Path) -> int:
     )
 
 
-def test_the_line_count_04s_readme_gives_for_cpu_sync_batchnorm_is_the_files():
-    """ "about N lines of code": within 10% of the file's code lines (the diff counts of every
-    lesson: test_each_lesson_is_01_plus_its_topic)."""
-    readme = " ".join((REPO / "04_syncbn/README.md").read_text().split())
-    said = re.search(
-        r"`CpuSyncBatchNorm` \(`cpu_sync_batchnorm.py`, about (\d+) lines of code\)", readme
-    )
-    assert said
-    measured = code_lines(REPO / "04_syncbn/cpu_sync_batchnorm.py")
-    assert abs(measured - int(said[1])) <= 0.1 * int(said[1]), (measured, said[1])
-
-
 def test_05s_train_is_about_as_long_as_01s_with_resume_and_save_in_their_own_functions():
     """05's topic lives in resume() and save_checkpoint() beside train(), which train() calls once
     before the loop and once in it, so train() reads like 01's (twice as long with both inline)."""

@@ -635,24 +635,6 @@ def test_slow_nodes_are_below_half_the_median(comm):
     assert comm.slow_nodes({"a": 10.0, "b": 9.0, "c": 4.4}, 3.0) == []
 
 
-def test_readme_quotes_the_launchers_error_for_more_ranks_than_gpus():
-    """The README's row for 8 ranks on a node of 4 GPUs is common.launcher's message."""
-    from tests.test_launcher import launch_info, node_of
-    from common.errors import LauncherError
-
-    with pytest.raises(LauncherError) as exc:
-        launch_info(node_of(8, 0, None), gpus=4)
-    readme = (REPO / "06_multinode" / "README.md").read_text()
-    assert f"`error: {exc.value}`" in readme
-    # Raised while reading the launcher's variables, before
-    # any process group: no script gets to set_device.
-    assert (
-        "are refused by every script, `comm_check.py` included, with one `error:` line "
-        "before any process "
-        "group"
-    ) in " ".join(readme.split())
-
-
 def test_timed_iterations_are_fewer_above_one_mib_and_at_least_3(comm):
     """--iters' help; and the iters column of both README
     samples (run with the default --iters 20)."""

@@ -495,3 +495,58 @@ def test_the_published_figures_agree_with_the_formulas():
     assert max(rank_gaps) == 100  # "peaks differ by up to 100 MiB between ranks"
     # "(2x slower)"
     assert [round(float(memory[0][3]) / float(row[3])) for row in memory[1:]] == [2, 2]
+
+
+# --- README.md: the install commands
+# -----------------------------------------------------------------
+
+
+def test_the_readme_shows_the_quick_start_and_the_cluster_install():
+    quick = markdown_section(README_TEXT, "## Quick start")
+    assert (
+        "```bash\npip install -r requirements.txt && torchrun --standalone --nproc_per_node=2 "
+        "01_basic_ddp/train.py\n```"
+    ) in quick
+    cluster = markdown_section(README_TEXT, "## On a cluster")
+    block = re.search(r"```bash\n(.+?)\n```", cluster, re.S).group(1)
+    assert block.splitlines()[-1] == "pip install -r requirements-site.txt"
+
+
+# --- 04_syncbn/README.md: the module's size
+# ----------------------------------------------------------
+
+
+def test_the_line_count_04s_readme_gives_for_cpu_sync_batchnorm_is_the_files():
+    """ "about N lines of code": within 10% of the file's code lines (the diff counts of every
+    lesson: test_each_lesson_is_01_plus_its_topic)."""
+    readme = " ".join((REPO / "04_syncbn/README.md").read_text().split())
+    said = re.search(
+        r"`CpuSyncBatchNorm` \(`cpu_sync_batchnorm.py`, about (\d+) lines of code\)", readme
+    )
+    assert said
+    from tests.test_lessons import code_lines
+
+    measured = code_lines(REPO / "04_syncbn/cpu_sync_batchnorm.py")
+    assert abs(measured - int(said[1])) <= 0.1 * int(said[1]), (measured, said[1])
+
+
+# --- 06_multinode/README.md: the launcher's refusal
+# --------------------------------------------------
+
+
+def test_readme_quotes_the_launchers_error_for_more_ranks_than_gpus():
+    """The README's row for 8 ranks on a node of 4 GPUs is common.launcher's message."""
+    from tests.test_launcher import launch_info, node_of
+    from common.errors import LauncherError
+
+    with pytest.raises(LauncherError) as exc:
+        launch_info(node_of(8, 0, None), gpus=4)
+    readme = (REPO / "06_multinode" / "README.md").read_text()
+    assert f"`error: {exc.value}`" in readme
+    # Raised while reading the launcher's variables, before
+    # any process group: no script gets to set_device.
+    assert (
+        "are refused by every script, `comm_check.py` included, with one `error:` line "
+        "before any process "
+        "group"
+    ) in " ".join(readme.split())
