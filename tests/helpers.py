@@ -602,45 +602,50 @@ def _split_comment(line: str) -> tuple[str, str]:
     return line.rstrip(), ""
 
 
-def readme_commands() -> list[Command]:
-    """Every command of the ```bash blocks of the tracked Markdown files, each with its entry in
-    the marker above its block: an HTML comment `<!-- commands: ... -->` holding a YAML list with
-    one entry a command (tests/README.md, "README commands")."""
-    commands = []
-    for path in tracked_files("*.md"):
-        readme, text = path.relative_to(REPO).as_posix(), path.read_text()
-        lines = text.splitlines()
-        for block in markdown_blocks(text):
-            if block.info != "bash":
+def markdown_commands(text: str, readme: str) -> list[Command]:
+    """The commands of the ```bash blocks of one Markdown text, each with its entry in the marker
+    above its block: an HTML comment `<!-- commands: ... -->` holding a YAML list with one entry a
+    command (tests/README.md, "README samples and commands"). A block without a marker, or with
+    another number of entries than commands, fails."""
+    commands, lines = [], text.splitlines()
+    for block in markdown_blocks(text):
+        if block.info != "bash":
+            continue
+        head = lines[: block.top]
+        while head and not head[-1].strip():
+            head.pop()
+        before = " ".join(reversed(list(itertools.takewhile(str.strip, reversed(head)))))
+        marker = block.marker.strip().removeprefix("<!--").removesuffix("-->").strip()
+        entries = yaml.safe_load(marker.removeprefix("commands:")) if marker else []
+        texts, pending = [], ""
+        for line in block.lines:
+            if not pending and (not line.strip() or line.lstrip().startswith("#")):
                 continue
-            head = lines[: block.top]
-            while head and not head[-1].strip():
-                head.pop()
-            before = " ".join(reversed(list(itertools.takewhile(str.strip, reversed(head)))))
-            marker = block.marker.strip().removeprefix("<!--").removesuffix("-->").strip()
-            entries = yaml.safe_load(marker.removeprefix("commands:")) if marker else []
-            texts, pending = [], ""
-            for line in block.lines:
-                if not pending and (not line.strip() or line.lstrip().startswith("#")):
-                    continue
-                pending = f"{pending}\n{line}" if pending else line
-                source, comment = _split_comment(pending)
-                try:  # a backslash continues the line; so does a quote left open
-                    complete = not source.endswith("\\") and shlex.split(source) is not None
-                except ValueError:
-                    complete = False
-                if complete:
-                    texts.append((" ".join(source.replace("\\\n", " ").split()), source, comment))
-                    pending = ""
-            where = f"{readme}:{block.start + 1}"
-            assert marker.startswith("commands:"), f"{where}: no <!-- commands: --> marker above"
-            assert len(entries) == len(texts), f"{where}: {len(texts)} commands, marker {entries}"
-            for (command, source, comment), how in zip(texts, entries):
-                how = {how: None} if isinstance(how, str) else how
-                commands.append(
-                    Command(command, source, comment, before, readme, block.start + 1, how)
-                )
+            pending = f"{pending}\n{line}" if pending else line
+            source, comment = _split_comment(pending)
+            try:  # a backslash continues the line; so does a quote left open
+                complete = not source.endswith("\\") and shlex.split(source) is not None
+            except ValueError:
+                complete = False
+            if complete:
+                texts.append((" ".join(source.replace("\\\n", " ").split()), source, comment))
+                pending = ""
+        where = f"{readme}:{block.start + 1}"
+        assert marker.startswith("commands:"), f"{where}: no <!-- commands: --> marker above"
+        assert len(entries or []) == len(texts), f"{where}: {len(texts)} commands, marker {entries}"
+        for (command, source, comment), how in zip(texts, entries):
+            how = {how: None} if isinstance(how, str) else how
+            commands.append(Command(command, source, comment, before, readme, block.start + 1, how))
     return commands
+
+
+def readme_commands() -> list[Command]:
+    """Every command of the ```bash blocks of the tracked Markdown files (markdown_commands)."""
+    return [
+        command
+        for path in tracked_files("*.md")
+        for command in markdown_commands(path.read_text(), path.relative_to(REPO).as_posix())
+    ]
 
 
 def summary_fields(script: str | Path) -> set[str]:

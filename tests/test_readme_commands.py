@@ -28,6 +28,7 @@ from tests.helpers import (
     REPO,
     clean_env,
     kill_group,
+    markdown_commands,
     read_summary,
     readme_commands,
     run,
@@ -71,6 +72,22 @@ def test_every_readme_command_is_marked_run_proven_by_or_not_run():
             assert set(command.how["run"] or {}) <= RUN_OPTIONS, where
         if _kind(command) == "not-run":
             assert command.how["not-run"] in REASON_WORDS, where
+
+
+def test_a_block_without_its_marker_or_with_another_count_fails_naming_its_line():
+    """The reader's own controls, on Markdown written here: a marked block reads, one entry a
+    command; a block without a marker, or with one entry too few, fails naming the block's line."""
+    block = "```bash\npython a.py   # one\npython b.py \\\n    --flag\n```\n"
+    marked = f"Run these:\n\n<!-- commands:\n- run\n- not-run: gpu\n-->\n{block}"
+    commands = markdown_commands(marked, "X.md")
+    assert [(c.text, c.comment, c.how, c.before) for c in commands] == [
+        ("python a.py", "one", {"run": None}, "Run these:"),
+        ("python b.py --flag", "", {"not-run": "gpu"}, "Run these:"),
+    ]
+    with pytest.raises(AssertionError, match=r"X\.md:3: no <!-- commands: --> marker above"):
+        markdown_commands(f"Run these:\n\n{block}", "X.md")
+    with pytest.raises(AssertionError, match=r"X\.md:6: 2 commands, marker \['run'\]"):
+        markdown_commands(marked.replace("- not-run: gpu\n", ""), "X.md")
 
 
 def test_commands_not_run_say_why_next_to_them():
