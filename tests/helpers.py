@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata as metadata
+import functools
 import importlib.util
 import io
 import itertools
@@ -24,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from markdown_it import MarkdownIt
 from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
@@ -519,7 +519,13 @@ def tracked_files(*patterns: str) -> list[Path]:
 # --- Markdown, read with markdown-it-py: fenced blocks, sections, tables, and the READMEs' commands
 # -----------------------------------------------------------------------------------------------
 
-_MARKDOWN = MarkdownIt("commonmark").enable("table")
+
+@functools.cache
+def _parse(text: str) -> list:
+    """markdown-it-py's tokens of `text` (imported here: rank processes import this module too)."""
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("commonmark").enable("table").parse(text)
 
 
 @dataclass(frozen=True)
@@ -533,7 +539,7 @@ class Block:
 
 def markdown_blocks(text: str) -> list[Block]:
     """The fenced code blocks of `text`, in order."""
-    lines, tokens, blocks = text.splitlines(), _MARKDOWN.parse(text), []
+    lines, tokens, blocks = text.splitlines(), _parse(text), []
     for i, token in enumerate(tokens):
         if token.type == "fence":
             above = tokens[i - 1] if i and tokens[i - 1].type == "html_block" else token
@@ -547,9 +553,7 @@ def markdown_section(text: str, heading: str) -> str:
     """The text of the section whose heading line starts with `heading` (e.g. "## 3." or
     "## Output"), up to the next heading of the same or a higher level."""
     lines = text.splitlines()
-    headings = [
-        (t.map[0], int(t.tag[1])) for t in _MARKDOWN.parse(text) if t.type == "heading_open"
-    ]
+    headings = [(t.map[0], int(t.tag[1])) for t in _parse(text) if t.type == "heading_open"]
     first, level = next((n, lv) for n, lv in headings if lines[n].startswith(heading))
     end = next((n for n, lv in headings if n > first and lv <= level), len(lines))
     return "\n".join(lines[first:end])
@@ -560,7 +564,7 @@ def markdown_table(text: str, after: str) -> list[list[str]]:
     contains `after`."""
     first = next(i for i, line in enumerate(text.splitlines()) if after in line)
     rows, in_table = [], False
-    for token in _MARKDOWN.parse(text):
+    for token in _parse(text):
         if token.type == "table_open" and token.map[0] >= first:
             in_table = True
         elif in_table and token.type == "tr_open":
@@ -616,7 +620,7 @@ def markdown_commands(text: str, readme: str) -> list[Command]:
             head.pop()
         before = " ".join(reversed(list(itertools.takewhile(str.strip, reversed(head)))))
         marker = block.marker.strip().removeprefix("<!--").removesuffix("-->").strip()
-        entries = yaml.safe_load(marker.removeprefix("commands:")) if marker else []
+        entries = (yaml.safe_load(marker.removeprefix("commands:")) if marker else None) or []
         texts, pending = [], ""
         for line in block.lines:
             if not pending and (not line.strip() or line.lstrip().startswith("#")):
@@ -632,7 +636,7 @@ def markdown_commands(text: str, readme: str) -> list[Command]:
                 pending = ""
         where = f"{readme}:{block.start + 1}"
         assert marker.startswith("commands:"), f"{where}: no <!-- commands: --> marker above"
-        assert len(entries or []) == len(texts), f"{where}: {len(texts)} commands, marker {entries}"
+        assert len(entries) == len(texts), f"{where}: {len(texts)} commands, marker {entries}"
         for (command, source, comment), how in zip(texts, entries):
             how = {how: None} if isinstance(how, str) else how
             commands.append(Command(command, source, comment, before, readme, block.start + 1, how))
