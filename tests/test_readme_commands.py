@@ -293,8 +293,15 @@ def test_ci_runs_the_readmes_test_command():
 def test_commands_proven_elsewhere_are_run_as_written_by_that_test():
     """A `proven-by` test (or fixture) exists and runs the command through command_argv (or,
     ranks started warm, warm_command), the README's exact text a string constant in it or in its
-    module."""
+    module. Each script keeps at least one of its README commands under the real launcher: run
+    here, or through command_argv in its test (tests/README.md, "How ranks start")."""
+    real, scripts = set(), {}
     for command in readme_commands():
+        words = shlex.split(command.text)
+        if words[:2] == ["torchrun", "--standalone"] and _kind(command) != "not-run":
+            scripts.setdefault(words[3], set()).add(command.text)
+        if _kind(command) == "run":
+            real.add(command.text)
         if _kind(command) != "proven-by":
             continue
         path, name = command.how["proven-by"].split("::")
@@ -323,3 +330,11 @@ def test_commands_proven_elsewhere_are_run_as_written_by_that_test():
         assert command.text in runs, (
             f"{path}::{name} does not run {command.text!r} (command_argv, warm_command)"
         )
+        real |= {
+            constants.get(arg.id) if isinstance(arg, ast.Name) else getattr(arg, "value", None)
+            for call in ast.walk(test)
+            if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "command_argv"
+            for arg in call.args[:1]
+        }
+    only_warm = sorted(script for script, texts in scripts.items() if not texts & real)
+    assert only_warm == [], f"no README command of these runs under the real torchrun: {only_warm}"
