@@ -367,11 +367,12 @@ def warm_ranks(
 ) -> Result:
     """`script args` on `nproc` ranks forked from a process that imported torch once
     (tests/warm_ranks.py): for claims about what DDP computes, not about a launcher. Each rank
-    takes the lessons' `env` launcher row (RANK, WORLD_SIZE, ... set by hand). As run(): a
-    timeout records the stacks of every rank, kills them all and fails the test."""
+    takes the lessons' `env` launcher row (RANK, WORLD_SIZE, ... set by hand); `nproc=0` runs one
+    process without them, as `python script args` (env may set them). As run(): a timeout records
+    the stacks of every rank, kills them all and fails the test."""
     from tests.warm_ranks import run_job
 
-    what = f"warm ranks ({nproc}): {script} {' '.join(map(str, args))}"
+    what = f"warm ranks ({nproc or 'python'}): {script} {' '.join(map(str, args))}"
     with tempfile.TemporaryDirectory() as out:
         paths = [os.path.join(out, "stdout"), os.path.join(out, "stderr")]
         for path in paths:
@@ -400,22 +401,25 @@ def warm_command(
     timeout: float = 120,
     env: dict[str, str] | None = None,
     check: bool = False,
+    cwd: Path = REPO,
 ) -> Result:
     """A README's `torchrun --standalone --nproc_per_node=N script args`, plus `extra`, on warm
     ranks (warm_ranks): the same script, arguments and rank count (or `nproc`), without torchrun's
-    agent. For a command whose claim is what the script does; each script's README commands keep
-    at least one run under the real torchrun (tests/README.md, "How ranks start")."""
+    agent, from `cwd` (the script's path is relative to it). For a command whose claim is what the
+    script does; each script's README commands keep at least one run under the real torchrun
+    (tests/README.md, "How ranks start")."""
     words = shlex.split(command)
     count = re.fullmatch(r"--nproc_per_node=(\d+)", words[2]) if len(words) > 3 else None
     assert words[:2] == ["torchrun", "--standalone"] and count, f"not a torchrun command: {command}"
     return warm_ranks(
-        words[3],
+        Path(cwd) / words[3],
         *words[4:],
         *extra,
         nproc=nproc or int(count.group(1)),
         timeout=timeout,
         env=env,
         check=check,
+        cwd=cwd,
     )
 
 

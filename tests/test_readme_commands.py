@@ -1,9 +1,10 @@
 """Every command in a README's ```bash blocks is marked in the README itself: an HTML comment
 above the block, `<!-- commands: ... -->`, holds a YAML list with one entry a command, in order:
 
-- `run` (options: `short`, `exit`, `expect`, `files`, `summary`, `torch`): run here as written,
-  through `bash -c`, from the root of a fresh copy of the tracked tree (so runs/ and data/ land
-  there); `short: true` appends the shortening flags below (tests/README.md names them).
+- `run` (options: `short`, `exit`, `expect`, `files`, `summary`, `torch`, `warm`): run here as
+  written, through `bash -c`, from the root of a fresh copy of the tracked tree (so runs/ and data/
+  land there); `short: true` appends the shortening flags below (tests/README.md names them);
+  `warm: true` starts a `torchrun --standalone` command's ranks warm instead (warm_command).
 - `proven-by: tests/test_x.py::name`: that test runs the command, its exact text in its source.
 - `not-run: gpu|download|scheduler|test-suite`: the README says why next to it.
 
@@ -13,6 +14,7 @@ A new block without a marker, or a marker that does not match its block, fails h
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import shlex
@@ -34,11 +36,12 @@ from tests.helpers import (
     run,
     skip_below_torch,
     tracked_files,
+    warm_command,
 )
 from tests.launcher_tools import need_root, need_tools, unavailable
 
 SHORT = "--epochs 1 --max-steps 2"  # `short: true`: a training command's flags for one short run
-RUN_OPTIONS = {"short", "exit", "expect", "files", "summary", "torch"}
+RUN_OPTIONS = {"short", "exit", "expect", "files", "summary", "torch", "warm"}
 
 # Open MPI refuses to start as root without these; 06_multinode/README.md names them.
 OPEN_MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -200,6 +203,11 @@ def _run_command(command, cwd: Path):
     env = _env(OPEN_MPI_AS_ROOT if command.text.startswith("mpiexec") else {})
     copies = 2 if "--nnodes=2" in command.text else 1
     for attempt in range(3):
+        if how.get("warm"):
+            extra = SHORT.split() if how.get("short") else []
+            result = warm_command(command.text, *extra, env=env, cwd=cwd, timeout=240)
+            output = result.output
+            break
         result = _run_once(script, env, cwd, timeout=240, copies=copies)
         output = (result.stdout or "") + (result.stderr or "")
         # a fixed port (06's 29400, torchrun's default 29500) taken by another test: retry only that
@@ -249,24 +257,34 @@ def test_readme_command_runs_as_written(group, tracked_tree, tmp_path):
         _run_command(command, tree)
 
 
+# Collects each command's tests in one interpreter, the test modules imported once (pytest.main
+# called again in one process re-reads no changed file: nothing changes between these calls).
+COLLECT = """
+import json, sys, pytest
+for args in json.loads(sys.argv[1]):
+    print("=== collect", *args, flush=True)
+    code = pytest.main([*args, "--collect-only", "-q", "-n", "0"])
+    print(f"=== exit {int(code)}", flush=True)
+"""
+
+
 def test_test_suite_commands_collect():
     """The pytest commands are run by CI (the whole suite: test_ci_runs_the_readmes_test_command);
     one that names a file or a marker must at least collect tests without an error."""
     texts = {c.text for c in readme_commands() if c.how.get("not-run") == "test-suite"}
-    for text in sorted(texts):
-        pytest_args = shlex.split(text.split("python -m pytest", 1)[-1])
-        if pytest_args:
-            result = run(
-                [PYTHON, "-m", "pytest", *pytest_args, "--collect-only", "-q", "-n", "0"],
-                timeout=240,
-            )
-            assert result.returncode == 0, result.output[-4000:]
-            # "N tests collected", or with -q -q one "file: N" line per file
-            assert re.search(
-                r"(?<![\d/])[1-9]\d*(/\d+)? tests? collected|^tests/\S+\.py: [1-9]\d*$",
-                result.output,
-                re.M,
-            ), result.output[-2000:]
+    selections = [shlex.split(t.split("python -m pytest", 1)[-1]) for t in sorted(texts)]
+    selections = [args for args in selections if args]
+    assert selections, texts
+    result = run([PYTHON, "-c", COLLECT, json.dumps(selections)], timeout=240)
+    assert result.returncode == 0, result.output[-4000:]
+    parts = re.split(r"^=== collect .*$", result.stdout, flags=re.M)[1:]
+    assert len(parts) == len(selections), result.output[-4000:]
+    for args, part in zip(selections, parts):
+        assert part.rstrip().endswith("=== exit 0"), (args, part[-4000:])
+        # "N tests collected", or with -q -q one "file: N" line per file
+        assert re.search(
+            r"(?<![\d/])[1-9]\d*(/\d+)? tests? collected|^tests/\S+\.py: [1-9]\d*$", part, re.M
+        ), (args, part[-2000:])
 
 
 def test_ci_runs_the_readmes_test_command():
@@ -300,7 +318,7 @@ def test_commands_proven_elsewhere_are_run_as_written_by_that_test():
         words = shlex.split(command.text)
         if words[:2] == ["torchrun", "--standalone"] and _kind(command) != "not-run":
             scripts.setdefault(words[3], set()).add(command.text)
-        if _kind(command) == "run":
+        if _kind(command) == "run" and not (command.how["run"] or {}).get("warm"):
             real.add(command.text)
         if _kind(command) != "proven-by":
             continue

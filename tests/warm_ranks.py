@@ -57,15 +57,16 @@ def exit_code(status: int) -> int:
 
 def _rank(rank: int, nproc: int, port: str, script: str, args: list[str]) -> None:
     """In the forked rank: the script as __main__, as `python SCRIPT ARGS` would run it; never
-    returns."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(nproc),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=port,
-    )
+    returns. With nproc 0 the one process gets no rank variables: plain `python SCRIPT ARGS`."""
+    if nproc:
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(nproc),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(nproc),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     try:
@@ -86,10 +87,10 @@ def _rank(rank: int, nproc: int, port: str, script: str, args: list[str]) -> Non
 
 def run_ranks(nproc: int, script: str, args: list[str]) -> int:
     """Fork `nproc` ranks of `script args`, wait for them; the first failure kills the others and
-    is the result."""
+    is the result. nproc 0: one process without rank variables, as `python SCRIPT ARGS`."""
     port = str(free_loopback_port())
     ranks = {}
-    for rank in range(nproc):
+    for rank in range(max(nproc, 1)):
         pid = os.fork()
         if pid == 0:
             _rank(rank, nproc, port, script, args)
