@@ -356,6 +356,14 @@ def _warm_forkserver():
     return _FORKSERVER
 
 
+def warm_up() -> None:
+    """Start this process's forkserver now (it imports torch: seconds), so that a test timing a
+    warm run times the run alone."""
+    job = _warm_forkserver().Process(target=os.getpid)  # returns once torch is imported
+    job.start()
+    job.join()
+
+
 def warm_ranks(
     script: str | Path,
     *args: str,

@@ -25,6 +25,7 @@ from tests.helpers import (
     run,
     torchrun,
     warm_ranks,
+    warm_up,
 )
 
 SCRIPTS = sorted(p.relative_to(REPO).as_posix() for p in REPO.glob("0*/train.py"))
@@ -400,6 +401,8 @@ def test_bad_input_is_one_line_and_exit_code_2(script, case, tmp_path, python_st
         elapsed = time.perf_counter() - start - python_start_s
     else:
         argv = [*args, "--output-dir", str(out)]
+        warm_up()
+        start = time.perf_counter()
         result = warm_ranks(script, *argv, nproc=0, env=clean_env(**env), check=False)
         elapsed = time.perf_counter() - start
     assert result.returncode == 2, result.output[-3000:]
