@@ -162,6 +162,7 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(ddp_two_ranks, tmp_pat
     assert max((small[k] - one[k]).abs().max().item() for k in one) > 1e-3
 
 
+@pytest.mark.launchers
 @pytest.mark.min_torch
 def test_mp_spawn_variant_matches_torchrun(ddp_two_ranks, tmp_path):
     """The README's command, as written, with a smaller batch and fewer steps."""
@@ -217,6 +218,7 @@ def test_single_process_baseline_is_the_same_training_as_one_ddp_process(tmp_pat
     assert (summary["world_size"], summary["eval_samples"], summary["steps"]) == (1, 359, 30)
 
 
+@pytest.mark.launchers
 @pytest.mark.min_torch
 def test_two_single_processes_side_by_side_do_not_share_a_port(tmp_path):
     """Started alone, a script's store binds any free port, so two at once
@@ -313,6 +315,7 @@ def test_a_hanging_launch_fails_within_its_timeout(tmp_path):
     assert killed()
 
 
+@pytest.mark.launchers
 @pytest.mark.parametrize("flavour", ["openmpi", "mpich"])
 def test_runs_unchanged_under_mpiexec(tmp_path, flavour):
     """The README's `mpiexec -n 2 python 01_basic_ddp/train.py`, with real Open MPI and MPICH."""

@@ -184,6 +184,7 @@ def test_stop_mid_epoch_and_resume_reads_every_sample_once_and_is_bitwise_identi
         assert batches(output_dir, rank) == batches(reference, rank)
 
 
+@pytest.mark.launchers
 @pytest.mark.min_torch
 def test_sigkilled_worker_is_restarted_by_torchrun_and_resumes(reference, tmp_path):
     """tests/inject SIGKILLs rank 1 right after its 57th optimizer step;
@@ -251,6 +252,7 @@ def _launch_env_ranks(output_dir: Path) -> list[subprocess.Popen]:
     return procs
 
 
+@pytest.mark.launchers
 @pytest.mark.parametrize("target", ["group-SIGTERM", "rank1-SIGUSR1"])
 def test_preemption_signal_saves_and_exits_with_requeue_code(reference, tmp_path, target):
     procs = _launch_env_ranks(tmp_path)
@@ -292,6 +294,7 @@ def test_preemption_signal_saves_and_exits_with_requeue_code(reference, tmp_path
             assert batches(tmp_path, rank) == batches(reference, rank)
 
 
+@pytest.mark.launchers
 def test_sigterm_to_torchrun_reaches_the_workers_which_save(tmp_path):
     """`kill -TERM <torchrun pid>`: torchrun passes SIGTERM on to its workers, which save and exit
     75; torchrun itself exits with 1, so a job script must remember that it sent the signal."""

@@ -55,6 +55,7 @@ def written(probe: Path) -> dict[str, str]:
     }
 
 
+@pytest.mark.launchers
 def test_a_copied_lesson_runs_atexit_handlers_and_flushes_buffered_files(tmp_path):
     probe = tmp_path / "probe"
     result = run_copy(copied_lesson(tmp_path), probe)
@@ -68,6 +69,7 @@ def test_a_copied_lesson_runs_atexit_handlers_and_flushes_buffered_files(tmp_pat
     }
 
 
+@pytest.mark.launchers
 def test_control_os_exit_loses_both(tmp_path):
     """Negative control: the old ending skips both, and still exits 0, so nothing warns."""
     probe = tmp_path / "probe"

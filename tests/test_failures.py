@@ -87,6 +87,7 @@ INJECTED_FAILURE = (
 )
 
 
+@pytest.mark.launchers
 @pytest.mark.parametrize("script", FAILURE_SCRIPTS)
 def test_rank_raising_mid_training_ends_job_fast_and_torchrun_names_it(script, tmp_path):
     flags = [*FAST, "--output-dir", str(tmp_path)]
@@ -174,6 +175,7 @@ def test_without_record_the_summary_has_no_traceback(tmp_path):
     ), summary
 
 
+@pytest.mark.launchers
 @needs_torch("2.12", "torchrun names the signal on its exitcode line from torch 2.12")
 @pytest.mark.parametrize("script", FAILURE_SCRIPTS)
 def test_rank_killed_with_sigkill_ends_job_without_restarts(script, tmp_path):
@@ -213,6 +215,7 @@ def test_rank_killed_with_sigkill_ends_job_without_restarts(script, tmp_path):
     assert out.count("injecting SIGKILL at") == 1, out[-3000:]
 
 
+@pytest.mark.launchers
 def test_hung_rank_ends_the_job_at_the_timeout(tmp_path):
     """Rank 1 stops calling collectives; rank 0 waits in DDP's all-reduce until --timeout-s, then
     gloo raises and torchrun stops the job. The root cause names the timeout and where it waited."""
@@ -239,6 +242,7 @@ def test_hung_rank_ends_the_job_at_the_timeout(tmp_path):
     assert "loss.backward()" in root, root  # the call in the script where rank 0 waited
 
 
+@pytest.mark.launchers
 def test_rank_missing_at_start_waits_at_the_rendezvous_silently(tmp_path):
     """Hang at start: rank 0 of a promised world of 2, alone. It prints nothing of its own and waits
     for the missing rank in the rendezvous until --timeout-s, then says how many joined."""
@@ -262,6 +266,7 @@ def test_rank_missing_at_start_waits_at_the_rendezvous_silently(tmp_path):
     )
 
 
+@pytest.mark.launchers
 @pytest.mark.parametrize("flavour", ["openmpi", "mpich"])
 def test_rank_raising_under_mpiexec_ends_the_job(tmp_path, flavour):
     from tests.launcher_tools import need_tools, openmpi_env
@@ -417,6 +422,7 @@ def test_bad_input_is_one_line_and_exit_code_2(script, case, tmp_path, python_st
     assert elapsed < 10  # before any process group: no waiting for other ranks
 
 
+@pytest.mark.launchers
 @pytest.mark.parametrize("script", FAILURE_SCRIPTS)
 def test_bad_input_under_torchrun_is_said_exactly_once(script, tmp_path):
     result = torchrun(

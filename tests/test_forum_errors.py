@@ -183,6 +183,7 @@ def _free_job_id() -> int:
     pytest.fail("no free derived port found")
 
 
+@pytest.mark.launchers
 def test_second_job_on_the_same_port_fails_with_address_already_in_use(tmp_path):
     job = _free_job_id()
     port = master_port({"SLURM_JOB_ID": str(job)})
@@ -278,6 +279,7 @@ LAUNCH_FIXED = "python -m torch.distributed.launch --nproc-per-node=2 debugging/
 TORCHRUN_NOT_STANDALONE = "torchrun --nproc-per-node=2 debugging/local_rank_args.py"
 
 
+@pytest.mark.launchers
 def test_torch_distributed_launch_passes_local_rank_argument(monkeypatch):
     import torch.distributed.launch as launch_module
     import torch.distributed.run as run_module
@@ -409,6 +411,7 @@ mp.spawn(worker, args=(2, {port}), nprocs=2)
 """
 
 
+@pytest.mark.launchers
 def test_mp_spawn_of_a_worker_defined_in_main_fails_and_an_imported_one_runs(tmp_path):
     # No file behind __main__ (python -c, as a notebook or
     # the REPL): the spawned processes cannot find `worker`.

@@ -726,6 +726,7 @@ def test_pbs_job_refuses_to_run_outside_pbs(tmp_path):
     )
 
 
+@pytest.mark.launchers
 def test_torchrun_single_node_job_counts_the_gpus_torch_sees(tmp_path):
     """The GPU count is torch's (CUDA_VISIBLE_DEVICES and MIG as CUDA shows them), not the lines
     of `nvidia-smi -L`, which lists every MIG instance and ignores the mask. Here a stand-in

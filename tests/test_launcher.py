@@ -827,6 +827,7 @@ def test_torchruns_store_asks_for_libuv_whatever_use_libuv_says():
     }
 
 
+@pytest.mark.launchers
 def test_ranks_started_by_hand_with_torchruns_variables_train(tmp_path):
     """The README's launch where torchrun cannot run (Windows): one process per rank, each
     started by hand with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; here 07, which has no

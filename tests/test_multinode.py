@@ -94,6 +94,7 @@ def logs(tmp_path):
     )
 
 
+@pytest.mark.launchers
 @pytest.mark.min_torch
 def test_torchrun_two_nodes_c10d_agrees_with_one_node(tmp_path):
     # one worker each
@@ -220,6 +221,7 @@ def test_placement_table_is_printed_before_the_first_collective_of_the_default_g
     assert re.search(r"^\s+0\s+0\s+\S+\s+cpu\s+unset$", capsys.readouterr().out, re.M)
 
 
+@pytest.mark.launchers
 @pytest.mark.parametrize("flavour", ["openmpi", "mpich"])
 def test_mpiexec_runs_train_and_comm_check(tmp_path, flavour):
     tool = {"openmpi": "mpiexec.openmpi", "mpich": "mpiexec.mpich"}[flavour]
@@ -385,6 +387,7 @@ def torch_version():
     return torch.__version__
 
 
+@pytest.mark.launchers
 def test_comm_check_two_nodes_environment_groups_and_a_slow_node(tmp_path):
     """Two torchrun "nodes" of two ranks each; node B has another NCCL_IB_HCA and,
     injected from outside (tests/inject), sleeps 50 ms before every all-reduce.
@@ -465,6 +468,7 @@ def test_comm_check_two_nodes_environment_groups_and_a_slow_node(tmp_path):
     )
 
 
+@pytest.mark.launchers
 @pytest.mark.parametrize("slow_node", [2, None], ids=["one-slow-node", "none-slow"])
 def test_comm_check_pairs_name_the_slow_node(tmp_path, slow_node):
     """Three one-rank "nodes", every pair tested; a node whose every pair is slow (injected: 150 ms
@@ -721,6 +725,7 @@ def test_comm_check_refuses_cuda_without_a_visible_gpu():
     )
 
 
+@pytest.mark.launchers
 def test_wrong_master_addr_fails_clearly_within_timeout(tmp_path):
     """An unreachable MASTER_ADDR: every rank gives up after
     its timeout, naming the address and what to check."""
@@ -772,6 +777,7 @@ def test_wrong_master_addr_fails_clearly_within_timeout(tmp_path):
     print(f"wrong MASTER_ADDR: both ranks exited in {time.perf_counter() - start:.1f} s")
 
 
+@pytest.mark.launchers
 def test_missing_rank_is_named(tmp_path):
     """Rank 0 alone of a world of 3: it names ranks 1 and 2 as never checked in."""
     env = clean_env(RANK="0", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -791,6 +797,7 @@ def test_missing_rank_is_named(tmp_path):
 # namespaces + a veth pair ----------------------------
 
 
+@pytest.mark.launchers
 def test_two_namespace_hosts_train_across_veth(tmp_path):
     need_root("creating network namespaces")
     need_tools("ip", "unshare")

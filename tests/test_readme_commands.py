@@ -241,7 +241,17 @@ def _program(command) -> str:
     return next(word for word in shlex.split(command.text) if "=" not in word)
 
 
-@pytest.mark.parametrize("group", list(GROUPS))
+def _tier(group: list) -> tuple:
+    """A block whose claim is a launcher's (mpiexec, two nodes, restarts, a namespace) is in the
+    launcher tier (pytest.ini)."""
+    launchers = any(
+        _program(c) in ("mpiexec", "unshare") or re.search(r"--nnodes|--max-restarts", c.text)
+        for c in group
+    )
+    return (pytest.mark.launchers,) if launchers else ()
+
+
+@pytest.mark.parametrize("group", [pytest.param(g, marks=_tier(c)) for g, c in GROUPS.items()])
 def test_readme_command_runs_as_written(group, tracked_tree, tmp_path):
     commands = GROUPS[group]
     for command in commands:
@@ -298,7 +308,7 @@ def test_ci_runs_the_readmes_test_command():
     ]
     assert ci_commands[-3:] == [
         "pip install -r requirements.txt -r requirements-test.txt && python -m pytest",
-        'python -m pytest -m "scheduler or torch_text"',
+        'python -m pytest -m "launchers or scheduler or torch_text"',
         "ruff format --check . && ruff check .",
     ]
     assert {ci_commands[-3], ci_commands[-1]} <= readme
@@ -311,14 +321,17 @@ def test_ci_runs_the_readmes_test_command():
 def test_commands_proven_elsewhere_are_run_as_written_by_that_test():
     """A `proven-by` test (or fixture) exists and runs the command through command_argv (or,
     ranks started warm, warm_command), the README's exact text a string constant in it or in its
-    module. Each script keeps at least one of its README commands under the real launcher: run
-    here, or through command_argv in its test (tests/README.md, "How ranks start")."""
+    module. Each script keeps at least one of its README commands under the real launcher in the
+    default tier: run here, or through command_argv in its test (tests/README.md, "How ranks
+    start"); a run in the launcher tier does not count."""
     real, scripts = set(), {}
+    launcher_tier = {c.text for group in GROUPS.values() if _tier(group) for c in group}
     for command in readme_commands():
         words = shlex.split(command.text)
         if words[:2] == ["torchrun", "--standalone"] and _kind(command) != "not-run":
             scripts.setdefault(words[3], set()).add(command.text)
-        if _kind(command) == "run" and not (command.how["run"] or {}).get("warm"):
+        warm = _kind(command) == "run" and (command.how["run"] or {}).get("warm")
+        if _kind(command) == "run" and not warm and command.text not in launcher_tier:
             real.add(command.text)
         if _kind(command) != "proven-by":
             continue
@@ -348,6 +361,8 @@ def test_commands_proven_elsewhere_are_run_as_written_by_that_test():
         assert command.text in runs, (
             f"{path}::{name} does not run {command.text!r} (command_argv, warm_command)"
         )
+        if any(ast.unparse(d) == "pytest.mark.launchers" for d in test.decorator_list):
+            continue
         real |= {
             constants.get(arg.id) if isinstance(arg, ast.Name) else getattr(arg, "value", None)
             for call in ast.walk(test)
