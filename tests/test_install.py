@@ -1,5 +1,5 @@
 """Installing next to a site's own torch, and the oldest torch
-the code runs with (README, "On a cluster", "Versions").
+the code runs with; the README's "Versions" is checked against these in tests/test_readme_facts.py.
 
 requirements-site.txt is everything but torch and torchvision, so a cluster keeps its
 own build; requirements.txt is the tested pair plus that file. The minimum torch is the pair in
@@ -21,7 +21,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from tests.helpers import REPO, markdown_section, pinned_torch_only
+from tests.helpers import REPO, pinned_torch_only
 from tests.torch_api import (
     member_names,
     python_uses,
@@ -34,7 +34,6 @@ from tests.torch_api import (
 SITE = REPO / "requirements-site.txt"
 PINNED = REPO / "requirements.txt"
 TORCH_PACKAGES = {"torch", "torchvision"}
-README = (REPO / "README.md").read_text()
 
 # Uses newer than torch 2.0 -> (first release with it,
 # how that was checked). "Checked in the wheels": the
@@ -223,10 +222,6 @@ def test_the_test_requirements_install_on_top_of_any_torch():
     assert set(requirement_lines(SITE)) < set(lines)
 
 
-def readme_section(title: str) -> str:
-    return markdown_section(README, f"## {title}")
-
-
 def test_nothing_needs_scikit_learn_any_more():
     for path in [
         *REPO.glob("requirements*.txt"),
@@ -241,19 +236,28 @@ def test_nothing_needs_scikit_learn_any_more():
 # -------------------------------------------------------------------------------
 
 OLD_LIST = REPO / "tests" / "torch_2_0_api.txt"
+MIN_PAIR = REPO / "requirements-min.txt"
 
 
 def torch_2_0_uses() -> set[str]:
     return {line for line in OLD_LIST.read_text().splitlines() if line and not line.startswith("#")}
 
 
-def stated_minimum() -> tuple[str, str, dict[str, str]]:
-    """README, "Versions": "Minimum torch: X", "The APIs the code uses date from torch Y",
-    and the files it names as needing more: "`path` needs Z"."""
-    versions = readme_section("Versions")
-    minimum = re.search(r"\*\*Minimum torch: (\d+\.\d+)\*\*", versions).group(1)
-    api_date = re.search(r"The APIs the code uses date from torch (\d+\.\d+)", versions).group(1)
-    return minimum, api_date, dict(re.findall(r"`([\w./-]+)` needs (\d+\.\d+)", versions))
+def minimum_torch() -> str:
+    """The oldest torch the examples are tested with: requirements-min.txt's pin, as X.Y."""
+    [pin] = [line for line in requirement_lines(MIN_PAIR) if Requirement(line).name == "torch"]
+    return ".".join(next(iter(Requirement(pin).specifier)).version.split(".")[:2])
+
+
+def api_date_by_file() -> dict[str, str]:
+    """Each file's newest torch API: the first release that has every API the file uses."""
+    return {path: newest(uses) for path, uses in uses_by_file().items()}
+
+
+def api_date() -> str:
+    """The newest API of the files that run on the minimum torch."""
+    dates = api_date_by_file().values()
+    return max((v for v in dates if Version(v) <= Version(minimum_torch())), key=Version)
 
 
 def newest(uses: set[str]) -> str:
@@ -278,24 +282,10 @@ def test_every_torch_use_in_the_code_has_a_known_first_release():
     )
 
 
-@pinned_torch_only("reads the APIs of the installed torch")
-def test_the_api_date_is_the_newest_api_the_code_uses_and_not_above_the_minimum():
-    minimum, api_date, exceptions = stated_minimum()
-    by_file = {path: newest(uses) for path, uses in uses_by_file().items()}
-    assert exceptions == {
-        path: version for path, version in by_file.items() if Version(version) > Version(minimum)
-    }
-    assert api_date == max(
-        (v for path, v in by_file.items() if path not in exceptions), key=Version
-    )
-    assert Version(api_date) <= Version(minimum)
-    # The README names the files that set the API date.
-    setting = {path for path, version in by_file.items() if version == api_date}
-    assert setting and all(f"`{path}`" in readme_section("Versions") for path in setting)
-    assert f"Needs torch >= {minimum}" in SITE.read_text()
+def test_the_site_requirements_name_the_minimum():
+    assert f"Needs torch >= {minimum_torch()}" in SITE.read_text()
 
 
-MIN_PAIR = REPO / "requirements-min.txt"
 LESSON_TESTS = [
     "basic_ddp",
     "sampler_patterns",
@@ -321,17 +311,12 @@ def marked_min_torch(path: Path) -> list[str]:
 
 
 def test_the_minimum_is_the_pair_ci_runs_the_min_torch_tier_on():
-    """requirements-min.txt pins the README's minimum and its torchvision; .ci/run installs it
+    """requirements-min.txt pins the minimum torch and its torchvision; .ci/run installs it
     beside the test requirements (no other torch) in a virtual environment of its own and runs
     the tier there; every lesson's test file has tests in the tier."""
-    minimum = stated_minimum()[0]
     pins = {Requirement(line).name: Requirement(line) for line in requirement_lines(MIN_PAIR)}
     assert pins.keys() == TORCH_PACKAGES and all(len(r.specifier) == 1 for r in pins.values())
-    torch_pin = next(iter(pins["torch"].specifier))
-    assert (
-        torch_pin.operator == "=="
-        and Version(torch_pin.version).release[:2] == Version(minimum).release[:2]
-    )
+    assert all(next(iter(r.specifier)).operator == "==" for r in pins.values())
     ci = (REPO / ".ci" / "run").read_text()
     assert re.search(r"python -m venv \S+", ci)
     assert re.search(r'pip"? install .*-r requirements-min\.txt -r requirements-test\.txt', ci)
@@ -361,7 +346,7 @@ def test_the_version_check_sees_new_apis_in_code(tmp_path):
         "torch.accelerator.current_accelerator",
         "torch.nn.parallel.DistributedDataParallel",
     } <= uses
-    assert newest(uses) == "2.4" and Version(newest(uses)) > Version(stated_minimum()[1])
+    assert newest(uses) == "2.4" and Version(newest(uses)) > Version(api_date())
     assert "torch.accelerator.current_accelerator" not in torch_2_0_uses() | NEWER_THAN_2_0.keys()
     assert (
         "re.compile" not in uses and python_uses("import re\nre.compile('x')\n", members) == set()

@@ -27,6 +27,7 @@ from common.config import DATASETS, TrainConfig
 from common.data import digits
 from tests.helpers import (
     REPO,
+    pinned_torch_only,
     clean_env,
     load_script,
     markdown_blocks,
@@ -550,3 +551,24 @@ def test_readme_quotes_the_launchers_error_for_more_ranks_than_gpus():
         "before any process "
         "group"
     ) in " ".join(readme.split())
+
+
+@pinned_torch_only("reads the APIs of the installed torch")
+def test_versions_names_the_minimum_and_the_newest_api_the_code_uses():
+    """ "Versions": "Minimum torch: X" is requirements-min.txt's pin; "The APIs the code uses date
+    from torch Y", Y the newest API of every file at or below the minimum, naming the files that
+    set it; "`path` needs Z" for each file above the minimum (tests/test_install.py reads the
+    code)."""
+    from packaging.version import Version
+
+    from tests.test_install import api_date, api_date_by_file, minimum_torch
+
+    versions = markdown_section(README_TEXT, "## Versions")
+    minimum = minimum_torch()
+    assert f"**Minimum torch: {minimum}**" in versions
+    by_file = api_date_by_file()
+    above = {path: v for path, v in by_file.items() if Version(v) > Version(minimum)}
+    assert dict(re.findall(r"`([\w./-]+)` needs (\d+\.\d+)", versions)) == above
+    assert f"The APIs the code uses date from torch {api_date()}:" in versions
+    setting = {path for path, version in by_file.items() if version == api_date()}
+    assert setting and all(f"`{path}`" in versions for path in setting)
