@@ -136,8 +136,6 @@ def test_digits_md_names_the_file_its_digest_source_and_licence():
     assert ", ".join(map(str, UCI_TEST_CLASS_COUNTS)) in " ".join(notice.split())
     for source in ("Alpaydin", "Kaynak", "10.24432/C50P49", "CC BY 4.0"):
         assert source in notice
-    readme = (REPO / "README.md").read_text()
-    assert "common/DIGITS.md" in readme and "CC BY 4.0" in readme
 
 
 def test_digits_load_and_train_without_scikit_learn(tmp_path):

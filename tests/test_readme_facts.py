@@ -572,3 +572,17 @@ def test_versions_names_the_minimum_and_the_newest_api_the_code_uses():
     assert f"The APIs the code uses date from torch {api_date()}:" in versions
     setting = {path for path, version in by_file.items() if version == api_date()}
     assert setting and all(f"`{path}`" in versions for path in setting)
+
+
+def test_the_readme_names_the_digits_notice_and_its_licence():
+    """ "Data sets": the digits' notice (common/DIGITS.md, held to the file by tests/test_data.py)
+    and its licence."""
+    assert "common/DIGITS.md" in README_TEXT and "CC BY 4.0" in README_TEXT
+
+
+def test_the_guide_quotes_the_rendezvous_timeout_as_torch_prints_it():
+    """Printed by a rank alone at the rendezvous in tests/test_failures.py::
+    test_rank_missing_at_start_waits_at_the_rendezvous_silently."""
+    from tests.test_failures import RENDEZVOUS_TIMED_OUT
+
+    assert RENDEZVOUS_TIMED_OUT in (REPO / "debugging" / "README.md").read_text()
