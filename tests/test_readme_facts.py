@@ -586,3 +586,33 @@ def test_the_guide_quotes_the_rendezvous_timeout_as_torch_prints_it():
     from tests.test_failures import RENDEZVOUS_TIMED_OUT
 
     assert RENDEZVOUS_TIMED_OUT in (REPO / "debugging" / "README.md").read_text()
+
+
+def _said_diff_count(readme: Path, a: str, b: str) -> int:
+    """The "about N lines" a README gives for `diff a b`, in the sentence that names it."""
+    text = " ".join(readme.read_text().split())
+    said = re.search(rf"`diff {re.escape(a)} {re.escape(b)}`[^.]*?about (\d+) lines", text)
+    assert said, f"{readme.relative_to(REPO)} gives no 'about N lines' for `diff {a} {b}`"
+    return int(said[1])
+
+
+def _topic_scripts() -> list[str]:
+    from tests.test_lessons import TOPIC_SCRIPTS
+
+    return TOPIC_SCRIPTS
+
+
+@pytest.mark.parametrize(
+    "a,b",
+    [("01_basic_ddp/train.py", s) for s in _topic_scripts()]
+    + [("05_checkpointing/train.py", "05_checkpointing/preempt.py")],
+)
+def test_a_lessons_diff_is_about_the_lines_its_readme_says(a, b):
+    """Each topic lesson's README: `diff 01_basic_ddp/train.py NN_topic/train.py` changes "about N
+    lines", within 10% either way: the lesson's budget (tests/test_lessons.py counts them, each
+    print(...) one line); 05's README says the same of preempt.py against its train.py."""
+    from tests.test_lessons import diff_count
+
+    said = _said_diff_count(REPO / b.split("/")[0] / "README.md", a, b)
+    changed = diff_count(REPO / a, REPO / b)
+    assert 0.9 * said <= changed <= 1.1 * said, f"diff {a} {b}: {changed} lines, README: {said}"
