@@ -616,3 +616,36 @@ def test_a_lessons_diff_is_about_the_lines_its_readme_says(a, b):
     said = _said_diff_count(REPO / b.split("/")[0] / "README.md", a, b)
     changed = diff_count(REPO / a, REPO / b)
     assert 0.9 * said <= changed <= 1.1 * said, f"diff {a} {b}: {changed} lines, README: {said}"
+
+
+def _sites_table() -> dict[str, dict[str, object]]:
+    """jobs/sites/README.md's table: per site, the modules,
+    the exported variables and the placement."""
+    rows = {}
+    text = (REPO / "jobs" / "sites" / "README.md").read_text()
+    for cells in markdown_table(text, "| site | scheduler"):
+        m = re.match(r"\[`(\w+)\.sh`\]", cells[0])
+        if m:
+            pairs = [
+                dict(re.findall(r"`([A-Z_]+)=([^`]*)`", cell)) for cell in (cells[3], cells[4])
+            ]
+            rows[m.group(1)] = {
+                "modules": re.findall(r"`([^`]+)`", cells[2]),
+                "exported": pairs[0],
+                "placement": pairs[1],
+            }
+    return rows
+
+
+@pytest.mark.parametrize("site", ["derecho", "perlmutter", "polaris"])
+def test_the_sites_table_is_what_each_site_file_exports_and_loads(site, tmp_path):
+    """jobs/sites/README.md's table: the first module, the exported variables and the placement of
+    each site file, as it does them when sourced (tests/test_sites.py::source_site)."""
+    from tests.test_sites import SITE_JOBS, source_site
+
+    assert sorted(_sites_table()) == sorted(SITE_JOBS)
+    exported, placement, calls = source_site(site, tmp_path)
+    row = _sites_table()[site]
+    assert exported == row["exported"]
+    assert placement == row["placement"]
+    assert f"module load {row['modules'][0]}" in calls, calls
