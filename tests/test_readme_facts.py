@@ -649,3 +649,36 @@ def test_the_sites_table_is_what_each_site_file_exports_and_loads(site, tmp_path
     assert exported == row["exported"]
     assert placement == row["placement"]
     assert f"module load {row['modules'][0]}" in calls, calls
+
+
+MULTINODE_README = REPO / "06_multinode" / "README.md"
+
+
+def test_06s_table_of_errors_quotes_comm_checks_errors_with_its_own_values():
+    """06's table of errors: comm_check's line for an unreachable store (there rank 1 on nodeB,
+    10.0.0.1:29500, the default 60 s) and for ranks that never checked in (2 and 3 of 4), as
+    tests/test_multinode.py sees them printed."""
+    from tests.test_multinode import NEVER_CHECKED_IN, UNREACHABLE
+
+    readme = MULTINODE_README.read_text()
+    unreachable = UNREACHABLE.format(rank=1, host="nodeB", addr="10.0.0.1:29500", s=60)
+    assert f"`{unreachable}`" in readme
+    comm = load_script("06_multinode/comm_check.py", "comm_check")
+    assert f"`{NEVER_CHECKED_IN.format(ranks=comm._ranges([2, 3]), world=4)}`" in readme
+
+
+def test_06_quotes_the_placement_tables_warning_as_printed(capsys):
+    """06's README quotes the warning for two ranks on one GPU in full once, then as a pattern
+    (tests/test_multinode.py::test_placement_table_warns_when_two_ranks_share_a_gpu)."""
+    train = load_script("06_multinode/train.py", "multinode_train")
+    fields = ("host", "rank", "local_rank", "device", "gpu_uuid", "visible")
+    train.print_placement(
+        [
+            dict(zip(fields, ("gpu1", 0, 0, "cuda:0", "GPU-a", "unset"))),
+            dict(zip(fields, ("gpu1", 1, 0, "cuda:0", "GPU-a", "unset"))),
+        ]
+    )
+    [warning] = [line for line in capsys.readouterr().out.splitlines() if "WARNING" in line]
+    readme = " ".join(MULTINODE_README.read_text().split())
+    assert f"`{warning}`" in readme
+    assert "`WARNING: ranks [...] share one GPU (cuda:0 of rank ...) on <host>`" in readme
