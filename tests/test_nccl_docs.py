@@ -20,7 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, clean_env, markdown_blocks, markdown_section, run
+from tests.helpers import (
+    PYTHON,
+    REPO,
+    clean_env,
+    markdown_blocks,
+    markdown_section,
+    readme_sample,
+    run,
+)
 
 # All of it is torch's own text and source, read again after a torch upgrade.
 pytestmark = pytest.mark.torch_text
@@ -453,3 +461,12 @@ def test_torchruns_store_asks_for_libuv_whatever_use_libuv_says():
         quoted: True,
         reworded: False,
     }
+
+
+def test_08_quotes_torchs_error_for_the_g_step_without_detach():
+    """Printed on each rank in tests/test_several_models.py::
+    test_gan_without_detach_fails_in_the_g_step."""
+    from tests.test_several_models import GAN_G_STEP_ERROR
+
+    quoted = readme_sample(REPO / "08_several_models" / "README.md", "The D step then uses `fake`")
+    assert quoted == [f"[rank0]: {GAN_G_STEP_ERROR}"]

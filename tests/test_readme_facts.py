@@ -682,3 +682,23 @@ def test_06_quotes_the_placement_tables_warning_as_printed(capsys):
     readme = " ".join(MULTINODE_README.read_text().split())
     assert f"`{warning}`" in readme
     assert "`WARNING: ranks [...] share one GPU (cuda:0 of rank ...) on <host>`" in readme
+
+
+def test_08_quotes_the_missing_teacher_errors_as_printed():
+    """tests/test_several_models.py::test_a_missing_teacher_is_one_error_line_and_exit_code_2 sees
+    them printed."""
+    from tests.test_several_models import TEACHER_ERRORS
+
+    readme = " ".join((REPO / "08_several_models" / "README.md").read_text().split())
+    assert all(f"`{line}`" in readme for line in TEACHER_ERRORS)
+
+
+def test_the_guide_shows_the_mp_spawn_worker_and_cell_that_run():
+    """The code tests/test_forum_errors.py::
+    test_mp_spawn_of_a_worker_defined_in_main_fails_and_an_imported_one_runs runs is the code
+    debugging/README.md shows."""
+    from tests.test_forum_errors import FIXED_CELL, WORKER_FILE
+
+    guide = (REPO / "debugging" / "README.md").read_text()
+    assert f"```python\n# ddp_worker.py\n{WORKER_FILE.strip()}\n```" in guide
+    assert f"```python\n# the notebook cell\n{FIXED_CELL.format(port=29500).strip()}\n```" in guide
