@@ -25,7 +25,6 @@ from tests.helpers import (
     warm_command,
 )
 
-README = "08_several_models/README.md"
 SCRIPT = "08_several_models/train.py"
 TEACHER = "torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py --output-dir runs/teacher"
 DISTILL = (
