@@ -26,7 +26,6 @@ from tests.helpers import (
     clean_env,
     kill_group,
     load_script,
-    markdown_section,
     pinned_torch_only,
     read_summary,
     command_argv,
@@ -781,9 +780,7 @@ def test_ddp_buckets_hold_one_copy_of_the_gradients():
         assert figures[f"wrap view={view}"] == pytest.approx(size, rel=0.01), figures
     assert figures["backward view=False"] == pytest.approx(size, rel=0.01), figures
     assert abs(figures["backward view=True"]) < 0.01 * size, figures
-    section = markdown_section(GUIDE.read_text(), "## DDP's own memory")
-    assert f"({size:.1f} MiB of float32 parameters)" in section
-    assert section.count(f"{size:.1f} MiB") == 3
+    # (the guide's figure is this size: tests/test_readme_facts.py)
 
 
 # --- frozen models and layers: DDP refusing a frozen model, freezing after the wrap

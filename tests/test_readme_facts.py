@@ -702,3 +702,19 @@ def test_the_guide_shows_the_mp_spawn_worker_and_cell_that_run():
     guide = (REPO / "debugging" / "README.md").read_text()
     assert f"```python\n# ddp_worker.py\n{WORKER_FILE.strip()}\n```" in guide
     assert f"```python\n# the notebook cell\n{FIXED_CELL.format(port=29500).strip()}\n```" in guide
+
+
+def test_the_guides_ddp_memory_figure_is_resnet18s_parameters():
+    """The guide's "DDP's own memory": the buckets and, without gradient_as_bucket_view, the
+    gradients are each the size of ResNet-18's float32 parameters, the figure it gives three times
+    (the allocations themselves: tests/test_debugging.py::
+    test_ddp_buckets_hold_one_copy_of_the_gradients)."""
+    from torchvision.models import resnet18
+
+    model = resnet18(num_classes=10)
+    size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    section = markdown_section(
+        (REPO / "debugging" / "README.md").read_text(), "## DDP's own memory"
+    )
+    assert f"({size:.1f} MiB of float32 parameters)" in section
+    assert section.count(f"{size:.1f} MiB") == 3
