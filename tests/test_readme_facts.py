@@ -718,3 +718,19 @@ def test_the_guides_ddp_memory_figure_is_resnet18s_parameters():
     )
     assert f"({size:.1f} MiB of float32 parameters)" in section
     assert section.count(f"{size:.1f} MiB") == 3
+
+
+def test_06s_samples_time_as_many_iterations_as_comm_check_does():
+    """The iters column of 06's two comm_check samples (run with the default --iters 20) is
+    comm_check's timed_iterations() (held to --iters' help in tests/test_multinode.py)."""
+    from tests.test_multinode import ROW
+
+    comm = load_script("06_multinode/comm_check.py", "comm_check")
+    rows = [
+        m
+        for marker in ("comm_check on this machine", 'Two "nodes" of two ranks each')
+        for m in map(ROW.fullmatch, readme_sample(MULTINODE_README, marker))
+        if m
+    ]
+    assert len(rows) > 30
+    assert all(int(m.group(2)) == comm.timed_iterations(int(m.group(1)), 20) for m in rows)
