@@ -403,6 +403,7 @@ def test_linear_scaling_wins_back_half_of_what_four_ranks_lose_in_a_short_run(tm
     assert read_summary(tmp_path / "0.4")["eval_accuracy"] < 0.3
 
 
+@pytest.mark.launchers
 def test_lr_scaling_starts_its_runs_with_torchrun_and_prints_the_table(tmp_path):
     """The driver itself, as a user runs it: real torchrun per run (one rank, 2 steps each), then
     one table row per run with the rate each run used. The figures are the test above's."""

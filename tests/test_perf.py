@@ -716,6 +716,7 @@ BENCHMARK = "python benchmark/benchmark.py --world-sizes 1,2"
 BENCHMARK_SWEEP = "python benchmark/benchmark.py --world-sizes 1,2 --sweep -- --precision bf16"
 
 
+@pytest.mark.launchers
 def test_benchmark_table_and_sweep(tmp_path):
     """benchmark/README.md's sweep command as written, shortened (one knob, 1 + 2 steps):
     world sizes 1 and 2, DDP and --no-ddp, one knob swept: 5 runs of benchmark/train.py
