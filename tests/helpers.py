@@ -621,8 +621,8 @@ def _split_comment(line: str) -> tuple[str, str]:
 def markdown_commands(text: str, readme: str) -> list[Command]:
     """The commands of the ```bash blocks of one Markdown text, each with its entry in the marker
     above its block: an HTML comment `<!-- commands: ... -->` holding a YAML list with one entry a
-    command (tests/README.md, "README samples and commands"). A block without a marker, or with
-    another number of entries than commands, fails."""
+    command (tests/README.md, "README statements, samples and commands"). A block without a marker,
+    or with another number of entries than commands, fails."""
     commands, lines = [], text.splitlines()
     for block in markdown_blocks(text):
         if block.info != "bash":

@@ -110,7 +110,7 @@ def test_commands_not_run_say_why_next_to_them():
 def test_readme_names_the_shortening_flags():
     """tests/README.md's section on README commands names the flags `short: true` appends."""
     text = (REPO / "tests" / "README.md").read_text()
-    section = text.split("## README samples and commands", 1)[1].split("\n## ", 1)[0]
+    section = text.split("## README statements, samples and commands", 1)[1].split("\n## ", 1)[0]
     assert f"`{SHORT}`" in section
 
 
