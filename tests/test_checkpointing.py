@@ -356,6 +356,7 @@ def _error_lines(result) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("error:")]
 
 
+@pytest.mark.launchers
 def test_resume_with_another_batch_size_is_refused(reference, tmp_path):
     shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
     result = torchrun(

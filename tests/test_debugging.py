@@ -231,6 +231,7 @@ def _run_timed(
     return proc.returncode, out, ended - seen[0]
 
 
+@pytest.mark.launchers
 def test_demo_rank0_only_barrier_ends_at_the_timeout_with_both_waits_shown(tmp_path):
     cmd = [
         PYTHON,

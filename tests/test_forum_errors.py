@@ -493,6 +493,7 @@ INPLACE_ERROR = (
 )
 
 
+@pytest.mark.launchers
 def test_two_forwards_with_buffers_synced_in_place_fail(tmp_path):
     """What DDP did up to torch 2.11: the second forward's
     buffer sync breaks the first forward's graph."""

@@ -174,6 +174,7 @@ def test_a_non_finite_gradient_is_skipped_on_every_rank_and_fails_the_run(tmp_pa
     assert not finite_weights(tmp_path / "unguarded")
 
 
+@pytest.mark.launchers
 def test_a_stop_decided_from_one_ranks_own_loss_fails_the_job(tmp_path):
     """The guard decides from the all-reduced gradient, the same on every rank. A copy that
     decides from each rank's own loss stops rank 1 alone, and the job fails instead of ending:
