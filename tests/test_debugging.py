@@ -135,7 +135,8 @@ def test_demo_mismatched_collective_named_by_debug_detail(tmp_path):
     ), out[-3000:]
 
 
-def test_demo_unused_parameter_error_and_both_fixes(tmp_path):
+@pytest.mark.launchers
+def test_demo_unused_parameter_error_under_torchrun(tmp_path):
     result = torchrun(
         DEMO,
         "--bug",
@@ -176,7 +177,12 @@ def test_demo_unused_parameter_error_and_both_fixes(tmp_path):
         "Exception raised from" not in out
         and "[c10d] The client socket has connected to" not in out
     )
-    for fix in ("find_unused", "use_all"):  # what the fixes compute: ranks started warm
+
+
+def test_demo_unused_parameter_both_fixes(tmp_path):
+    """What the fixes compute: ranks started warm (the error's run is real, in the launchers
+    tier)."""
+    for fix in ("find_unused", "use_all"):
         fixed = warm_ranks(
             DEMO,
             "--bug",
@@ -712,9 +718,9 @@ WRAPPER_ATTRIBUTE_FIX = (
 )
 
 
-def test_wrapper_in_place_of_the_model_errors_and_fixes(tmp_path):
+def test_wrapper_in_place_of_the_model_errors_under_torchrun(tmp_path):
     """The guide's commands: each error as the README quotes it, from rank 0 and in torchrun's Root
-    Cause; each fix runs to the end (the saved weights load into the plain model)."""
+    Cause. demo_bugs.py's one README command under the real torchrun in the default run."""
 
     def demo(argv, name):
         return run(argv + ["--output-dir", str(tmp_path / name)], timeout=120)
@@ -725,7 +731,15 @@ def test_wrapper_in_place_of_the_model_errors_and_fixes(tmp_path):
     printed = prefix.output.splitlines()
     assert all(line in printed for line in quoted), (quoted, prefix.output[-3000:])
     assert "Unexpected key(s) in state_dict" in root_cause(prefix.output)
-    # the fixes' claim is what the script does: their ranks start warm (the errors' runs are real)
+    attribute = demo(command_argv(WRAPPER_ATTRIBUTE), "attribute")
+    error = "AttributeError: 'DistributedDataParallel' object has no attribute 'num_classes'"
+    assert attribute.returncode == 1 and f"[rank0]: {error}" in attribute.output
+    assert f"`{error}`" in GUIDE.read_text()
+
+
+def test_wrapper_in_place_of_the_model_fixes(tmp_path):
+    """The guide's fixes run to the end (the saved weights load into the plain model); their claim
+    is what the script does, so their ranks start warm (the errors' runs are real)."""
     for command, name in (
         (MODULE_PREFIX_SAVE_MODULE, "save_module"),
         (MODULE_PREFIX_STRIP, "strip"),
@@ -733,11 +747,6 @@ def test_wrapper_in_place_of_the_model_errors_and_fixes(tmp_path):
         fixed = warm_command(command, "--output-dir", str(tmp_path / name))
         assert fixed.returncode == 0, fixed.output[-3000:]
         assert "the saved weights load into a plain TwoHeads" in fixed.stdout
-
-    attribute = demo(command_argv(WRAPPER_ATTRIBUTE), "attribute")
-    error = "AttributeError: 'DistributedDataParallel' object has no attribute 'num_classes'"
-    assert attribute.returncode == 1 and f"[rank0]: {error}" in attribute.output
-    assert f"`{error}`" in GUIDE.read_text()
     fixed = warm_command(WRAPPER_ATTRIBUTE_FIX, "--output-dir", str(tmp_path / "attribute_fixed"))
     assert fixed.returncode == 0 and "rank 0: 4 classes" in fixed.stdout, fixed.output[-3000:]
     assert "done: no bug" in fixed.stdout

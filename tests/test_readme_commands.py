@@ -242,11 +242,10 @@ def _program(command) -> str:
 
 
 def _tier(group: list) -> tuple:
-    """A block whose claim is a launcher's (mpiexec, two nodes, restarts, a namespace) is in the
-    launcher tier (pytest.ini)."""
+    """A block whose claim is a launcher's (mpiexec, two nodes, restarts) is in the launcher tier
+    (pytest.ini)."""
     launchers = any(
-        _program(c) in ("mpiexec", "unshare") or re.search(r"--nnodes|--max-restarts", c.text)
-        for c in group
+        _program(c) == "mpiexec" or re.search(r"--nnodes|--max-restarts", c.text) for c in group
     )
     return (pytest.mark.launchers,) if launchers else ()
 
@@ -318,18 +317,23 @@ def test_ci_runs_the_readmes_test_command():
     assert (REPO / "README.md").read_text().count(ci_commands[-3]) >= 2
 
 
+# The tiers the default run leaves out (pytest.ini), as a test's decorator
+OTHER_TIERS = {f"pytest.mark.{tier}" for tier in ("launchers", "scheduler", "torch_text")}
+
+
 def test_commands_proven_elsewhere_are_run_as_written_by_that_test():
     """A `proven-by` test (or fixture) exists and runs the command through command_argv (or,
     ranks started warm, warm_command), the README's exact text a string constant in it or in its
     module. Each script keeps at least one of its README commands under the real launcher in the
     default tier: run here, or through command_argv in its test (tests/README.md, "How ranks
-    start"); a run in the launcher tier does not count."""
+    start"); a test in another tier does not count."""
     real, scripts = set(), {}
     launcher_tier = {c.text for group in GROUPS.values() if _tier(group) for c in group}
     for command in readme_commands():
-        words = shlex.split(command.text)
-        if words[:2] == ["torchrun", "--standalone"] and _kind(command) != "not-run":
-            scripts.setdefault(words[3], set()).add(command.text)
+        # a torchrun command, or one that starts it (unshare ... sh -c '... torchrun ...')
+        started = re.search(r"\btorchrun --standalone --nproc_per_node=\d+ (\S+\.py)", command.text)
+        if started and _kind(command) != "not-run":
+            scripts.setdefault(started[1], set()).add(command.text)
         warm = _kind(command) == "run" and (command.how["run"] or {}).get("warm")
         if _kind(command) == "run" and not warm and command.text not in launcher_tier:
             real.add(command.text)
@@ -361,7 +365,7 @@ def test_commands_proven_elsewhere_are_run_as_written_by_that_test():
         assert command.text in runs, (
             f"{path}::{name} does not run {command.text!r} (command_argv, warm_command)"
         )
-        if any(ast.unparse(d) == "pytest.mark.launchers" for d in test.decorator_list):
+        if any(ast.unparse(d) in OTHER_TIERS for d in test.decorator_list):
             continue
         real |= {
             constants.get(arg.id) if isinstance(arg, ast.Name) else getattr(arg, "value", None)
