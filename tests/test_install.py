@@ -254,9 +254,9 @@ def api_date_by_file() -> dict[str, str]:
     return {path: newest(uses) for path, uses in uses_by_file().items()}
 
 
-def api_date() -> str:
-    """The newest API of the files that run on the minimum torch."""
-    dates = api_date_by_file().values()
+def api_date(by_file: dict[str, str] | None = None) -> str:
+    """The newest API of the files that run on the minimum torch (of api_date_by_file())."""
+    dates = (by_file or api_date_by_file()).values()
     return max((v for v in dates if Version(v) <= Version(minimum_torch())), key=Version)
 
 

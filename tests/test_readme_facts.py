@@ -37,6 +37,7 @@ from tests.helpers import (
     torchrun,
     tracked_files,
 )
+from tests.test_lessons import TOPIC_SCRIPTS, diff_count
 
 README_TEXT = (REPO / "README.md").read_text()
 README = " ".join(README_TEXT.split())  # line breaks as spaces
@@ -569,8 +570,9 @@ def test_versions_names_the_minimum_and_the_newest_api_the_code_uses():
     by_file = api_date_by_file()
     above = {path: v for path, v in by_file.items() if Version(v) > Version(minimum)}
     assert dict(re.findall(r"`([\w./-]+)` needs (\d+\.\d+)", versions)) == above
-    assert f"The APIs the code uses date from torch {api_date()}:" in versions
-    setting = {path for path, version in by_file.items() if version == api_date()}
+    newest = api_date(by_file)
+    assert f"The APIs the code uses date from torch {newest}:" in versions
+    setting = {path for path, version in by_file.items() if version == newest}
     assert setting and all(f"`{path}`" in versions for path in setting)
 
 
@@ -596,23 +598,15 @@ def _said_diff_count(readme: Path, a: str, b: str) -> int:
     return int(said[1])
 
 
-def _topic_scripts() -> list[str]:
-    from tests.test_lessons import TOPIC_SCRIPTS
-
-    return TOPIC_SCRIPTS
-
-
 @pytest.mark.parametrize(
     "a,b",
-    [("01_basic_ddp/train.py", s) for s in _topic_scripts()]
+    [("01_basic_ddp/train.py", s) for s in TOPIC_SCRIPTS]
     + [("05_checkpointing/train.py", "05_checkpointing/preempt.py")],
 )
 def test_a_lessons_diff_is_about_the_lines_its_readme_says(a, b):
     """Each topic lesson's README: `diff 01_basic_ddp/train.py NN_topic/train.py` changes "about N
     lines", within 10% either way: the lesson's budget (tests/test_lessons.py counts them, each
     print(...) one line); 05's README says the same of preempt.py against its train.py."""
-    from tests.test_lessons import diff_count
-
     said = _said_diff_count(REPO / b.split("/")[0] / "README.md", a, b)
     changed = diff_count(REPO / a, REPO / b)
     assert 0.9 * said <= changed <= 1.1 * said, f"diff {a} {b}: {changed} lines, README: {said}"
