@@ -1,5 +1,7 @@
 """Fixtures shared by several test files, and the skip of torch-text checks on another torch."""
 
+import os
+
 import pytest
 import torch.distributed as dist
 
@@ -8,6 +10,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 
 from tests.helpers import PINNED_TORCH, RUNNING_TORCH
+from tests.sample_runs import Ran, shared_run
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -38,3 +41,20 @@ def one_rank_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def sample_run(tmp_path_factory):
+    """sample_run(name): the run README sample `name` shows, run once per test session and read by
+    every test that asks (tests/sample_runs.py). Its folder is the session's: pytest-xdist's
+    workers each have a folder under the controller's, which is pytest's own per-run temporary
+    folder (it keeps the last three)."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "sample-runs"
+    folder.mkdir(exist_ok=True)
+
+    def ran(name: str) -> Ran:
+        return shared_run(name, folder)
+
+    ran.folder = folder
+    return ran

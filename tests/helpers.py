@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import tokenize
 import uuid
 from dataclasses import dataclass
@@ -338,6 +339,63 @@ def torchrun(
         *args,
     ]
     return run(cmd, timeout, env=env, check=check)
+
+
+def torchrun_nodes(
+    tmp_path, script, script_args, nodes, nproc=1, env_of_node=lambda node: clean_env(), timeout=150
+):
+    """`nodes` torchrun processes ("nodes") with `nproc` workers each, meeting at a c10d rendezvous
+    on 127.0.0.1; each node's log is tmp_path/node<i>.log, and env_of_node(i) its environment."""
+    port = free_port()
+    procs = []
+    for node in range(nodes):
+        cmd = [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={nodes}",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{port}",
+            f"--rdzv_id=test{port}",
+            str(script),
+            *script_args,
+        ]
+        log = open(tmp_path / f"node{node}.log", "w")
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=env_of_node(node),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+    wait_all(procs, timeout, tmp_path, f"{nodes}-node torchrun")
+
+
+def wait_all(procs, timeout, tmp_path, what):
+    """Wait for every "node" within `timeout` seconds
+    in all; kill the leftovers; all must exit 0."""
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{what} timed out after {timeout}s:\n" + node_logs(tmp_path), pytrace=False)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    assert [p.returncode for p in procs] == [0] * len(procs), node_logs(tmp_path)
+
+
+def node_logs(tmp_path):
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("*.log"))
+    )
 
 
 _FORKSERVER = None

@@ -27,11 +27,8 @@ from tests.helpers import (
     free_port,
     kill_group,
     load_script,
-    markdown_blocks,
-    pinned_torch_only,
     read_summary,
     command_argv,
-    readme_sample,
     repeated_lines,
     run,
     torchrun,
@@ -39,6 +36,7 @@ from tests.helpers import (
 )
 
 SCRIPT = "01_basic_ddp/train.py"
+PORT_PATCH = REPO / "tests" / "port_01.diff"  # 01's README, "Your own model and data"
 QUICK_START = "torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py"
 SPAWN = "python 01_basic_ddp/train_spawn.py --nprocs 2"
 SINGLE = "python 01_basic_ddp/train_single.py"
@@ -64,15 +62,11 @@ def assert_same_params(a, b, rtol=1e-5):
 
 
 @pytest.fixture(scope="module")
-def quick_start(tmp_path_factory):
-    """The README's quick-start command, as written, with only the output folder moved."""
-    out = tmp_path_factory.mktemp("quick_start")
-    result = run(
-        command_argv(QUICK_START) + ["--output-dir", str(out)],
-        timeout=180,
-        check=True,
-    )
-    return result, out
+def quick_start(sample_run):
+    """The README's quick-start command, as written, with only the output folder moved (the run
+    its README's sample shows: tests/sample_runs.py)."""
+    ran = sample_run("01").ok()
+    return ran, ran.output_dir
 
 
 @pytest.mark.min_torch
@@ -121,8 +115,8 @@ def test_output_has_the_lines_and_summary_fields_the_readme_lists(quick_start):
         "replica_checksums",
     ):
         assert key in summary, key
-    # the printed lines: test_readme_sample_output_is_what_the_quick_start_prints
-    assert (out / "model.pt").is_file()
+    # the printed lines: tests/test_readme_facts.py, 01's sample
+    assert sorted(p.name for p in out.iterdir()) == ["model.pt", "summary.json"]
 
 
 @pytest.mark.min_torch
@@ -350,43 +344,6 @@ def test_runs_unchanged_under_mpiexec(tmp_path, flavour):
     assert repeated_lines(result.stdout) == []  # rank 0 printed
 
 
-# --- what 01's README says about its run, held to
-# the quick-start run above -------------------------
-
-README = REPO / "01_basic_ddp" / "README.md"
-
-
-@pinned_torch_only("compares the figures the README's run printed")
-def test_readme_sample_output_is_what_the_quick_start_prints(quick_start):
-    """The README's sample is what the quick start prints, abridged as tests/readme_samples.py
-    abridges it (numbers masked, the accuracy within 0.02 of this run's): the one test that a
-    reworded print line of 01 fails, naming the command that regenerates the sample."""
-    from tests.readme_samples import drift, drift_message
-
-    result, out = quick_start
-    problems = drift("01", result.stdout, str(out))
-    assert not problems, drift_message("01", problems)
-    # The sample's output folder is the default one (the test moved it).
-    assert readme_sample(README, "Output (rank 0 only")[-1].endswith(
-        f" {TrainConfig().output_dir}/summary.json"
-    )
-    assert sorted(p.name for p in out.iterdir()) == ["model.pt", "summary.json"]
-
-
-def test_a_reworded_print_line_fails_the_sample_check_naming_the_regeneration_command():
-    """The README's own lines, as a run would print them (the `...` left out), agree with it; the
-    same output with one line reworded does not, and the message says how to regenerate."""
-    from tests.readme_samples import SAMPLES, drift, drift_message
-
-    assert SAMPLES["01"].command == QUICK_START  # the command the regeneration runs
-    shown = readme_sample(README, "Output (rank 0 only")
-    printed = "\n".join(line for line in shown if line != "...")
-    assert drift("01", printed, "runs/latest") == []
-    problems = drift("01", printed.replace("eval accuracy", "eval acc"), "runs/latest")
-    assert len(problems) == 1 and "eval acc " in problems[0]
-    assert "python tests/readme_samples.py --write 01" in drift_message("01", problems)
-
-
 def test_evaluation_is_exact_every_test_image_once(quick_start):
     """01's strided Subset per rank + one all_reduce gives the metric of one
     process on the whole test set: the saved model evaluated here, in one
@@ -490,19 +447,14 @@ def test_01_copied_out_trains_another_model_on_other_data(tmp_path):
     nothing of this repository on the path. They train the new model on the new data, and the
     replicas end identical."""
     need_tools("patch")
-    readme = (REPO / "01_basic_ddp" / "README.md").read_text()
-    section = readme.split("## Your own model and data", 1)[1]
-    patch = next(b for b in markdown_blocks(section) if b.info == "diff")
     project = tmp_path / "project"
     project.mkdir()
     shutil.copy(REPO / "01_basic_ddp" / "train.py", project / "train.py")
     shutil.copytree(
         REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__")
     )
-    (project / "port.diff").write_text("\n".join(patch.lines) + "\n")
-    subprocess.run(
-        ["patch", "train.py"], stdin=(project / "port.diff").open(), cwd=project, check=True
-    )
+    # the README's patch (tests/port_01.diff; tests/test_readme_facts.py holds the two equal)
+    subprocess.run(["patch", "train.py"], stdin=PORT_PATCH.open(), cwd=project, check=True)
     # train.py's own sys.path entry is tmp_path, which holds no `common`: the copy is used
     run(
         [

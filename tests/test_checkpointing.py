@@ -16,7 +16,6 @@ import math
 import os
 import random
 import re
-import shlex
 import shutil
 import signal
 import subprocess
@@ -30,6 +29,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from tests.cifar_files import write_cifar10
+from tests.sample_runs import record_env
 from tests.helpers import (
     PYTHON,
     REPO,
@@ -58,15 +58,6 @@ TOTAL_STEPS = 2 * STEPS_PER_EPOCH
 REQUEUE = 75
 
 ckpt = load_script("05_checkpointing/checkpoint.py", "checkpoint")
-
-
-def record_env(output_dir: Path, **extra: str) -> dict[str, str]:
-    """Environment that records every training batch's sample indices into <output_dir>/record."""
-    return clean_env(
-        PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'record'}",
-        DDP_TEST_RECORD_DIR=str(Path(output_dir) / "record"),
-        **extra,
-    )
 
 
 def batches(output_dir: Path, rank: int) -> list[tuple[int, list[int]]]:
@@ -145,21 +136,13 @@ def reference(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stopped_and_resumed(tmp_path_factory) -> tuple[Path, str, str]:
-    """The README's command, as written, with the flags of its sample (tests/readme_samples.py):
-    stopped at step 57, then the same command again, into a folder of the test's own. The same
-    arithmetic as the reference run: the save and log intervals do not change it."""
-    from tests.readme_samples import PRINTED
-
-    sample = PRINTED["05-resume"]
-    out = tmp_path_factory.mktemp("stopped")
-    outputs = []
-    for command in sample.commands[1:]:  # the first empties the README's folder
-        assert command.startswith(f"{RUN_IT} "), command
-        flags = command.removeprefix(RUN_IT).replace(sample.output_dir, str(out))
-        argv = command_argv(RUN_IT) + shlex.split(flags)
-        outputs.append(run(argv, timeout=180, env=record_env(out), check=True).stdout)
-    return out, outputs[0], outputs[1]
+def stopped_and_resumed(sample_run) -> tuple[Path, str, str]:
+    """The README's command, as written, with the flags of its sample: stopped at step 57, then
+    the same command again, recording its batches (the run the README's sample shows:
+    tests/sample_runs.py). The same arithmetic as the reference run: the save and log intervals
+    do not change it."""
+    ran = sample_run("05-resume").ok()
+    return ran.output_dir, *ran.stdouts
 
 
 @pytest.mark.min_torch
@@ -875,10 +858,8 @@ def test_dcp_save_on_two_ranks_loads_on_one(tmp_path):
     assert all(torch.equal(converted["model"][k], v) for k, v in reference_state["model"].items())
 
 
-# --- the README's statements, on the runs above, the
-# lesson's source and the installed torch ------------
-
-README = REPO / "05_checkpointing" / "README.md"
+# --- what the README says of the runs above, the lesson's source and the installed torch
+# (its sample: tests/test_readme_facts.py) ---------------------------------------------
 
 
 def _summary_fields(script: str) -> set[str]:
@@ -886,32 +867,13 @@ def _summary_fields(script: str) -> set[str]:
     return summary_fields(script)
 
 
-def test_readme_sample_and_summary_are_the_reference_runs(reference):
-    """The README's sample (2 epochs, batch 16 on 2 ranks; the save and
-    log intervals do not change the arithmetic) ends with the reference
-    run's figures; summary.json is 01's plus resumed_from_step."""
-    text = README.read_text()
-    ends = re.findall(
-        r"train loss (\d\.\d{4}), eval loss (\d\.\d{4}), eval accuracy (\d\.\d{4})", text
-    )
+def test_summary_json_is_01s_plus_resumed_from_step(reference):
+    """summary.json is 01's plus resumed_from_step."""
     summary = read_summary(reference)
-    figures = tuple(f"{summary[k]:.4f}" for k in ("final_train_loss", "eval_loss", "eval_accuracy"))
-    assert ends and set(ends) == {figures}, (ends, figures)
-    # (that every line of the sample is printed: the next test)
-    assert f"({summary['eval_samples']} images)" in text
     assert _summary_fields(SCRIPT) - _summary_fields("01_basic_ddp/train.py") == {
         "resumed_from_step"
     }
     assert _summary_fields("01_basic_ddp/train.py") <= _summary_fields(SCRIPT) <= summary.keys()
-
-
-def test_readme_sample_is_what_a_stopped_and_resumed_run_prints(stopped_and_resumed):
-    """The README's sample: every line shown is a line the stopped and resumed runs printed."""
-    from tests.readme_samples import printed_drift, printed_drift_message
-
-    output_dir, first, second = stopped_and_resumed
-    problems = printed_drift("05-resume", first + second, output_dir)
-    assert not problems, printed_drift_message("05-resume", problems)
 
 
 def _plain_values(value, where="state") -> list[str]:

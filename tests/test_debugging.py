@@ -29,7 +29,6 @@ from tests.helpers import (
     pinned_torch_only,
     read_summary,
     command_argv,
-    readme_sample,
     root_cause,
     run,
     torchrun,
@@ -38,7 +37,6 @@ from tests.helpers import (
 )
 
 DEMO = "debugging/demo_bugs.py"
-GUIDE = REPO / "debugging" / "README.md"
 
 
 def test_demo_runs_clean_without_a_bug(tmp_path):
@@ -698,9 +696,6 @@ def test_basic_ddp_evaluates_the_plain_module_and_all_reduces_once():
 
 # --- the wrapper used in place of the model; DDP's bucket memory (debugging/README.md)
 
-MODULE_PREFIX = (
-    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug module_prefix"
-)
 MODULE_PREFIX_SAVE_MODULE = (
     "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug module_prefix "
     "--fix module"
@@ -709,32 +704,22 @@ MODULE_PREFIX_STRIP = (
     "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug module_prefix "
     "--fix strip_prefix"
 )
-WRAPPER_ATTRIBUTE = (
-    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug wrapper_attribute"
-)
 WRAPPER_ATTRIBUTE_FIX = (
     "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug wrapper_attribute "
     "--fix module"
 )
 
 
-def test_wrapper_in_place_of_the_model_errors_under_torchrun(tmp_path):
-    """The guide's commands: each error as the README quotes it, from rank 0 and in torchrun's Root
-    Cause. demo_bugs.py's one README command under the real torchrun in the default run."""
-
-    def demo(argv, name):
-        return run(argv + ["--output-dir", str(tmp_path / name)], timeout=120)
-
-    prefix = demo(command_argv(MODULE_PREFIX), "prefix")
-    quoted = readme_sample(GUIDE, "Both come from using the wrapper")
-    assert prefix.returncode == 1 and len(quoted) == 3
-    printed = prefix.output.splitlines()
-    assert all(line in printed for line in quoted), (quoted, prefix.output[-3000:])
+def test_wrapper_in_place_of_the_model_errors_under_torchrun(sample_run):
+    """The guide's commands: each error from rank 0 and in torchrun's Root Cause (as the guide
+    quotes them: tests/test_readme_facts.py). demo_bugs.py's one README command under the real
+    torchrun in the default run."""
+    prefix = sample_run("guide-module-prefix")
+    assert prefix.returncodes == (1,)
     assert "Unexpected key(s) in state_dict" in root_cause(prefix.output)
-    attribute = demo(command_argv(WRAPPER_ATTRIBUTE), "attribute")
+    attribute = sample_run("guide-wrapper-attribute")
     error = "AttributeError: 'DistributedDataParallel' object has no attribute 'num_classes'"
-    assert attribute.returncode == 1 and f"[rank0]: {error}" in attribute.output
-    assert f"`{error}`" in GUIDE.read_text()
+    assert attribute.returncodes == (1,) and f"[rank0]: {error}" in attribute.output
 
 
 def test_wrapper_in_place_of_the_model_fixes(tmp_path):
@@ -795,13 +780,9 @@ def test_ddp_buckets_hold_one_copy_of_the_gradients():
 
 # --- frozen models and layers: DDP refusing a frozen model, freezing after the wrap
 
-WRAP_FROZEN = "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug wrap_frozen"
 WRAP_FROZEN_FIX = (
     "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug wrap_frozen "
     "--fix no_wrap"
-)
-FREEZE_AFTER_WRAP = (
-    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug freeze_after_wrap"
 )
 FREEZE_AFTER_WRAP_ONE_STEP = (
     "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug freeze_after_wrap "
@@ -821,52 +802,24 @@ FREEZE_FIND_UNUSED = (
 )
 
 
-def _any_rank(line: str) -> str:
-    """A line of output with the rank it came from left out: `[rankN]:`, `for rank N:`."""
-    return re.sub(r"rank \d+:", "rank N:", re.sub(r"^\[rank\d+\]:", "[rankN]:", line))
-
-
-def _quoted_lines_printed(quoted: list[str], output: str) -> list[str]:
-    """The quoted lines that no line of `output` matches, from any rank (a quote that ends in
-    ' ...' is the start of its line)."""
-    printed = [_any_rank(line) for line in output.splitlines()]
-    missing = []
-    for line in map(_any_rank, quoted):
-        head = line[: -len(" ...")] if line.endswith(" ...") else None
-        if not (line in printed or (head and any(p.startswith(head) for p in printed))):
-            missing.append(line)
-    return missing
-
-
 @pytest.mark.torch_text
-def test_frozen_models_and_layers_errors_and_fixes(tmp_path):
+def test_frozen_models_and_layers_errors_and_fixes(tmp_path, sample_run):
     """The guide's commands: DDP refuses a frozen model, in the words the guide quotes, and the
     unwrapped teacher runs; a part of the model frozen after the wrap passes step 1 (with
     unaveraged gradients: replicas differ after one step) and fails at step 2's forward as
     quoted; freezing first, wrapping again and find_unused_parameters each run, and train alike."""
 
-    def demo(argv, name):
-        return run(argv + ["--output-dir", str(tmp_path / name)], timeout=120)
-
-    refused = demo(command_argv(WRAP_FROZEN), "wrap_frozen")
-    quoted = readme_sample(GUIDE, '## "DistributedDataParallel is not needed')
-    assert refused.returncode == 1 and len(quoted) == 1, refused.output[-3000:]
-    assert _quoted_lines_printed(quoted, refused.output) == [], refused.output[-3000:]
+    refused = sample_run("guide-wrap-frozen")  # as the guide quotes it: tests/test_readme_facts.py
+    assert refused.returncodes == (1,), refused.output[-3000:]
     assert "DistributedDataParallel is not needed" in root_cause(refused.output)
     assert "step 1 mean loss" not in refused.output  # raised by the wrap, before any step
-    # 08's README quotes the same refusal, wrapped over three lines
-    lesson = " ".join((REPO / "08_several_models" / "README.md").read_text().split())
-    refusal = re.search(r"RuntimeError: DistributedDataParallel is not needed[^`]*", lesson)
-    assert refusal and refusal.group() in refused.output, refusal
     # the runs that end well: their claim is what the script does, so their ranks start warm
     fixed = warm_command(WRAP_FROZEN_FIX, "--output-dir", str(tmp_path / "no_wrap"))
     assert fixed.returncode == 0 and "done: no bug" in fixed.stdout, fixed.output[-3000:]
     assert read_summary(tmp_path / "no_wrap")["replicas_identical"]
 
-    frozen = demo(command_argv(FREEZE_AFTER_WRAP), "freeze_after_wrap")
-    quoted = readme_sample(GUIDE, "`model.module.trunk.requires_grad_(False)` after")
-    assert frozen.returncode == 1 and len(quoted) == 2, frozen.output[-3000:]
-    assert _quoted_lines_printed(quoted, frozen.output) == [], frozen.output[-3000:]
+    frozen = sample_run("guide-freeze-after-wrap")
+    assert frozen.returncodes == (1,), frozen.output[-3000:]
     # the first step runs; the second step's forward raises
     assert "step 1 mean loss" in frozen.output and "step 2 mean loss" not in frozen.output
     assert re.search(r"^\[rank\d\]:\s+logits = model\(x, use_aux=use_aux\)$", frozen.output, re.M)
@@ -892,9 +845,6 @@ def test_frozen_models_and_layers_errors_and_fixes(tmp_path):
 
 # --- different models on different ranks
 
-DIFFERENT_MODELS = (
-    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug different_models"
-)
 DIFFERENT_MODELS_FIX = (
     "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug different_models "
     "--fix data_set_size"
@@ -902,22 +852,12 @@ DIFFERENT_MODELS_FIX = (
 
 
 @pytest.mark.torch_text
-def test_different_models_error_and_fix(tmp_path):
+def test_different_models_error_and_fix(tmp_path, sample_run):
     """The guide's commands: ranks that built different models (an auxiliary head on rank 0 only)
     are refused at the wrap, before any step, in the words the guide quotes (each rank names its
     own count first); the model decided from the data set runs on both ranks alike."""
-    refused = run(
-        command_argv(DIFFERENT_MODELS) + ["--output-dir", str(tmp_path / "bug")],
-        timeout=120,
-    )
-    (quoted,) = readme_sample(GUIDE, '## "DDP expects same model across all ranks"')
-    assert refused.returncode == 1, refused.output[-3000:]
-
-    def counts_masked(line):
-        return re.sub(r"\b[Rr]ank \d|\d+ params", "#", _any_rank(line))
-
-    printed = {counts_masked(line) for line in refused.output.splitlines()}
-    assert counts_masked(quoted) in printed, refused.output[-3000:]
+    refused = sample_run("guide-different-models")  # as the guide quotes it: test_readme_facts.py
+    assert refused.returncodes == (1,), refused.output[-3000:]
     assert re.search(
         r"Rank 0 has 6 params, while rank 1 has inconsistent 4 params|"
         r"Rank 1 has 4 params, while rank 0 has inconsistent 6 params",

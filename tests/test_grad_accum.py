@@ -27,7 +27,6 @@ from tests.helpers import (
     command_argv,
     relative_difference,
     run,
-    torchrun,
     warm_ranks,
 )
 
@@ -38,13 +37,13 @@ K = 3  # micro-batches per optimizer step
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, sample_run):
     """3 optimizer steps each: 2 ranks x batch 4 x 3 micro-batches with and without no_sync
     (under the probe, which counts the all-reduces), 1 process x batch 24 (01), and 2
     ranks x batch 4 without accumulation (the lesson as is, a negative control)."""
     root = tmp_path_factory.mktemp("accum")
     steps = ("--max-steps", "3", "--epochs", "1")
-    out = {name: root / name for name in ("no_sync", "sync_every", "reference", "no_accum")}
+    out = {name: root / name for name in ("no_sync", "sync_every", "reference")}
     counts = {}
     for name, flags in (("no_sync", ()), ("sync_every", ("--no-use-no-sync",))):
         result_file = root / f"{name}.json"
@@ -71,18 +70,9 @@ def runs(tmp_path_factory):
         str(out["reference"]),
         nproc=1,
     )
-    # step lines too, for the README sample's shapes
-    lesson = torchrun(
-        SCRIPT,
-        *steps,
-        "--batch-size",
-        "4",
-        "--log-every",
-        "1",
-        "--output-dir",
-        str(out["no_accum"]),
-    )
-    (root / "no_accum.stdout").write_text(lesson.stdout)
+    # the lesson as is, under torchrun, a progress line per step: the run its README's sample
+    # shows (tests/sample_runs.py)
+    out["no_accum"] = sample_run("03").ok().output_dir
     return out, counts
 
 
@@ -325,22 +315,6 @@ def test_accum_steps_1_is_01s_loop(runs, tmp_path):
     )
     basic, accum_1 = load_model(tmp_path), load_model(out["no_accum"])
     assert basic.keys() == accum_1.keys() and all(torch.equal(basic[k], accum_1[k]) for k in basic)
-
-
-# --- the README's sample (what it quotes and counts of the script: tests/test_readme_facts.py)
-# ---------------------------------------------------------------------------------------------
-
-
-def test_readme_sample_lines_are_what_the_script_prints(runs):
-    """Every line of the README's sample output, numbers masked, is a line the lesson prints
-    (its run above: 2 ranks, 3 steps, a progress line per step). A reworded print line fails
-    here, and the message says how to regenerate the sample."""
-    from tests.readme_samples import drift_message, shape_drift
-
-    out, _ = runs
-    stdout = (out["no_accum"].parent / "no_accum.stdout").read_text()
-    problems = shape_drift("03", stdout, str(out["no_accum"]))
-    assert not problems, drift_message("03", problems)
 
 
 def test_the_readmes_warm_up_is_torchs_linear_lr_stepped_after_the_optimizer():

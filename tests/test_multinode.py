@@ -22,13 +22,13 @@ from tests.helpers import (
     free_port,
     load_script,
     read_summary,
-    command_argv,
     run,
     summary_fields,
+    torchrun_nodes,
+    wait_all,
     warm_ranks,
     without_comments,
 )
-from tests.helpers import readme_sample as helpers_readme_sample
 from tests.launcher_tools import need_root, need_tools, openmpi_env, unavailable
 
 TRAIN = REPO / "06_multinode" / "train.py"
@@ -37,69 +37,12 @@ COMM = REPO / "06_multinode" / "comm_check.py"
 SMALL = ("--max-steps", "4", "--epochs", "1", "--batch-size", "16")
 
 
-def torchrun_nodes(
-    tmp_path, script, script_args, nodes, nproc=1, env_of_node=lambda node: clean_env(), timeout=150
-):
-    """`nodes` torchrun processes ("nodes") with `nproc` workers each, meeting at a c10d rendezvous
-    on 127.0.0.1; each node's log is tmp_path/node<i>.log, and env_of_node(i) its environment."""
-    port = free_port()
-    procs = []
-    for node in range(nodes):
-        cmd = [
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            f"--nnodes={nodes}",
-            f"--nproc_per_node={nproc}",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{port}",
-            f"--rdzv_id=test{port}",
-            str(script),
-            *script_args,
-        ]
-        log = open(tmp_path / f"node{node}.log", "w")
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                cwd=REPO,
-                env=env_of_node(node),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
-    wait_all(procs, timeout, tmp_path, f"{nodes}-node torchrun")
-
-
-def wait_all(procs, timeout, tmp_path, what):
-    """Wait for every "node" within `timeout` seconds
-    in all; kill the leftovers; all must exit 0."""
-    deadline = time.monotonic() + timeout
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{what} timed out after {timeout}s:\n" + logs(tmp_path), pytrace=False)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-    assert [p.returncode for p in procs] == [0] * len(procs), logs(tmp_path)
-
-
-def logs(tmp_path):
-    return "\n".join(
-        f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("*.log"))
-    )
-
-
 @pytest.mark.launchers
 @pytest.mark.min_torch
-def test_torchrun_two_nodes_c10d_agrees_with_one_node(tmp_path):
-    # one worker each
-    torchrun_nodes(tmp_path, TRAIN, [*SMALL, "--output-dir", str(tmp_path / "two")], nodes=2)
-    two = read_summary(tmp_path / "two")
+def test_torchrun_two_nodes_c10d_agrees_with_one_node(tmp_path, sample_run):
+    # one worker each (the run the README's sample shows: tests/sample_runs.py)
+    ran = sample_run("06-two-nodes").ok()
+    two = read_summary(ran.output_dir / "two")
     # the one-node reference: its arithmetic is the claim, so its ranks start warm
     warm_ranks("06_multinode/train.py", *SMALL, "--output-dir", str(tmp_path / "one"), nproc=2)
     one = read_summary(tmp_path / "one")
@@ -111,22 +54,8 @@ def test_torchrun_two_nodes_c10d_agrees_with_one_node(tmp_path):
     # Same global batch and seed: the split into nodes does not change the arithmetic.
     assert two["final_train_loss"] == pytest.approx(one["final_train_loss"], rel=1e-5)
     assert two["replica_checksums"] == one["replica_checksums"]
-    banner = (tmp_path / "node0.log").read_text() + (tmp_path / "node1.log").read_text()
-    assert re.search(r"^\s+1\s+0\s+\S+\s+cpu\s+\S+$", banner, re.M), (
+    assert re.search(r"^\s+1\s+0\s+\S+\s+cpu\s+\S+$", ran.stdout, re.M), (
         "placement table row for rank 1 missing"
-    )
-    # The README's sample of this command: the table, the
-    # hosts line and the launcher line have the shape
-    # of this run's (its step lines and paths come from the README's longer run).
-    sample = [
-        line
-        for line in readme_sample("Output of the first command")
-        if not line.startswith(("epoch", "summary written"))
-    ]
-    assert len(sample) == 5
-    missing = shapes(sample, "vm") - shapes(banner.splitlines(), socket.gethostname())
-    assert not missing, (
-        f"README sample lines not in the real output: {sorted(missing)}\n{banner[-3000:]}"
     )
     # summary.json: 01's fields and four more.
     assert summary_fields(TRAIN) - summary_fields(REPO / "01_basic_ddp" / "train.py") == {
@@ -274,61 +203,25 @@ def check_figures(results, ranks):
         )
 
 
-def check_avg_bus_bandwidth(section):
+def check_avg_bus_bandwidth(part):
     """nccl-tests' "# Avg bus bandwidth": the mean busbw over
     the message sizes; and the same for the slowest rank."""
-    busbw = [r["busbw_gbps"] for r in section["results"]]
-    assert section["avg_busbw_gbps"] == pytest.approx(sum(busbw) / len(busbw), rel=1e-9)
-    slowest = [r["busbw_gbps_slowest"] for r in section["results"]]
-    assert section["avg_busbw_gbps_slowest"] == pytest.approx(sum(slowest) / len(slowest), rel=1e-9)
-    assert section["avg_busbw_gbps_slowest"] <= section["avg_busbw_gbps"] * (1 + 1e-9)
-
-
-def shapes(lines, host):
-    """Lines with numbers as N, the host name as HOST and runs
-    of blanks as one: what a sample shares with a run."""
-    from tests.readme_samples import shape
-
-    return {shape(re.sub(rf"\b{re.escape(host)}\b", "HOST", line)) for line in lines}
-
-
-def readme_sample(marker):
-    """The lines of 06's README sample-output block that follows the text `marker`."""
-    return helpers_readme_sample(REPO / "06_multinode" / "README.md", marker)
-
-
-def assert_readme_sample_is_real(marker, output, skip=()):
-    """Every line of the README's sample (README host: vm) has the shape
-    of a line of `output`, except the machine-specific ones (torch
-    build, the address) and those in `skip` (findings of this run)."""
-    sample = [
-        line
-        for line in readme_sample(marker)
-        if not re.match(r"node \S+ \(ranks .*\): torch |\s+transport: ", line)
-        and not any(word in line for word in skip)
-    ]
-    assert len(sample) > 10
-    missing = shapes(sample, "vm") - shapes(output.splitlines(), socket.gethostname())
-    assert not missing, (
-        f"README sample lines not in the real output: {sorted(missing)}\n{output[-4000:]}"
-    )
+    busbw = [r["busbw_gbps"] for r in part["results"]]
+    assert part["avg_busbw_gbps"] == pytest.approx(sum(busbw) / len(busbw), rel=1e-9)
+    slowest = [r["busbw_gbps_slowest"] for r in part["results"]]
+    assert part["avg_busbw_gbps_slowest"] == pytest.approx(sum(slowest) / len(slowest), rel=1e-9)
+    assert part["avg_busbw_gbps_slowest"] <= part["avg_busbw_gbps"] * (1 + 1e-9)
 
 
 def full_logs(tmp_path):
     return "\n".join(p.read_text() for p in sorted(tmp_path.glob("node*.log")))
 
 
-def test_comm_check_prints_busbw_per_size(tmp_path):
-    """The README's command, as written, with smaller messages and fewer iterations."""
-    env = clean_env(FI_PROVIDER="tcp", NCCL_SOCKET_IFNAME="lo", UNRELATED_SETTING="x")
-    result = run(
-        command_argv(COMM_CHECK)
-        + ["--max-bytes", "65536", "--iters", "3", "--output-dir", str(tmp_path)],
-        timeout=120,
-        env=env,
-        check=True,
-    )
-    report = json.loads((tmp_path / "comm_check.json").read_text())
+def test_comm_check_prints_busbw_per_size(sample_run):
+    """The README's command, as written, with smaller messages and fewer iterations, and three
+    settings in its environment (the run the README's sample shows: tests/sample_runs.py)."""
+    result = sample_run("06-comm-check").ok()
+    report = json.loads((result.output_dir / "comm_check.json").read_text())
     sizes = [r["bytes"] for r in report["results"]]
     assert sizes == [8 * 2**i for i in range(14)]  # 8 B, 16 B, ..., 64 KiB
     rows = {}
@@ -373,7 +266,6 @@ def test_comm_check_prints_busbw_per_size(tmp_path):
         "verdict: settings that differ: none; slow nodes: none; all results correct: True"
         in result.stdout
     )
-    assert_readme_sample_is_real("comm_check on this machine", result.stdout)
 
 
 def torch_version():
@@ -383,37 +275,14 @@ def torch_version():
 
 
 @pytest.mark.launchers
-def test_comm_check_two_nodes_environment_groups_and_a_slow_node(tmp_path):
+def test_comm_check_two_nodes_environment_groups_and_a_slow_node(sample_run):
     """Two torchrun "nodes" of two ranks each; node B has another NCCL_IB_HCA and,
     injected from outside (tests/inject), sleeps 50 ms before every all-reduce.
     comm_check flags the setting, measures each node and the two nodes' first ranks,
-    and names B as the slow node within a node; two nodes are too few for pairs."""
-
-    def env_of_node(node):
-        slow = dict(DDP_TEST_SLOW_ALL_REDUCE_S="0.05") if node == 1 else {}
-        return clean_env(
-            PYTHONPATH=INJECT, GLOO_SOCKET_IFNAME="lo", NCCL_IB_HCA=f"mlx5_{node}", **slow
-        )
-
-    torchrun_nodes(
-        tmp_path,
-        COMM,
-        [
-            "--min-bytes",
-            "65536",
-            "--max-bytes",
-            "262144",
-            "--iters",
-            "5",
-            "--pairs",
-            "--output-dir",
-            str(tmp_path),
-        ],
-        nodes=2,
-        nproc=2,
-        env_of_node=env_of_node,
-    )
-    output = full_logs(tmp_path)
+    and names B as the slow node within a node; two nodes are too few for pairs (the run the
+    README's sample shows: tests/sample_runs.py)."""
+    ran = sample_run("06-comm-two-nodes").ok()
+    output, tmp_path = ran.stdout, ran.output_dir
     report = json.loads((tmp_path / "comm_check.json").read_text())
     host = socket.gethostname()
     nodes = {n["node"]: n for n in report["nodes"]}
@@ -457,9 +326,6 @@ def test_comm_check_two_nodes_environment_groups_and_a_slow_node(tmp_path):
     assert (
         f"verdict: settings that differ: NCCL_IB_HCA; slow nodes: {slow}; all results correct: True"
         in output
-    )
-    assert_readme_sample_is_real(
-        'Two "nodes" of two ranks each', output, skip=("agree", "slow nodes", "verdict")
     )
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.sample_runs import RUNS
 from tests.helpers import (
     PYTHON,
     REPO,
@@ -296,24 +297,24 @@ def test_test_suite_commands_collect():
 
 
 def test_ci_runs_the_readmes_test_command():
-    """.ci/run runs the README's own test command, the tiers that leaves out, then the style
-    check, as written."""
+    """.ci/run runs the README's own test command as written, with every tier selected by
+    PYTEST_ADDOPTS (which pytest reads after pytest.ini), then the minimum-torch tier and the
+    README's style check."""
     readme = {c.text for c in readme_commands() if c.readme == "README.md"}
     ci_commands = [
         " ".join(line.split())
         for line in (REPO / ".ci" / "run").read_text().splitlines()
         if line.strip() and not line.lstrip().startswith("#")
     ]
-    assert ci_commands[-3:] == [
-        "pip install -r requirements.txt -r requirements-test.txt && python -m pytest",
-        'python -m pytest -m "launchers or scheduler or torch_text"',
-        "ruff format --check . && ruff check .",
-    ]
-    assert {ci_commands[-3], ci_commands[-1]} <= readme
-    # tests/README.md names the tiers the default run leaves out, as CI runs them
-    assert ci_commands[-2] in {c.text for c in readme_commands() if c.readme == "tests/README.md"}
+    test_command = "pip install -r requirements.txt -r requirements-test.txt && python -m pytest"
+    at = ci_commands.index(test_command)
+    assert ci_commands[at - 1] == "export PYTEST_ADDOPTS='-m \"\" -n 3'"
+    assert ci_commands[at + 1] == "unset PYTEST_ADDOPTS"
+    assert 'PATH="$min_torch_venv/bin:$PATH" python -m pytest -m min_torch' in ci_commands[at:]
+    assert ci_commands[-1] == "ruff format --check . && ruff check ."
+    assert {test_command, ci_commands[-1]} <= readme
     # The quick start shows the same test command.
-    assert (REPO / "README.md").read_text().count(ci_commands[-3]) >= 2
+    assert (REPO / "README.md").read_text().count(test_command) >= 2
 
 
 # The tiers the default run leaves out (pytest.ini), as a test's decorator
@@ -360,9 +361,16 @@ def test_commands_proven_elsewhere_are_run_as_written_by_that_test():
             for node in ast.walk(test)
             if isinstance(node, (ast.Name, ast.Constant))
         }
+        # a run shared with a README sample (tests/sample_runs.py) names its command
+        shared = [
+            RUNS[call.args[0].value]
+            for call in ast.walk(test)
+            if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "sample_run"
+        ]
         runs = strings if calls & {"command_argv", "warm_command"} else set()
+        runs |= {ran.readme_command for ran in shared}
         assert command.text in runs, (
-            f"{path}::{name} does not run {command.text!r} (command_argv, warm_command)"
+            f"{path}::{name} does not run {command.text!r} (command_argv, warm_command, sample_run)"
         )
         if any(ast.unparse(d) in OTHER_TIERS for d in test.decorator_list):
             continue
@@ -372,5 +380,6 @@ def test_commands_proven_elsewhere_are_run_as_written_by_that_test():
             if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "command_argv"
             for arg in call.args[:1]
         }
+        real |= {ran.readme_command for ran in shared if not ran.warm}
     only_warm = sorted(script for script, texts in scripts.items() if not texts & real)
     assert only_warm == [], f"no README command of these runs under the real torchrun: {only_warm}"

@@ -13,6 +13,7 @@ import importlib.metadata as metadata
 import json
 import math
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,8 @@ from tests.helpers import (
     torchrun,
     tracked_files,
 )
+from tests import readme_samples
+from tests.sample_runs import Ran, shared_runs
 from tests.test_lessons import TOPIC_SCRIPTS, diff_count
 
 README_TEXT = (REPO / "README.md").read_text()
@@ -728,3 +731,245 @@ def test_06s_samples_time_as_many_iterations_as_comm_check_does():
     ]
     assert len(rows) > 30
     assert all(int(m.group(2)) == comm.timed_iterations(int(m.group(1)), 20) for m in rows)
+
+
+# --- the READMEs' sample outputs, one test per README, each against the run it shows: the same
+# run a behaviour test reads (tests/sample_runs.py). A failure names the command that regenerates
+# the sample (tests/readme_samples.py).
+# -------------------------------------------------------------------------------------------------
+
+
+def assert_printed(name, ran, lines=None):
+    """Every line of sample `name` (or `lines` of it) is a line `ran` printed."""
+    problems = readme_samples.printed_drift(name, ran.output, ran.output_dir, lines)
+    assert not problems, readme_samples.printed_drift_message(name, problems)
+
+
+def test_the_sample_check_fails_on_a_line_that_was_not_printed_and_names_the_fix():
+    """`...` stands for any text; a line that is only `...` is an elision. Controls: a changed
+    number, a cut line, a wrong line number behind `...`."""
+    output = "rank 0: [0, 3]\n[rank1]: [/a/b/tcp.cc:1] Timed out\n"
+    ran = Ran((output,), ("",), (0,), Path("/nowhere"))
+    lines = ["rank 0: [0, 3]", "[rank1]:   ...", "[rank1]: [.../tcp.cc:1] Timed out"]
+    assert readme_samples.printed_drift("02-viewer", output, lines=lines) == []
+    for wrong in (["rank 0: [0, 4]"], ["rank 0: [0, 3"], ["[rank1]: [.../tcp.cc:2] Timed out"]):
+        with pytest.raises(
+            AssertionError, match="python tests/readme_samples.py --write 02-viewer"
+        ):
+            assert_printed("02-viewer", ran, lines=wrong)
+
+
+@pinned_torch_only("compares the figures the README's run printed")
+def test_01s_sample_is_what_the_quick_start_prints(sample_run):
+    """01's sample is what the quick start prints, abridged as tests/readme_samples.py abridges it
+    (numbers masked, the accuracy within 0.02 of this run's): the one test that a reworded print
+    line of 01 fails, naming the command that regenerates the sample."""
+    ran = sample_run("01").ok()
+    problems = readme_samples.drift("01", ran.stdout, str(ran.output_dir))
+    assert not problems, readme_samples.drift_message("01", problems)
+    # The sample's output folder is the default one (the test moved it).
+    assert readme_sample(REPO / "01_basic_ddp/README.md", "Output (rank 0 only")[-1].endswith(
+        f" {TrainConfig().output_dir}/summary.json"
+    )
+
+
+def test_a_reworded_print_line_fails_the_sample_check_naming_the_regeneration_command():
+    """01's sample, as a run would print it (the `...` left out), agrees with itself; the same
+    output with one line reworded does not, and the message says how to regenerate."""
+    shown = readme_sample(REPO / "01_basic_ddp/README.md", "Output (rank 0 only")
+    printed = "\n".join(line for line in shown if line != "...")
+    assert readme_samples.drift("01", printed, "runs/latest") == []
+    problems = readme_samples.drift(
+        "01", printed.replace("eval accuracy", "eval acc"), "runs/latest"
+    )
+    assert len(problems) == 1 and "eval acc " in problems[0]
+    assert "python tests/readme_samples.py --write 01" in readme_samples.drift_message(
+        "01", problems
+    )
+
+
+@pytest.mark.parametrize("name", ["03", "04"])
+def test_03s_and_04s_samples_have_the_lines_of_a_shorter_run(sample_run, name):
+    """Every line of the README's sample output (its command's), numbers masked, is a line a
+    shorter run of the lesson prints (2 ranks, 3 steps: tests/sample_runs.py)."""
+    ran = sample_run(name).ok()
+    problems = readme_samples.shape_drift(name, ran.stdout, str(ran.output_dir))
+    assert not problems, readme_samples.drift_message(name, problems)
+
+
+def test_01s_port_patch_is_the_one_the_copied_out_test_applies():
+    """01's README, "Your own model and data": its diff is tests/port_01.diff, which
+    tests/test_basic_ddp.py applies to a copy of train.py and runs. Reworded the README's diff?
+    Copy the block into that file."""
+    section = markdown_section((REPO / "01_basic_ddp/README.md").read_text(), "## Your own model")
+    [patch] = [b for b in markdown_blocks(section) if b.info == "diff"]
+    assert "\n".join(patch.lines) + "\n" == (REPO / "tests/port_01.diff").read_text()
+
+
+def test_02s_samples_are_what_its_commands_print(sample_run):
+    """02's seven samples, each against the README's command (02-uneven's two paragraphs against
+    its two runs), and the shard sample's plan against prepare_shards.py's manifest."""
+    names = [
+        "02-viewer",
+        "02-no-sampler",
+        "02-eval",
+        "02-gather",
+        "02-gather-padded",
+        "02-weighted",
+        "02-uneven-join",
+        "02-uneven-drop-last",
+        "02-uneven-none",
+        "02-shards",
+    ]
+    ran = dict(shared_runs(names, sample_run.folder))
+    for name in ("02-viewer", "02-no-sampler", "02-eval", "02-weighted"):
+        assert_printed(name, ran[name].ok())
+    # but for the figures, which depend on the weights (01's in the README)
+    for name in ("02-gather", "02-gather-padded"):
+        lines = readme_samples.sample_lines(name)
+        assert_printed(
+            name, ran[name].ok(), [x for x in lines if not x.startswith("from the file:")]
+        )
+    join, drop_last = readme_samples.paragraphs("02-uneven")
+    assert_printed("02-uneven", ran["02-uneven-join"].ok(), join)
+    assert_printed("02-uneven", ran["02-uneven-drop-last"].ok(), drop_last)
+    # The abridged output without a fix: rank 1's 21 batches, its traceback. Its last line, rank
+    # 1's own send timing out, is "Connection closed by peer" instead when rank 0's timeout ends
+    # first.
+    *shown, own_timeout = sample = readme_samples.sample_lines("02-uneven-none")
+    assert "Timed out waiting 5000ms for send" in own_timeout
+    rank1 = [x for x in ran["02-uneven-none"].output.splitlines() if x.startswith("[rank1]:")]
+    closed_first = any("Connection closed by peer" in x for x in rank1)
+    assert_printed("02-uneven-none", ran["02-uneven-none"], shown if closed_first else sample)
+    assert_shard_plan(json.loads((ran["02-shards"].ok().output_dir / "manifest.json").read_text()))
+
+
+def test_05s_sample_is_what_a_stopped_and_resumed_run_prints(sample_run):
+    """Every line of 05's sample is a line the stopped and resumed runs printed; the figures the
+    README says the uninterrupted run prints too are the resumed run's (which equals the
+    uninterrupted run: tests/test_checkpointing.py)."""
+    ran = sample_run("05-resume").ok()
+    assert_printed("05-resume", ran)
+    text = (REPO / "05_checkpointing/README.md").read_text()
+    figures = r"train loss (\d\.\d{4}), eval loss (\d\.\d{4}), eval accuracy (\d\.\d{4})"
+    ends = re.findall(figures, text)
+    assert len(ends) == 2 and set(ends) == {re.findall(figures, ran.stdouts[1])[-1]}, ends
+
+
+def shapes(lines, host):
+    """Lines with numbers as N, the host name as HOST and runs
+    of blanks as one: what a sample shares with a run."""
+    return {readme_samples.shape(re.sub(rf"\b{re.escape(host)}\b", "HOST", x)) for x in lines}
+
+
+@pytest.mark.launchers
+def test_06s_samples_have_the_shape_of_its_runs(sample_run):
+    """Every line of 06's samples (README host: vm) has the shape of a line its run printed, but
+    for the machine-specific ones (torch build, the address), the lines of the README's longer
+    run (steps, paths) and the two-node check's findings of this run."""
+    readme, host = REPO / "06_multinode/README.md", socket.gethostname()
+    ran = dict(
+        shared_runs(["06-two-nodes", "06-comm-check", "06-comm-two-nodes"], sample_run.folder)
+    )
+    machine = r"node \S+ \(ranks .*\): torch |\s+transport: "
+    for marker, name, left_out, least in (
+        ("Output of the first command", "06-two-nodes", "^(epoch|summary written)", 5),
+        ("comm_check on this machine", "06-comm-check", machine, 11),
+        (
+            'Two "nodes" of two ranks each',
+            "06-comm-two-nodes",
+            f"{machine}|.*(agree|slow nodes|verdict)",
+            11,
+        ),
+    ):
+        sample = [x for x in readme_sample(readme, marker) if not re.match(left_out, x)]
+        assert len(sample) >= least, sample
+        missing = shapes(sample, "vm") - shapes(ran[name].ok().stdout.splitlines(), host)
+        assert not missing, f"{readme}: sample lines not printed: {sorted(missing)}"
+
+
+def _any_rank(line: str) -> str:
+    """A line of output with the rank it came from left out: `[rankN]:`, `for rank N:`."""
+    return re.sub(r"rank \d+:", "rank N:", re.sub(r"^\[rank\d+\]:", "[rankN]:", line))
+
+
+def _quoted_lines_printed(quoted: list[str], output: str) -> list[str]:
+    """The quoted lines that no line of `output` matches, from any rank (a quote that ends in
+    ' ...' is the start of its line)."""
+    printed = [_any_rank(line) for line in output.splitlines()]
+    missing = []
+    for line in map(_any_rank, quoted):
+        head = line[: -len(" ...")] if line.endswith(" ...") else None
+        if not (line in printed or (head and any(p.startswith(head) for p in printed))):
+            missing.append(line)
+    return missing
+
+
+@pytest.mark.torch_text
+def test_the_guides_quoted_errors_are_what_its_demos_print(sample_run):
+    """Each error the guide quotes (and 08's README, DDP's refusal of a frozen model) is what the
+    guide's command printed: torch's, Python's or gloo's words, from any rank."""
+    guide = REPO / "debugging/README.md"
+    names = [
+        "guide-module-prefix",
+        "guide-wrapper-attribute",
+        "guide-wrap-frozen",
+        "guide-freeze-after-wrap",
+        "guide-different-models",
+    ]
+    ran = dict(shared_runs(names, sample_run.folder))
+    for marker, name, lines in (
+        ("Both come from using the wrapper", "guide-module-prefix", 3),
+        ('## "DistributedDataParallel is not needed', "guide-wrap-frozen", 1),
+        ("`model.module.trunk.requires_grad_(False)` after", "guide-freeze-after-wrap", 2),
+    ):
+        quoted = readme_sample(guide, marker)
+        assert len(quoted) == lines and ran[name].returncodes == (1,), quoted
+        missing = _quoted_lines_printed(quoted, ran[name].output)
+        assert missing == [], (missing, ran[name].output[-3000:])
+    error = "AttributeError: 'DistributedDataParallel' object has no attribute 'num_classes'"
+    assert f"`{error}`" in guide.read_text() and error in ran["guide-wrapper-attribute"].output
+
+    def counts_masked(line):  # each rank names its own count first
+        return re.sub(r"\b[Rr]ank \d|\d+ params", "#", _any_rank(line))
+
+    (quoted,) = readme_sample(guide, '## "DDP expects same model across all ranks"')
+    printed = {counts_masked(line) for line in ran["guide-different-models"].output.splitlines()}
+    assert counts_masked(quoted) in printed, ran["guide-different-models"].output[-3000:]
+    # 08's README quotes the frozen model's refusal, wrapped over three lines
+    lesson = " ".join((REPO / "08_several_models/README.md").read_text().split())
+    refusal = re.search(r"RuntimeError: DistributedDataParallel is not needed[^`]*", lesson)
+    assert refusal and refusal.group() in ran["guide-wrap-frozen"].output, refusal
+
+
+def assert_shard_plan(manifest):
+    """The README's run (2 ranks, batch 32, no loader workers): its shard lists are
+    shards_for's, its step count the smallest rank's batches, from the manifest alone."""
+    script = load_script("02_sampler_patterns/sharded_loading.py", "sharded_loading")
+    files = [entry["file"] for entry in manifest["shards"]]
+    sizes = {entry["file"]: entry["samples"] for entry in manifest["shards"]}
+    sample = [
+        line.rstrip()
+        for line in readme_sample(
+            REPO / "02_sampler_patterns/README.md", "## 6. `sharded_loading.py`"
+        )
+        if line.strip()
+    ]
+    assert sample[0] == f"{manifest['total']} samples in {len(files)} shards, 2 ranks"
+    for epoch, line in enumerate(sample[1:]):
+        found = re.fullmatch(
+            r"epoch (\d+): (\d+) steps on every rank, (\d+) of (\d+) samples read \((\d+) "
+            r"left over\); "
+            r"shards per rank: (.*)",
+            line,
+        )
+        number, steps, read, assigned, left = map(int, found.groups()[:5])
+        per_rank = [script.shards_for(r, 2, files, 0, epoch) for r in range(2)]
+        assert number == epoch + 1 and ast.literal_eval(found.group(6)) == per_rank
+        samples = [sum(sizes[f] for f in mine) for mine in per_rank]
+        assert steps == min(math.ceil(n / 32) for n in samples)
+        assert (read, assigned, left) == (
+            sum(min(n, steps * 32) for n in samples),
+            sum(samples),
+            sum(samples) - sum(min(n, steps * 32) for n in samples),
+        )

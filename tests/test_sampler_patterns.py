@@ -25,7 +25,6 @@ from common.config import TrainConfig, parse_config
 from common.data import digits
 from common.errors import ConfigError
 from common.models import SmallCNN
-from tests import readme_samples
 from tests.helpers import (
     PYTHON,
     REPO,
@@ -34,63 +33,20 @@ from tests.helpers import (
     load_script,
     pinned_torch_only,
     read_summary,
-    command_argv,
-    readme_sample,
     run,
     warm_command,
     warm_ranks,
 )
 
 DIR = "02_sampler_patterns"
-README = (REPO / DIR / "README.md").read_text()
-
-# The README's commands, which the tests below run as
-# written (the README marks them `proven-by` this file),
-# adding only --output-dir.
-VIEWER = (
-    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/partition_viewer.py "
-    "--num-samples 10"
-)
-NO_SAMPLER = "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/no_sampler_pitfall.py"
-EVAL = "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/distributed_eval.py"
-WEIGHTED = "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/weighted_sampler.py"
-# (these two also get --weights: a weights file of the test's own, not 01's runs/latest/model.pt)
+# The README's commands that the tests below run as written
+# on fewer ranks, adding only --output-dir and --weights; the
+# rest run once for the README's samples too (tests/sample_runs.py).
 GATHER = "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/gather_predictions.py"
 GATHER_PADDED = (
     "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/gather_predictions.py --padded"
 )
-UNEVEN_JOIN = (
-    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/uneven_inputs.py --fix join"
-)
-UNEVEN_DROP_LAST = (
-    "torchrun --standalone --nproc_per_node=3 02_sampler_patterns/uneven_inputs.py --fix drop_last"
-)
-UNEVEN_NONE = (
-    "torchrun --standalone --nproc_per_node=2 02_sampler_patterns/uneven_inputs.py "
-    "--fix none --timeout-s 5"
-)
-README_PATH = f"{DIR}/README.md"
 SCRIPTS = sorted(p.name for p in (REPO / DIR).glob("*.py"))
-
-
-def assert_sample(name, output, output_dir=None, lines=None):
-    """The README's sample `name` (or `lines` of it) is what `output` printed; the failure says
-    how to regenerate it (tests/readme_samples.py)."""
-    problems = readme_samples.printed_drift(name, output, output_dir, lines)
-    assert not problems, readme_samples.printed_drift_message(name, problems)
-
-
-def test_the_sample_check_fails_on_a_line_that_was_not_printed_and_names_the_fix():
-    """`...` stands for any text; a line that is only `...` is an elision. Controls: a changed
-    number, a cut line, a wrong line number behind `...`."""
-    output = "rank 0: [0, 3]\n[rank1]: [/a/b/tcp.cc:1] Timed out\n"
-    lines = ["rank 0: [0, 3]", "[rank1]:   ...", "[rank1]: [.../tcp.cc:1] Timed out"]
-    assert readme_samples.printed_drift("02-viewer", output, lines=lines) == []
-    for wrong in (["rank 0: [0, 4]"], ["rank 0: [0, 3"], ["[rank1]: [.../tcp.cc:2] Timed out"]):
-        with pytest.raises(
-            AssertionError, match="python tests/readme_samples.py --write 02-viewer"
-        ):
-            assert_sample("02-viewer", output, lines=wrong)
 
 
 # ---------------------------------------------------------------- every script
@@ -158,12 +114,10 @@ def test_a_wrong_flag_is_one_error_line_before_any_process_group(script, capsys)
 
 
 @pytest.fixture(scope="module")
-def viewer(tmp_path_factory):
-    """One real 3-rank run of the viewer on 10 samples; (stdout, partition.json)."""
-    out = tmp_path_factory.mktemp("viewer")
-    argv = command_argv(VIEWER)  # 2 epochs, the default
-    result = run(argv + ["--output-dir", str(out)], timeout=180, check=True)
-    return result.stdout, json.loads((out / "partition.json").read_text())
+def viewer(sample_run):
+    """The README's real 3-rank run of the viewer on 10 samples; (stdout, partition.json)."""
+    ran = sample_run("02-viewer").ok()  # 2 epochs, the default
+    return ran.stdout, json.loads((ran.output_dir / "partition.json").read_text())
 
 
 @pytest.mark.min_torch
@@ -198,8 +152,6 @@ def test_partition_viewer_prints_what_distributed_sampler_gives(viewer):
     assert "N = 10 samples, W = 3 ranks:" in stdout
     assert "rank 1: [1, 4, 7, 0]   <- repeats [0]" in stdout
     assert "rank 2: [2, 5, 8]" in stdout and "never read this epoch: [9]" in stdout
-    # The README's sample output (same command) is what the script prints, line for line.
-    assert_sample("02-viewer", stdout)
 
 
 @pytest.mark.parametrize("n,w", [(10, 3), (10, 4), (7, 7), (5, 8), (16, 4), (1, 2)])
@@ -275,13 +227,9 @@ def test_without_set_epoch_or_with_different_seeds_the_split_goes_wrong():
 # ---------------------------------------------------------------- 2. no-sampler pitfall
 
 
-def test_plain_dataloader_duplicates_and_distributed_sampler_does_not(tmp_path):
-    result = run(
-        command_argv(NO_SAMPLER) + ["--output-dir", str(tmp_path)],
-        timeout=180,
-        check=True,
-    )
-    assert_sample("02-no-sampler", result.stdout)  # the README's numbers, from the same command
+def test_plain_dataloader_duplicates_and_distributed_sampler_does_not(sample_run):
+    result = sample_run("02-no-sampler").ok()  # the README's command
+    tmp_path = result.output_dir
     assert re.search(r"no_sampler: .*50% of the compute repeated", result.stdout)
     assert re.search(r"distributed_sampler: .*\b0% of the compute repeated", result.stdout)
     s = read_summary(tmp_path)
@@ -300,15 +248,12 @@ def test_plain_dataloader_duplicates_and_distributed_sampler_does_not(tmp_path):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.min_torch)])
-def test_distributed_eval_equals_one_process(tmp_path, world_size):
+def test_distributed_eval_equals_one_process(tmp_path, sample_run, world_size):
     # 3 ranks: the README's command (40 training steps,
     # the default); 1 and 2 ranks: 8 steps, to save time.
     if world_size == 3:
-        result = run(
-            command_argv(EVAL) + ["--output-dir", str(tmp_path)],
-            timeout=180,
-            check=True,
-        )
+        result = sample_run("02-eval").ok()
+        tmp_path = result.output_dir
     else:
         result = warm_ranks(
             f"{DIR}/distributed_eval.py",
@@ -324,7 +269,6 @@ def test_distributed_eval_equals_one_process(tmp_path, world_size):
     assert n % 2 and n % 3  # an odd size: neither 2 nor 3 ranks divide it
     # the README's table, line for line, mean_of_rank_means off the exact value included
     if world_size == 3:
-        assert_sample("02-eval", result.stdout)
         assert re.search(r"exact +359 ", result.stdout) and re.search(
             r"sampler_padded +360 ", result.stdout
         )
@@ -398,29 +342,19 @@ def test_max_steps_0_evaluates_the_initial_model_and_torch_facts_of_section_3():
 
 
 @pytest.fixture(scope="module")
-def predictions_setup(tmp_path_factory):
-    """A trained weights file (as 01 writes it) and the
-    single-process predictions of those weights, made here."""
-    folder = tmp_path_factory.mktemp("weights")
-    torch.manual_seed(0)
+def predictions_setup(sample_run):
+    """The weights file the README's gather run read (trained a little, as 01 writes it:
+    tests/sample_runs.py) and the single-process predictions of those weights, made here."""
+    weights = sample_run("02-gather").ok().output_dir / "weights" / "model.pt"
     model = SmallCNN(1, 10)
-    data = digits()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    images, labels = data.train.tensors
-    for step in range(40):  # enough that predictions vary across classes
-        batch = slice(32 * step, 32 * step + 32)
-        loss = F.cross_entropy(model(images[batch]), labels[batch])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    torch.save(model.state_dict(), folder / "model.pt")
+    model.load_state_dict(torch.load(weights, weights_only=True))
     model.eval()
-    test_images, test_labels = data.test.tensors
+    test_images, test_labels = digits().test.tensors
     with torch.no_grad():
         # one process, the whole test set in one batch
         probabilities = model(test_images).softmax(1)
     return (
-        folder / "model.pt",
+        weights,
         test_labels.tolist(),
         probabilities.argmax(1).tolist(),
         probabilities,
@@ -463,12 +397,13 @@ def macro_f1_by_precision_and_recall(labels, predictions):
 
 @pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.min_torch)])
 def test_gathered_predictions_equal_one_process_row_for_row(
-    tmp_path, predictions_setup, world_size
+    tmp_path, sample_run, predictions_setup, world_size
 ):
     weights, labels, predictions, _ = predictions_setup
     flags = ["--weights", str(weights), "--output-dir", str(tmp_path)]
-    if world_size == 3:  # the README's command, as written
-        result = run(command_argv(GATHER) + flags, timeout=180, check=True)
+    if world_size == 3:  # the README's command, as written, on the weights above
+        result = sample_run("02-gather").ok()
+        tmp_path = result.output_dir
     else:  # on 2 ranks, started warm: the claim is what the script gathers
         result = warm_command(GATHER, *flags, nproc=world_size, timeout=180, check=True)
     n = len(labels)
@@ -484,15 +419,6 @@ def test_gathered_predictions_equal_one_process_row_for_row(
         sum(y == p for y, p in zip(labels, predictions)) / n, abs=1e-12
     )
     assert f"macro-F1 {s['macro_f1']:.6f}" in result.stdout and "every index once" in result.stdout
-    # the README's sample, but for the figures, which depend on the weights (01's there)
-    if world_size == 3:
-        lines = readme_samples.sample_lines("02-gather")
-        assert_sample(
-            "02-gather",
-            result.stdout,
-            tmp_path,
-            [line for line in lines if not line.startswith("from the file:")],
-        )
     # The file stores probabilities with 6 significant digits: why the test compares them to 1e-6.
     with open(tmp_path / "predictions.csv") as f:
         stored = [
@@ -503,14 +429,15 @@ def test_gathered_predictions_equal_one_process_row_for_row(
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_gathering_over_a_padded_distributed_sampler_repeats_samples(
-    tmp_path, predictions_setup, world_size
+    tmp_path, sample_run, predictions_setup, world_size
 ):
     """Negative control: the same gather over
     DistributedSampler(drop_last=False) has ceil(N/W)*W rows."""
     weights, labels, _, _ = predictions_setup
     flags = ["--weights", str(weights), "--output-dir", str(tmp_path)]
-    if world_size == 3:  # the README's command, as written
-        result = run(command_argv(GATHER_PADDED) + flags, timeout=180, check=True)
+    if world_size == 3:  # the README's command, as written, on the same weights
+        result = sample_run("02-gather-padded").ok()
+        tmp_path = result.output_dir
     else:  # on 2 ranks, started warm: the claim is what the script gathers
         result = warm_command(GATHER_PADDED, *flags, nproc=world_size, timeout=180, check=True)
     n = len(labels)
@@ -522,14 +449,6 @@ def test_gathering_over_a_padded_distributed_sampler_repeats_samples(
     assert sorted(i for i, c in repeats.items() if c > 1) == list(range(padded_total - n))
     assert read_summary(tmp_path)["rows_per_rank"] == [math.ceil(n / world_size)] * world_size
     assert f"{padded_total} rows for {n} images" in result.stdout
-    if world_size == 3:
-        lines = readme_samples.sample_lines("02-gather-padded")
-        assert_sample(
-            "02-gather-padded",
-            result.stdout,
-            tmp_path,
-            [line for line in lines if not line.startswith("from the file:")],
-        )
     # Each row carries its index, so dropping rows whose
     # index was seen before gives back the exact file.
     seen, unique = set(), []
@@ -692,15 +611,10 @@ TOLERANCE_ALL, TOLERANCE_RANK = 0.03, 0.06  # the README states these
 
 
 @pytest.mark.min_torch
-def test_weighted_sampler_is_disjoint_and_balanced(tmp_path):
+def test_weighted_sampler_is_disjoint_and_balanced(sample_run):
     w = 2
-    result = run(
-        command_argv(WEIGHTED) + ["--output-dir", str(tmp_path)],
-        timeout=180,
-        check=True,
-    )
-    # the README's counts: 146 zeros .. 14 nines, and both epochs' draws
-    assert_sample("02-weighted", result.stdout)
+    result = sample_run("02-weighted").ok()  # the README's command
+    tmp_path = result.output_dir
     assert "indices read by two ranks: 0" in result.stdout
     s = read_summary(tmp_path)
     labels = torch.tensor(s["labels"])
@@ -780,13 +694,8 @@ def test_weighted_sampler_needs_labels_it_can_read(tmp_path):
 
 
 @pytest.mark.min_torch
-def test_each_rank_opens_only_its_own_shards(tmp_path):
-    shards, w = tmp_path / "shards", 3
-    run(
-        [PYTHON, REPO / DIR / "prepare_shards.py", "--num-shards", "12", "--out-dir", shards],
-        timeout=90,
-        check=True,
-    )
+def test_each_rank_opens_only_its_own_shards(tmp_path, sample_run):
+    shards, w = sample_run("02-shards").ok().output_dir, 3  # the README's 12 shards
     out = tmp_path / "run"
     # Two DataLoader workers per rank: they must split the rank's files again, not repeat them.
     warm_ranks(
@@ -812,7 +721,6 @@ def test_each_rank_opens_only_its_own_shards(tmp_path):
     order = torch.randperm(manifest["total"], generator=torch.Generator().manual_seed(0))
     assert torch.equal(torch.cat([stored[f]["indices"] for f in files]), order)
     assert all(len(set(stored[f]["labels"].tolist())) >= 8 for f in files)
-    readme_sample_matches_the_shard_plan(files, manifest)
 
     # What each rank really opened, from the log its data set writes on every open().
     opened = {}
@@ -844,36 +752,6 @@ def test_each_rank_opens_only_its_own_shards(tmp_path):
         ]
     # shards move between ranks from epoch to epoch
     assert sorted(opened[(0, 0)]) != sorted(opened[(1, 0)])
-
-
-def readme_sample_matches_the_shard_plan(files, manifest):
-    """The README's run (2 ranks, batch 32, no loader workers): its shard lists are
-    shards_for's, its step count the smallest rank's batches, from the manifest alone."""
-    script = load_script(f"{DIR}/sharded_loading.py", "sharded_loading")
-    sizes = {entry["file"]: entry["samples"] for entry in manifest["shards"]}
-    sample = [
-        line.rstrip()
-        for line in readme_sample(REPO / README_PATH, "## 6. `sharded_loading.py`")
-        if line.strip()
-    ]
-    assert sample[0] == f"{manifest['total']} samples in {len(files)} shards, 2 ranks"
-    for epoch, line in enumerate(sample[1:]):
-        found = re.fullmatch(
-            r"epoch (\d+): (\d+) steps on every rank, (\d+) of (\d+) samples read \((\d+) "
-            r"left over\); "
-            r"shards per rank: (.*)",
-            line,
-        )
-        number, steps, read, assigned, left = map(int, found.groups()[:5])
-        per_rank = [script.shards_for(r, 2, files, 0, epoch) for r in range(2)]
-        assert number == epoch + 1 and ast.literal_eval(found.group(6)) == per_rank
-        samples = [sum(sizes[f] for f in mine) for mine in per_rank]
-        assert steps == min(math.ceil(n / 32) for n in samples)
-        assert (read, assigned, left) == (
-            sum(min(n, steps * 32) for n in samples),
-            sum(samples),
-            sum(samples) - sum(min(n, steps * 32) for n in samples),
-        )
 
 
 def test_shards_are_shuffled_within_and_uneven_shard_counts_leave_ranks_unequal(tmp_path):
@@ -929,13 +807,11 @@ def per_step(summary):
 
 
 @pytest.mark.min_torch
-def test_join_finishes_uneven_inputs_with_identical_gradients(tmp_path):
+def test_join_finishes_uneven_inputs_with_identical_gradients(sample_run):
     w = 3
     # the README's command on warm ranks (the claim is what Join computes; the run without a fix
     # below keeps torchrun): exit code 0, within the timeout; 2 epochs, the default
-    result = warm_command(UNEVEN_JOIN, "--output-dir", str(tmp_path), timeout=180, check=True)
-    assert_sample("02-uneven", result.stdout, tmp_path, readme_samples.paragraphs("02-uneven")[0])
-    s = read_summary(tmp_path)
+    s = read_summary(sample_run("02-uneven-join").ok().output_dir)
     assert len(set(s["batches_per_rank"])) == w  # the inputs really are uneven
     n = len(digits().train)  # rank r: its strided share less r * 64 (--uneven)
     assert s["samples_per_rank"] == [len(range(r, n, w)) - 64 * r for r in range(w)]
@@ -974,23 +850,21 @@ def test_join_with_momentum_lets_weights_drift_in_the_next_epoch(tmp_path):
     assert s["replicas_identical"]  # ... and the end-of-Join sync hides it from a final checksum
 
 
-def test_drop_last_runs_the_smallest_rank_count(tmp_path):
+def test_drop_last_runs_the_smallest_rank_count(sample_run):
     w = 3  # the README's command, on warm ranks
-    result = warm_command(UNEVEN_DROP_LAST, "--output-dir", str(tmp_path), timeout=180, check=True)
-    assert_sample("02-uneven", result.stdout, tmp_path, readme_samples.paragraphs("02-uneven")[1])
-    s = read_summary(tmp_path)
+    s = read_summary(sample_run("02-uneven-drop-last").ok().output_dir)
     assert s["batches_per_rank"][0] > s["batches_per_rank"][-1]
     assert s["steps_per_rank"] == [2 * min(s["batches_per_rank"])] * w  # 2 epochs (the default)
     assert all(len(ranks) == w and len(set(ranks)) == 1 for ranks in per_step(s).values())
     assert s["replicas_identical"]
 
 
-def test_without_a_fix_uneven_inputs_time_out_naming_the_rank_that_never_arrived(tmp_path):
+def test_without_a_fix_uneven_inputs_time_out_naming_the_rank_that_never_arrived(sample_run):
     """Rank 1 runs out of batches and waits at the end-of-epoch barrier while rank 0 waits in its
     next gradient all-reduce: at --timeout-s gloo's monitored_barrier names rank 0."""
-    result = run(command_argv(UNEVEN_NONE) + ["--output-dir", str(tmp_path)], timeout=120)
+    result = sample_run("02-uneven-none")  # the README's command
     out = result.output
-    assert result.returncode == 1  # torchrun's, for a failed rank
+    assert result.returncodes == (1,)  # torchrun's, for a failed rank
     assert (
         "[rank1]: RuntimeError: Rank 1 successfully reached monitoredBarrier, but received "
         "errors while "
@@ -999,14 +873,7 @@ def test_without_a_fix_uneven_inputs_time_out_naming_the_rank_that_never_arrived
     assert "Timed out waiting 5000ms" in out
     rank1 = "\n".join(line for line in out.splitlines() if line.startswith("[rank1]:"))
     assert "dist.monitored_barrier()" in rank1, rank1
-    assert not (tmp_path / "summary.json").exists()
-    sample = readme_samples.sample_lines("02-uneven-none")
-    # The README's abridged output: rank 1's 21 batches, its traceback. Its last line, rank 1's
-    # own send timing out, is "Connection closed by peer" instead when rank 0's timeout ends first.
-    *shown, own_timeout = sample
-    assert "Timed out waiting 5000ms for send" in own_timeout
-    closed_first = "Connection closed by peer" in rank1
-    assert_sample("02-uneven-none", out, lines=shown if closed_first else sample)
+    assert not (result.output_dir / "summary.json").exists()
     assert "ChildFailedError" in out
     rank0 = [line for line in out.splitlines() if line.startswith("[rank0]:")]
     rank0_error = [line for line in rank0 if line.startswith("[rank0]: RuntimeError:")]
