@@ -31,6 +31,7 @@ def torchrun_that_hangs(tmp_path):
     return [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]
 
 
+@pytest.mark.launchers  # waits out its timeout under a real torchrun; the warm guard below stays
 def test_a_timeout_records_every_processs_stacks_and_kills_the_whole_tree(tmp_path):
     cmd = torchrun_that_hangs(tmp_path)
     with pytest.raises(pytest.fail.Exception) as failure:

@@ -308,7 +308,7 @@ def test_ci_runs_the_readmes_test_command():
     ]
     test_command = "pip install -r requirements.txt -r requirements-test.txt && python -m pytest"
     at = ci_commands.index(test_command)
-    assert ci_commands[at - 1] == "export PYTEST_ADDOPTS='-m \"\" -n 3'"
+    assert ci_commands[at - 1] == "export PYTEST_ADDOPTS='-m \"\"'"
     assert ci_commands[at + 1] == "unset PYTEST_ADDOPTS"
     assert 'PATH="$min_torch_venv/bin:$PATH" python -m pytest -m min_torch' in ci_commands[at:]
     assert ci_commands[-1] == "ruff format --check . && ruff check ."
