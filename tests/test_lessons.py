@@ -201,7 +201,9 @@ def test_a_drifted_copy_is_caught_and_its_added_lines_counted(tmp_path):
     assert functions(drifted)["evaluate"] != functions(LESSON)["evaluate"]
     drifted.write_text(LESSON.read_text() + "\n".join(f"x_{i} = {i}" for i in range(7)) + "\n")
     assert diff_count(LESSON, drifted) == 7
-    drifted.write_text(LESSON.read_text().replace('f"eval accuracy', 'f"eval acc', 1))
+    # the first word of 01's first printed f-string, reworded (whatever 01 prints)
+    first_word = re.search(r'print\(\s*f"(\w+)', LESSON.read_text())[1]
+    drifted.write_text(LESSON.read_text().replace(f'f"{first_word}', f'f"{first_word}x', 1))
     assert drifted.read_text() != LESSON.read_text() and diff_count(LESSON, drifted) == 0
 
 
