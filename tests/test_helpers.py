@@ -1,7 +1,8 @@
 """The suite's own guard against hangs (tests/helpers.py): a launcher that runs past its timeout
 fails its test with the Python and native stacks of every process it started, and leaves none
 of them behind, torchrun's workers in their own sessions included. Shown on a real torchrun
-whose two workers sleep, so that the test has a known line to find in the stacks."""
+whose two workers sleep, so that the test has a known line to find in the stacks. And the runs that
+README samples share with behaviour tests (tests/sample_runs.py) run once per session."""
 
 import os
 import re
@@ -11,6 +12,7 @@ import time
 import pytest
 
 from tests.helpers import (
+    Result,
     PYTHON,
     REPO,
     _marked_pids,
@@ -140,3 +142,43 @@ def test_the_code_view_of_a_script_leaves_out_comments_and_what_prints_say():
         "print(...)",
         "y = 2",
     ]
+
+
+def test_a_shared_sample_run_runs_once_and_a_held_one_is_taken_last(tmp_path, monkeypatch):
+    """tests/sample_runs.py: a second asker reads the first one's run (output, exit codes, files)
+    instead of running it again; shared_runs() takes first the runs no other process holds, and
+    waits for a held one only when nothing else is left."""
+    import fcntl
+    import threading
+
+    from tests import sample_runs
+
+    calls = []
+
+    def fake(out):
+        calls.append(out.parent.name)
+        (out / "made").write_text("file")
+        return [Result("fake", 3, "printed\n", "said\n")]
+
+    for name in ("held", "free"):
+        monkeypatch.setitem(sample_runs.RUNS, name, fake)
+    first = sample_runs.shared_run("free", tmp_path)
+    assert sample_runs.shared_run("free", tmp_path) == first and calls == ["free"]
+    assert (first.stdout, first.stderr, first.returncodes) == ("printed\n", "said\n", (3,))
+    assert (first.output_dir / "made").read_text() == "file"
+
+    order = []
+    with open(tmp_path / "held.lock", "w") as lock:  # as another worker running "held" would
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        taker = threading.Thread(
+            target=lambda: order.extend(
+                n for n, _ in sample_runs.shared_runs(["held", "free"], tmp_path)
+            )
+        )
+        taker.start()
+        deadline = time.monotonic() + 10
+        while order != ["free"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert order == ["free"] and taker.is_alive()  # waits for the held one
+    taker.join(10)
+    assert order == ["free", "held"] and calls == ["free", "held"]

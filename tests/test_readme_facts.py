@@ -788,6 +788,17 @@ def test_a_reworded_print_line_fails_the_sample_check_naming_the_regeneration_co
     )
 
 
+def test_01s_port_patch_is_the_one_the_copied_out_test_applies():
+    """01's README, "Your own model and data": its diff is tests/port_01.diff, which
+    tests/test_basic_ddp.py applies to a copy of train.py and runs. Reworded the README's diff?
+    Copy the block into that file."""
+    section = markdown_section((REPO / "01_basic_ddp/README.md").read_text(), "## Your own model")
+    [patch] = [b for b in markdown_blocks(section) if b.info == "diff"]
+    assert "\n".join(patch.lines) + "\n" == (REPO / "tests/port_01.diff").read_text(), (
+        "01's README and tests/port_01.diff differ: copy the README's diff block into the file"
+    )
+
+
 @pytest.mark.parametrize("name", ["03", "04"])
 def test_03s_and_04s_samples_have_the_lines_of_a_shorter_run(sample_run, name):
     """Every line of the README's sample output (its command's), numbers masked, is a line a
@@ -795,15 +806,6 @@ def test_03s_and_04s_samples_have_the_lines_of_a_shorter_run(sample_run, name):
     ran = sample_run(name).ok()
     problems = readme_samples.shape_drift(name, ran.stdout, str(ran.output_dir))
     assert not problems, readme_samples.drift_message(name, problems)
-
-
-def test_01s_port_patch_is_the_one_the_copied_out_test_applies():
-    """01's README, "Your own model and data": its diff is tests/port_01.diff, which
-    tests/test_basic_ddp.py applies to a copy of train.py and runs. Reworded the README's diff?
-    Copy the block into that file."""
-    section = markdown_section((REPO / "01_basic_ddp/README.md").read_text(), "## Your own model")
-    [patch] = [b for b in markdown_blocks(section) if b.info == "diff"]
-    assert "\n".join(patch.lines) + "\n" == (REPO / "tests/port_01.diff").read_text()
 
 
 def test_02s_samples_are_what_its_commands_print(sample_run):
@@ -842,6 +844,39 @@ def test_02s_samples_are_what_its_commands_print(sample_run):
     closed_first = any("Connection closed by peer" in x for x in rank1)
     assert_printed("02-uneven-none", ran["02-uneven-none"], shown if closed_first else sample)
     assert_shard_plan(json.loads((ran["02-shards"].ok().output_dir / "manifest.json").read_text()))
+
+
+def assert_shard_plan(manifest):
+    """The README's run (2 ranks, batch 32, no loader workers): its shard lists are
+    shards_for's, its step count the smallest rank's batches, from the manifest alone."""
+    script = load_script("02_sampler_patterns/sharded_loading.py", "sharded_loading")
+    files = [entry["file"] for entry in manifest["shards"]]
+    sizes = {entry["file"]: entry["samples"] for entry in manifest["shards"]}
+    sample = [
+        line.rstrip()
+        for line in readme_sample(
+            REPO / "02_sampler_patterns/README.md", "## 6. `sharded_loading.py`"
+        )
+        if line.strip()
+    ]
+    assert sample[0] == f"{manifest['total']} samples in {len(files)} shards, 2 ranks"
+    for epoch, line in enumerate(sample[1:]):
+        found = re.fullmatch(
+            r"epoch (\d+): (\d+) steps on every rank, (\d+) of (\d+) samples read \((\d+) "
+            r"left over\); "
+            r"shards per rank: (.*)",
+            line,
+        )
+        number, steps, read, assigned, left = map(int, found.groups()[:5])
+        per_rank = [script.shards_for(r, 2, files, 0, epoch) for r in range(2)]
+        assert number == epoch + 1 and ast.literal_eval(found.group(6)) == per_rank
+        samples = [sum(sizes[f] for f in mine) for mine in per_rank]
+        assert steps == min(math.ceil(n / 32) for n in samples)
+        assert (read, assigned, left) == (
+            sum(min(n, steps * 32) for n in samples),
+            sum(samples),
+            sum(samples) - sum(min(n, steps * 32) for n in samples),
+        )
 
 
 def test_05s_sample_is_what_a_stopped_and_resumed_run_prints(sample_run):
@@ -940,36 +975,3 @@ def test_the_guides_quoted_errors_are_what_its_demos_print(sample_run):
     lesson = " ".join((REPO / "08_several_models/README.md").read_text().split())
     refusal = re.search(r"RuntimeError: DistributedDataParallel is not needed[^`]*", lesson)
     assert refusal and refusal.group() in ran["guide-wrap-frozen"].output, refusal
-
-
-def assert_shard_plan(manifest):
-    """The README's run (2 ranks, batch 32, no loader workers): its shard lists are
-    shards_for's, its step count the smallest rank's batches, from the manifest alone."""
-    script = load_script("02_sampler_patterns/sharded_loading.py", "sharded_loading")
-    files = [entry["file"] for entry in manifest["shards"]]
-    sizes = {entry["file"]: entry["samples"] for entry in manifest["shards"]}
-    sample = [
-        line.rstrip()
-        for line in readme_sample(
-            REPO / "02_sampler_patterns/README.md", "## 6. `sharded_loading.py`"
-        )
-        if line.strip()
-    ]
-    assert sample[0] == f"{manifest['total']} samples in {len(files)} shards, 2 ranks"
-    for epoch, line in enumerate(sample[1:]):
-        found = re.fullmatch(
-            r"epoch (\d+): (\d+) steps on every rank, (\d+) of (\d+) samples read \((\d+) "
-            r"left over\); "
-            r"shards per rank: (.*)",
-            line,
-        )
-        number, steps, read, assigned, left = map(int, found.groups()[:5])
-        per_rank = [script.shards_for(r, 2, files, 0, epoch) for r in range(2)]
-        assert number == epoch + 1 and ast.literal_eval(found.group(6)) == per_rank
-        samples = [sum(sizes[f] for f in mine) for mine in per_rank]
-        assert steps == min(math.ceil(n / 32) for n in samples)
-        assert (read, assigned, left) == (
-            sum(min(n, steps * 32) for n in samples),
-            sum(samples),
-            sum(samples) - sum(min(n, steps * 32) for n in samples),
-        )
