@@ -398,6 +398,11 @@ def node_logs(tmp_path):
     )
 
 
+def full_logs(tmp_path):
+    """Every "node"'s whole log (torchrun_nodes), node 0's first."""
+    return "\n".join(p.read_text() for p in sorted(tmp_path.glob("node*.log")))
+
+
 _FORKSERVER = None
 
 

@@ -26,6 +26,7 @@ from tests.helpers import (
     Result,
     clean_env,
     command_argv,
+    full_logs,
     run,
     torchrun_nodes,
     warm_command,
@@ -157,8 +158,7 @@ def nodes(script: str, *args: str, nproc: int = 1, env_of_node=lambda node: clea
     def ran(out: Path) -> list[Result]:
         flags = [a.replace("{out}", str(out)) for a in args]
         torchrun_nodes(out, REPO / script, flags, nodes=2, nproc=nproc, env_of_node=env_of_node)
-        logs = "\n".join(p.read_text() for p in sorted(out.glob("node*.log")))
-        return [Result(script, 0, logs, "")]
+        return [Result(script, 0, full_logs(out), "")]
 
     return ran
 

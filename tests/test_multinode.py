@@ -20,6 +20,7 @@ from tests.helpers import (
     clean_env,
     code_lines_without_messages,
     free_port,
+    full_logs,
     load_script,
     read_summary,
     run,
@@ -211,10 +212,6 @@ def check_avg_bus_bandwidth(part):
     slowest = [r["busbw_gbps_slowest"] for r in part["results"]]
     assert part["avg_busbw_gbps_slowest"] == pytest.approx(sum(slowest) / len(slowest), rel=1e-9)
     assert part["avg_busbw_gbps_slowest"] <= part["avg_busbw_gbps"] * (1 + 1e-9)
-
-
-def full_logs(tmp_path):
-    return "\n".join(p.read_text() for p in sorted(tmp_path.glob("node*.log")))
 
 
 def test_comm_check_prints_busbw_per_size(sample_run):
