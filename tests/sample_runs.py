@@ -31,7 +31,7 @@ from tests.helpers import (
     torchrun_nodes,
     warm_command,
 )
-from tests.readme_samples import PRINTED, SAMPLES
+from tests.readme_samples import SAMPLES
 
 SAMPLER = "02_sampler_patterns"
 
@@ -145,7 +145,7 @@ CHECKPOINTING = (
 def stopped_and_resumed(out: Path) -> list[Result]:
     """05's sample: the README's command stopped at step 57, then the same command again, each
     recording its batches."""
-    sample = PRINTED["05-resume"]
+    sample = SAMPLES["05-resume"]
     commands = [c.replace(sample.output_dir, str(out)) for c in sample.commands[1:]]
     assert all(c.startswith(f"{CHECKPOINTING} ") for c in commands), commands
     return [run(command_argv(c), 180, env=record_env(out)) for c in commands]
@@ -189,16 +189,16 @@ SYNCBN_SHORT = (
     "--batch-size 4 --max-steps 3"
 )
 RUNS: dict[str, Callable[[Path], list[Result]]] = {
-    "01": readme_command(SAMPLES["01"].command),
-    "02-viewer": readme_command(PRINTED["02-viewer"].commands[0]),
-    "02-no-sampler": readme_command(PRINTED["02-no-sampler"].commands[0]),
-    "02-eval": readme_command(PRINTED["02-eval"].commands[0]),
+    "01": readme_command(SAMPLES["01"].commands[0]),
+    "02-viewer": readme_command(SAMPLES["02-viewer"].commands[0]),
+    "02-no-sampler": readme_command(SAMPLES["02-no-sampler"].commands[0]),
+    "02-eval": readme_command(SAMPLES["02-eval"].commands[0]),
     "02-gather": gather(GATHER),
     "02-gather-padded": gather(f"{GATHER} --padded", weights_from="02-gather"),
-    "02-weighted": readme_command(PRINTED["02-weighted"].commands[0]),
+    "02-weighted": readme_command(SAMPLES["02-weighted"].commands[0]),
     "02-uneven-join": warm(f"{UNEVEN} join"),
     "02-uneven-drop-last": warm(f"{UNEVEN} drop_last"),
-    "02-uneven-none": readme_command(PRINTED["02-uneven-none"].commands[0], timeout=120),
+    "02-uneven-none": readme_command(SAMPLES["02-uneven-none"].commands[0], timeout=120),
     "02-shards": lambda out: [
         run(
             [PYTHON, REPO / SAMPLER / "prepare_shards.py", "--num-shards", "12", "--out-dir", out],

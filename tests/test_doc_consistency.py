@@ -1,96 +1,137 @@
 """The READMEs agree with the code and with each other where they quote it.
 
-- Every traceback frame a README quotes (`File ".../x.py", line N, in f` and the source line under
-  it)
-  points at that line of the file, inside that function: a sample output goes stale when the script
-  moves, and this test then fails.
+- Every traceback frame and py-spy frame a README quotes (`File ".../x.py", line N, in f` and the
+  source line under it; `f (x.py:N)`) points at a line of that file inside that function: a quoted
+  output goes stale when the script's lines move, and this test then fails, naming the line the
+  quoted text is at now (edit the number by hand).
 - The tolerance the READMEs give for "N ranks equal one process on the global batch" is the one
   tests/test_basic_ddp.py checks.
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 from pathlib import Path
 
 import torch
 
-from tests.helpers import REPO, markdown_blocks, pinned_torch_only, tracked_files
-from tests.readme_samples import (
-    FRAME,
-    PY_SPY_WAITS,
-    RENUMBER,
-    enclosing_function,
-    py_spy_frames,
-    renumber_frames,
-)
+from tests.helpers import REPO, pinned_torch_only, tracked_files
+from tests.markdown import markdown_blocks
 from tests.test_basic_ddp import assert_same_params
 
-DOCS = tracked_files("*.md")
 SITE_PACKAGES = Path(torch.__file__).resolve().parents[1]
+# `File ".../x.py", line N, in f` and the source line under it
+FRAME = re.compile(
+    r'File "(?:\.\.\./)?(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>[\w<>]+)\n'
+    r"(?:\[rank\d+\]:)?[ \t]*(?P<source>[^\n]+)"
+)
+# `    function (file.py:N)` in a py-spy dump
+PY_SPY_FRAME = re.compile(
+    r"^    (?P<function>[\w.<>]+) \((?P<path>[\w/.]+\.py):(?P<line>\d+)\)$", re.M
+)
+# What the ranks of debugging/README.md's py-spy dump wait on, in the repository's files, in order:
+# rank 0 in backward's all-reduce; rank 1 in the test injection's hang, called from
+# optimizer.step(); both under main()'s call of train().
+PY_SPY_WAITS = [
+    "loss.backward()",
+    "train(cfg, launch)",
+    "time.sleep(3600)",
+    "optimizer.step()",
+    "train(cfg, launch)",
+]
 
 
-def frame_problems(text: str) -> list[str]:
-    """What is wrong with each quoted frame in `text` (a
-    file of this repository, or of site-packages)."""
+def enclosing_function(source: str, line: int) -> str:
+    """The innermost def containing `line`, or <module>."""
+    name, start = "<module>", 0
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and node.lineno <= line <= node.end_lineno:
+            if node.lineno >= start:
+                name, start = node.name, node.lineno
+    return name
+
+
+def code(line: str) -> str:
+    return line.split("  #")[0].strip()
+
+
+def frame_problems(path: str, number: int, function: str, quoted: str | None, beside=()):
+    """What is wrong with a quoted frame: `path` (in the repository, site-packages or `beside`)
+    has no line `number` inside `function` (py-spy's `Class.method`: the last part) reading
+    `quoted` (None: any line)."""
+    file = next((d / path for d in (REPO, SITE_PACKAGES, *beside) if (d / path).is_file()), None)
+    if file is None:
+        return [f"{path}: no such file"]
+    source = file.read_text()
+    lines = source.splitlines()
     problems = []
-    for frame in FRAME.finditer(text):
-        path, line = frame["path"], int(frame["line"])
-        file = next(
-            (root / path for root in (REPO, SITE_PACKAGES) if (root / path).is_file()), None
+    actual = code(lines[number - 1]) if number <= len(lines) else "<past the end>"
+    if quoted is not None and actual != code(quoted):
+        now = [n for n, line in enumerate(lines, 1) if code(line) == code(quoted)]
+        problems.append(
+            f"{path}, line {number}: quoted {code(quoted)!r}, the file has {actual!r}; "
+            f"the quoted text is at line(s) {now} now: edit the number"
         )
-        if file is None:
-            problems.append(f"{path}: no such file")
-            continue
-        source = file.read_text()
-        actual = (
-            source.splitlines()[line - 1].strip()
-            if line <= len(source.splitlines())
-            else "<past the end>"
-        )
-        if actual != frame["source"].strip():
-            problems.append(
-                f"{path}, line {line}: quoted {frame['source'].strip()!r}, the file has {actual!r}"
-            )
-        if enclosing_function(source, line) != frame["function"]:
-            problems.append(f"{path}, line {line}: not in {frame['function']}()")
+    if enclosing_function(source, number) != function.split(".")[-1]:
+        problems.append(f"{path}, line {number}: not in {function}()")
     return problems
 
 
+def traceback_problems(text: str) -> list[str]:
+    return [
+        problem
+        for frame in FRAME.finditer(text)
+        for problem in frame_problems(
+            frame["path"], int(frame["line"]), frame["function"], frame["source"]
+        )
+    ]
+
+
 def test_quoted_traceback_frames_point_at_the_quoted_lines():
-    quotes = {doc: doc.read_text() for doc in DOCS if FRAME.search(doc.read_text())}
+    quotes = {doc: doc.read_text() for doc in tracked_files("*.md")}
+    quotes = {doc: text for doc, text in quotes.items() if FRAME.search(text)}
     assert REPO / "debugging" / "README.md" in quotes  # the timeout sample quotes 01's train.py
     problems = [
         f"{doc.relative_to(REPO)}: {p}"
         for doc, text in quotes.items()
-        for p in frame_problems(text)
+        for p in traceback_problems(text)
     ]
-    assert problems == [], f"{problems}\nRenumber them: {RENUMBER}"
-    # The check itself: a frame one line off, or in another function, is reported.
+    assert problems == [], problems
+    # The check itself: a frame one line off, or in another function, is reported, and the
+    # message says where the quoted line is.
     lesson = (REPO / "01_basic_ddp" / "train.py").read_text().splitlines()
     number = next(
         i for i, text in enumerate(lesson, 1) if text.strip().startswith("loss.backward()")
     )
-    off_by_one = (
-        f'File ".../01_basic_ddp/train.py", line {number + 1}, in train\n    '
-        f"{lesson[number - 1].strip()}"
+    quoted = lesson[number - 1].strip()
+    [off_by_one] = traceback_problems(
+        f'File ".../01_basic_ddp/train.py", line {number + 1}, in train\n    {quoted}'
     )
-    wrong_function = (
-        f'File ".../01_basic_ddp/train.py", line {number}, in main\n    '
-        f"{lesson[number - 1].strip()}"
-    )
-    assert len(frame_problems(off_by_one)) == 1 and len(frame_problems(wrong_function)) == 1
+    assert f"at line(s) [{number}] now" in off_by_one
+    wrong_function = f'File ".../01_basic_ddp/train.py", line {number}, in main\n    {quoted}'
+    assert len(traceback_problems(wrong_function)) == 1
 
 
 def py_spy_problems(block: str) -> list[str]:
-    """A frame whose line is not inside the function py-spy
-    names (`Class.method`, `f.<locals>.g`: the last part)."""
-    problems = []
-    for function, file, line in py_spy_frames(block):
-        if file is None or enclosing_function(file.read_text(), line) != function.split(".")[-1]:
-            problems.append(f"{function} ({file}:{line})")
-    return problems
+    """The frames of a quoted py-spy dump off their functions, or, in the repository's files, off
+    the PY_SPY_WAITS lines; a bare file name is looked for beside the script the dump's
+    `Process N: python -u <script>` line names, then in tests/inject."""
+    script = re.search(r"^Process \d+: \S+ -u (\S+\.py)", block, re.M)
+    beside = ([(REPO / script[1]).parent] if script else []) + [REPO / "tests" / "inject"]
+    waits = iter(PY_SPY_WAITS)
+    return [
+        problem
+        for frame in PY_SPY_FRAME.finditer(block)
+        for problem in frame_problems(
+            frame["path"],
+            int(frame["line"]),
+            frame["function"],
+            next(waits) if "/" not in frame["path"] else None,
+            beside,
+        )
+    ]
 
 
 @pinned_torch_only("points at lines of torch's source")
@@ -101,21 +142,10 @@ def test_quoted_py_spy_dump_points_at_the_waiting_lines():
         for b in markdown_blocks(guide)
         if not b.info and b.lines and re.match(r"Process \d+:", b.lines[0])
     )
-    waits = [
-        file.read_text().splitlines()[number - 1].strip()
-        for _, file, number in py_spy_frames(block)
-        if file.name in ("train.py", "sitecustomize.py")
-    ]
-    # Rank 0 waits in backward's all-reduce; rank 1 in the test injection's hang, called from
-    # optimizer.step(); both under main()'s call of train() (readme_samples.PY_SPY_WAITS).
-    problems = py_spy_problems(block)
-    assert problems == [] and [w.split("  #")[0] for w in waits] == PY_SPY_WAITS, (
-        f"{problems}, {waits}\nRenumber them: {RENUMBER}"
-    )
+    assert len(PY_SPY_FRAME.findall(block)) == 9 and py_spy_problems(block) == []
     # The check itself: a frame one line off is reported.
-    assert (
-        py_spy_problems("Process 1: python -u 01_basic_ddp/train.py\n    main (train.py:1)\n") != []
-    )
+    moved = block.replace("    main (train.py:", "    main (train.py:1", 1)
+    assert moved != block and len(py_spy_problems(moved)) == 2  # another line, another function
 
 
 def test_the_global_batch_tolerance_in_the_readmes_is_the_tested_one():
@@ -134,32 +164,3 @@ def test_the_global_batch_tolerance_in_the_readmes_is_the_tested_one():
         r"DDP with the same global batch should match one process to (\D*\d+e-\d+)", guide
     )
     assert claim and claim[1] == f"a relative {quoted}", claim and claim[0]
-
-
-def test_frames_of_installed_packages_are_not_the_repositorys(monkeypatch):
-    """A virtual environment inside the clone, or beside it under a longer name (`repo` and
-    `repo-venv`), holds no repository file whose quoted frames the writer would renumber."""
-    from tests import readme_samples
-
-    inside = REPO / ".venv" / "lib" / "python3.11" / "site-packages"
-    monkeypatch.setattr(readme_samples, "site_packages", lambda: inside)
-    assert readme_samples.in_repository(REPO / "01_basic_ddp" / "train.py")
-    assert not readme_samples.in_repository(inside / "torch" / "nn" / "modules" / "module.py")
-    beside = Path(f"{REPO}-venv") / "lib" / "python3.11" / "site-packages" / "torch" / "x.py"
-    assert str(beside).startswith(str(REPO))  # the prefix a string comparison took for inside
-    assert not readme_samples.in_repository(beside)
-    assert not readme_samples.in_repository(None)
-
-
-def test_renumbering_puts_moved_frames_back_on_their_lines():
-    """The writer the failures above name: a traceback frame and a py-spy frame, each one line
-    off, come back to the lines they quote; the guide as it is stays as it is."""
-    guide = (REPO / "debugging" / "README.md").read_text()
-    assert renumber_frames(guide) == guide
-    lesson = (REPO / "01_basic_ddp" / "train.py").read_text().splitlines()
-    number = next(
-        i for i, text in enumerate(lesson, 1) if text.strip().startswith("loss.backward()")
-    )
-    moved = guide.replace(f'train.py", line {number}, in', f'train.py", line {number + 1}, in')
-    moved = moved.replace(f"    train (train.py:{number})", f"    train (train.py:{number - 1})")
-    assert moved != guide and renumber_frames(moved) == guide

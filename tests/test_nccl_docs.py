@@ -20,15 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (
-    PYTHON,
-    REPO,
-    clean_env,
-    markdown_blocks,
-    markdown_section,
-    readme_sample,
-    run,
-)
+from tests.helpers import PYTHON, REPO, clean_env, run
+from tests.markdown import markdown_blocks, markdown_section, readme_sample
 
 # All of it is torch's own text and source, read again after a torch upgrade.
 pytestmark = pytest.mark.torch_text

@@ -31,14 +31,13 @@ from tests.helpers import (
     REPO,
     clean_env,
     kill_group,
-    markdown_commands,
     read_summary,
-    readme_commands,
     run,
     skip_below_torch,
     tracked_files,
     warm_command,
 )
+from tests.markdown import markdown_commands, readme_commands
 from tests.launcher_tools import need_root, need_tools, unavailable
 
 SHORT = "--epochs 1 --max-steps 2"  # `short: true`: a training command's flags for one short run

@@ -26,18 +26,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common.config import DATASETS, TrainConfig
 from common.data import digits
-from tests.helpers import (
-    REPO,
-    pinned_torch_only,
-    clean_env,
-    load_script,
-    markdown_blocks,
-    markdown_section,
-    markdown_table,
-    readme_sample,
-    torchrun,
-    tracked_files,
-)
+from tests.helpers import REPO, pinned_torch_only, clean_env, load_script, torchrun, tracked_files
+from tests.markdown import markdown_blocks, markdown_section, markdown_table, readme_sample
 from tests import readme_samples
 from tests.sample_runs import Ran, shared_runs
 from tests.test_lessons import TOPIC_SCRIPTS, diff_count
@@ -741,8 +731,8 @@ def test_06s_samples_time_as_many_iterations_as_comm_check_does():
 
 def assert_printed(name, ran, lines=None):
     """Every line of sample `name` (or `lines` of it) is a line `ran` printed."""
-    problems = readme_samples.printed_drift(name, ran.output, ran.output_dir, lines)
-    assert not problems, readme_samples.printed_drift_message(name, problems)
+    problems = readme_samples.drift(name, ran.output, ran.output_dir, lines)
+    assert not problems, readme_samples.drift_message(name, problems)
 
 
 def test_the_sample_check_fails_on_a_line_that_was_not_printed_and_names_the_fix():
@@ -751,7 +741,7 @@ def test_the_sample_check_fails_on_a_line_that_was_not_printed_and_names_the_fix
     output = "rank 0: [0, 3]\n[rank1]: [/a/b/tcp.cc:1] Timed out\n"
     ran = Ran((output,), ("",), (0,), Path("/nowhere"))
     lines = ["rank 0: [0, 3]", "[rank1]:   ...", "[rank1]: [.../tcp.cc:1] Timed out"]
-    assert readme_samples.printed_drift("02-viewer", output, lines=lines) == []
+    assert readme_samples.drift("02-viewer", output, lines=lines) == []
     for wrong in (["rank 0: [0, 4]"], ["rank 0: [0, 3"], ["[rank1]: [.../tcp.cc:2] Timed out"]):
         with pytest.raises(
             AssertionError, match="python tests/readme_samples.py --write 02-viewer"
@@ -761,12 +751,18 @@ def test_the_sample_check_fails_on_a_line_that_was_not_printed_and_names_the_fix
 
 @pinned_torch_only("compares the figures the README's run printed")
 def test_01s_sample_is_what_the_quick_start_prints(sample_run):
-    """01's sample is what the quick start prints, abridged as tests/readme_samples.py abridges it
-    (numbers masked, the accuracy within 0.02 of this run's): the one test that a reworded print
-    line of 01 fails, naming the command that regenerates the sample."""
+    """01's sample is lines the quick start prints (decimals masked), its last epoch's accuracy
+    within 0.02 of this run's: the one test that a reworded print line of 01 fails, naming the
+    command that regenerates the sample."""
     ran = sample_run("01").ok()
-    problems = readme_samples.drift("01", ran.stdout, str(ran.output_dir))
+    problems = readme_samples.drift("01", ran.stdout, ran.output_dir)
     assert not problems, readme_samples.drift_message("01", problems)
+    shown = readme_samples.sample_lines("01")
+    last_epoch = next(line for line in reversed(shown) if "eval accuracy" in line)
+    done = last_epoch.split(":")[0] + ":"  # "epoch 12 done:"
+    [printed] = [line for line in ran.stdout.splitlines() if line.startswith(done)]
+    accuracy = [float(line.split("eval accuracy ")[1].split()[0]) for line in (last_epoch, printed)]
+    assert abs(accuracy[0] - accuracy[1]) < 0.02, (last_epoch, printed)
     # The sample's output folder is the default one (the test moved it).
     assert readme_sample(REPO / "01_basic_ddp/README.md", "Output (rank 0 only")[-1].endswith(
         f" {TrainConfig().output_dir}/summary.json"
@@ -776,13 +772,10 @@ def test_01s_sample_is_what_the_quick_start_prints(sample_run):
 def test_a_reworded_print_line_fails_the_sample_check_naming_the_regeneration_command():
     """01's sample, as a run would print it (the `...` left out), agrees with itself; the same
     output with one line reworded does not, and the message says how to regenerate."""
-    shown = readme_sample(REPO / "01_basic_ddp/README.md", "Output (rank 0 only")
-    printed = "\n".join(line for line in shown if line != "...")
-    assert readme_samples.drift("01", printed, "runs/latest") == []
-    problems = readme_samples.drift(
-        "01", printed.replace("eval accuracy", "eval acc"), "runs/latest"
-    )
-    assert len(problems) == 1 and "eval acc " in problems[0]
+    printed = "\n".join(line for line in readme_samples.sample_lines("01") if line != "...")
+    assert readme_samples.drift("01", printed) == []
+    problems = readme_samples.drift("01", printed.replace("eval accuracy", "eval acc"))
+    assert len(problems) == 1 and "eval accuracy" in problems[0]
     assert "python tests/readme_samples.py --write 01" in readme_samples.drift_message(
         "01", problems
     )
@@ -804,7 +797,7 @@ def test_03s_and_04s_samples_have_the_lines_of_a_shorter_run(sample_run, name):
     """Every line of the README's sample output (its command's), numbers masked, is a line a
     shorter run of the lesson prints (2 ranks, 3 steps: tests/sample_runs.py)."""
     ran = sample_run(name).ok()
-    problems = readme_samples.shape_drift(name, ran.stdout, str(ran.output_dir))
+    problems = readme_samples.drift(name, ran.stdout, ran.output_dir)
     assert not problems, readme_samples.drift_message(name, problems)
 
 
