@@ -48,8 +48,8 @@ def test_the_wrap_gives_every_rank_rank_0s_parameters_and_buffers(facts):
 
 
 def test_buffers_are_broadcast_from_rank_0_at_the_start_of_forward(facts):
-    """README.md: rank 0's buffers at the start of forward, unless the
-    previous forward ran without grad or under no_sync() (DDP's
+    """README.md, "What DDP does", and debugging/README.md's two forwards: rank 0's buffers at the
+    start of forward, unless the previous forward ran without grad or under no_sync() (DDP's
     require_forward_param_sync, torch/nn/parallel/distributed.py)."""
     forward = facts[0]["forward"]
     default, control = forward["default"], forward["forward_sync_buffers_false"]

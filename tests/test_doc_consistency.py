@@ -153,10 +153,7 @@ def test_the_global_batch_tolerance_in_the_readmes_is_the_tested_one():
     quoted = f"{rtol:.0e}".replace("e-0", "e-")  # 1e-05 -> 1e-5, as the READMEs write it
     assert quoted == "1e-5"
     readme = " ".join((REPO / "README.md").read_text().split())
-    assert (
-        f"the tests check this to a relative tolerance of {quoted} for a model without BatchNorm"
-        in readme
-    )
+    assert f"It holds to a relative tolerance of {quoted} for a model without BatchNorm" in readme
     basic = " ".join((REPO / "01_basic_ddp" / "README.md").read_text().split())
     assert f"as 1 process with batch 32 on the same samples (relative tolerance {quoted})" in basic
     guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
@@ -164,3 +161,49 @@ def test_the_global_batch_tolerance_in_the_readmes_is_the_tested_one():
         r"DDP with the same global batch should match one process to (\D*\d+e-\d+)", guide
     )
     assert claim and claim[1] == f"a relative {quoted}", claim and claim[0]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def link_problems(doc: Path) -> list[str]:
+    """The relative links of `doc` whose file, or whose #anchor's heading, does not exist."""
+    text = doc.read_text()
+    prose = "\n".join(line for i, line in enumerate(text.splitlines()) if not in_code(text, i))
+    problems = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+        if re.match(r"[a-z]+:", target):
+            continue  # a web address
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path).resolve() if path else doc
+        if not file.exists():
+            problems.append(f"{target}: no such file")
+        elif anchor and file.is_file():
+            headings = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
+            if anchor not in {slug(h) for h in headings}:
+                problems.append(f"{target}: no such heading")
+    return problems
+
+
+def in_code(text: str, line: int) -> bool:
+    return any(b.start <= line <= b.start + len(b.lines) + 1 for b in markdown_blocks(text))
+
+
+def test_every_relative_link_in_the_readmes_leads_to_a_file_and_heading(tmp_path):
+    problems = [
+        f"{doc.relative_to(REPO)}: {p}" for doc in tracked_files("*.md") for p in link_problems(doc)
+    ]
+    assert problems == [], problems
+    # The check itself: a missing file, or heading, is reported; a link in a code block is not.
+    doc = tmp_path / "README.md"
+    doc.write_text(
+        '## "Address already in use" (`EADDRINUSE`)\n\n[a](#address-already-in-use-eaddrinuse) '
+        "[b](#address-already-in-use) [c](missing.md) [d](https://example.org)\n\n"
+        "```\n[e](#x)\n```\n"
+    )
+    assert link_problems(doc) == [
+        "#address-already-in-use: no such heading",
+        "missing.md: no such file",
+    ]

@@ -729,7 +729,7 @@ def test_cpu_scripts_on_a_gpu_node_run_more_ranks_than_gpus(monkeypatch, script,
         assert exc.value.code == 2
 
 
-# --- the backend: what the platform's torch build has (README "On a laptop") ---
+# --- the backend: what the torch build has (README "On a laptop", the guide's Windows entry) ---
 
 
 @pytest.mark.parametrize(
@@ -750,7 +750,7 @@ def test_the_backend_is_nccl_only_for_a_gpu_of_a_build_with_nccl(
     assert choose_backend(torch.device(device)) == expected
 
 
-# torch's error for nccl on a build without it (the README quotes it: tests/test_nccl_docs.py)
+# torch's error for nccl on a build without it (the guide quotes it: tests/test_nccl_docs.py)
 NCCL_NOT_BUILT = "Distributed package doesn't have NCCL built in"
 NO_NCCL_BUILD = """
 import sys, torch, torch.distributed as dist

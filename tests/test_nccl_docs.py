@@ -418,7 +418,7 @@ def test_the_dev_shm_error_the_guide_quotes_is_nccls_own():
     assert found == {**dict.fromkeys(texts, True), "failed to extend /dev/shm to": False}
 
 
-# --- the top README's Windows errors, both torch's own text
+# --- the guide's Windows errors, both torch's own text
 
 
 def test_the_readme_quotes_torchs_error_for_nccl_on_a_build_without_it():
@@ -426,11 +426,11 @@ def test_the_readme_quotes_torchs_error_for_nccl_on_a_build_without_it():
     test_a_build_without_nccl_refuses_it_and_the_chosen_backend_starts."""
     from tests.test_launcher import NCCL_NOT_BUILT
 
-    assert f"`RuntimeError: {NCCL_NOT_BUILT}`" in (REPO / "README.md").read_text()
+    assert f"`RuntimeError: {NCCL_NOT_BUILT}`" in GUIDE.read_text()
 
 
 def test_torchruns_store_asks_for_libuv_whatever_use_libuv_says():
-    """The README's second Windows error: torchrun's default (static) rendezvous creates its
+    """The guide's second Windows error: torchrun's default (static) rendezvous creates its
     TCPStore without a use_libuv argument, so TCPStore's default (True) applies and USE_LIBUV is
     never read (torch 2.8 to 2.14.1; pytorch/pytorch#148283). Hence mp.spawn on Windows."""
     import inspect
@@ -446,8 +446,8 @@ def test_torchruns_store_asks_for_libuv_whatever_use_libuv_says():
         "use_libuv was requested but PyTorch was built without libuv support, run with "
         "USE_LIBUV=0 to disable it."
     )
-    readme = " ".join((REPO / "README.md").read_text().split())
-    assert f"`{quoted}`" in readme
+    guide = " ".join(GUIDE.read_text().split())
+    assert f"`{quoted}`" in guide
     # the quote is torch's own text (the store's C++ code); the control: a reworded one is not
     reworded = quoted.replace("was requested", "is requested")
     assert found_in_library("libtorch_cpu.so", [quoted, reworded]) == {

@@ -312,8 +312,8 @@ def test_ci_runs_the_readmes_test_command():
     assert 'PATH="$min_torch_venv/bin:$PATH" python -m pytest -m min_torch' in ci_commands[at:]
     assert ci_commands[-1] == "ruff format --check . && ruff check ."
     assert {test_command, ci_commands[-1]} <= readme
-    # The quick start shows the same test command.
-    assert (REPO / "README.md").read_text().count(test_command) >= 2
+    # The quick start shows that test command.
+    assert test_command in (REPO / "README.md").read_text()
 
 
 # The tiers the default run leaves out (pytest.ini), as a test's decorator
