@@ -96,9 +96,8 @@ def test_banner_and_progress_come_from_rank_0_only(quick_start):
 
 
 def test_output_has_the_lines_and_summary_fields_the_readme_lists(quick_start):
-    """README.md, "Output": progress lines (epoch, step, rank 0's loss), one
-    line per epoch with the exact train loss, eval loss and accuracy, and
-    summary.json with the fields it lists, next to model.pt."""
+    """README.md, "Output", and 01's README, "Run it": summary.json with the fields 01's README
+    lists, next to model.pt (the printed lines: 01's sample)."""
     result, out = quick_start
     summary = read_summary(out)
     for key in (
