@@ -72,6 +72,27 @@ def markdown_table(text: str, after: str) -> list[list[str]]:
     raise AssertionError(f"no table after {after!r}")
 
 
+def markdown_links(text: str) -> list[str]:
+    """The targets of the links of `text`, in order (a link inside code is no link)."""
+    return [
+        child.attrs["href"]
+        for token in _parse(text)
+        if token.type == "inline"
+        for child in token.children
+        if child.type == "link_open"
+    ]
+
+
+def markdown_headings(text: str) -> list[str]:
+    """The headings of `text` as they render (code spans without their backticks)."""
+    tokens = _parse(text)
+    return [
+        "".join(c.content for c in tokens[i + 1].children if c.type in ("text", "code_inline"))
+        for i, token in enumerate(tokens)
+        if token.type == "heading_open"
+    ]
+
+
 def sample_block(text: str, after: str) -> Block:
     """The first sample-output block (a fence without a language) after the first occurrence of
     the text `after`."""

@@ -14,11 +14,12 @@ import ast
 import inspect
 import re
 from pathlib import Path
+from urllib.parse import unquote
 
 import torch
 
 from tests.helpers import REPO, pinned_torch_only, tracked_files
-from tests.markdown import markdown_blocks
+from tests.markdown import markdown_blocks, markdown_headings, markdown_links
 from tests.test_basic_ddp import assert_same_params
 
 SITE_PACKAGES = Path(torch.__file__).resolve().parents[1]
@@ -170,10 +171,8 @@ def slug(heading: str) -> str:
 
 def link_problems(doc: Path) -> list[str]:
     """The relative links of `doc` whose file, or whose #anchor's heading, does not exist."""
-    text = doc.read_text()
-    prose = "\n".join(line for i, line in enumerate(text.splitlines()) if not in_code(text, i))
     problems = []
-    for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+    for target in map(unquote, markdown_links(doc.read_text())):
         if re.match(r"[a-z]+:", target):
             continue  # a web address
         path, _, anchor = target.partition("#")
@@ -181,14 +180,9 @@ def link_problems(doc: Path) -> list[str]:
         if not file.exists():
             problems.append(f"{target}: no such file")
         elif anchor and file.is_file():
-            headings = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
-            if anchor not in {slug(h) for h in headings}:
+            if anchor not in {slug(h) for h in markdown_headings(file.read_text())}:
                 problems.append(f"{target}: no such heading")
     return problems
-
-
-def in_code(text: str, line: int) -> bool:
-    return any(b.start <= line <= b.start + len(b.lines) + 1 for b in markdown_blocks(text))
 
 
 def test_every_relative_link_in_the_readmes_leads_to_a_file_and_heading(tmp_path):
