@@ -4,17 +4,19 @@ For each world size it starts a real `torchrun` of benchmark/train.py (the scrip
 with every performance knob) twice, with DDP and with `--no-ddp` (the same loop
 without gradient communication), each with `--profile-steps`, and prints one table:
 
-    world size | images/s | per rank | scaling efficiency | step ms split into data wait /
-    forward+backward / exposed communication / optimizer / other | no-DDP images/s and step ms |
-    peak memory of the largest rank
+    world size | images/s (mean step) | images/s (median step) | per rank | scaling efficiency |
+    step ms split into data wait / forward+backward / exposed communication / optimizer /
+    other | no-DDP images/s | DDP's cost over no DDP, with its spread | peak memory
 
-scaling efficiency = images/s at N ranks / (N x images/s at 1 rank), at a fixed local
-batch. Every time is the median over the profiled steps (warm-up left out) of the mean over
-ranks, images/s is the global batch over the median step time, peak memory the largest
-rank's; with --repeats R each run is repeated R times, interleaved, and the run with the
-median step time is kept (with an even R the faster of the two middle runs: with --repeats
-2, the faster run). `--sweep` then runs each knob against the default at the largest world
-size and prints the ratio of each to the default, measured in the same invocation.
+The method (benchmark/README.md, "How a step is measured"): images/s is the global batch over
+the mean step of a window of --steps steps after --warmup steps (the window's whole time over
+its steps), the median step beside it; the parts are medians over the window of the mean over
+ranks. Every run is repeated --repeats times (3), all runs interleaved; the table shows the run
+with the median mean step, and each A/B figure (DDP against no DDP, a knob against the
+default) is the median over the repeats of the pair measured side by side, with the smallest
+and largest pair beside it. scaling efficiency = images/s at N ranks / (N x images/s of one
+rank without DDP), at a fixed local batch. `--sweep` runs each knob against the default at the
+largest world size.
 
     python benchmark/benchmark.py --world-sizes 1,2
     python benchmark/benchmark.py --world-sizes 1,2 --model resnet18 --dataset fake \
@@ -30,6 +32,7 @@ import dataclasses
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -75,6 +78,7 @@ PARTS = ("data_wait", "forward_backward", "exposed_comm", "optimizer", "other")
 SCALING_COLUMNS = [
     "world_size",
     "images_per_s",
+    "images_per_s_median",
     "images_per_s_per_rank",
     "scaling_efficiency",
     "step_ms",
@@ -88,7 +92,11 @@ SCALING_COLUMNS = [
     "no_ddp_images_per_s",
     "no_ddp_step_ms",
     "ddp_overhead_ms",
+    "ddp_cost_pct",
+    "ddp_cost_min_pct",
+    "ddp_cost_max_pct",
     "peak_memory_mib",
+    "peak_reserved_mib",
 ]
 SWEEP_COLUMNS = [
     "knob",
@@ -99,6 +107,8 @@ SWEEP_COLUMNS = [
     "exposed_comm_ms",
     "data_wait_ms",
     "images_per_s_ratio",
+    "images_per_s_ratio_min",
+    "images_per_s_ratio_max",
     "exposed_comm_ratio",
     "scaling_efficiency",
     "peak_memory_mib",
@@ -122,13 +132,17 @@ class BenchConfig:
     batch_size: int = field(
         32, "local batch per rank (fixed over world sizes: weak scaling)", min=1
     )
-    warmup: int = field(5, "steps left out before measuring", min=0)
-    steps: int = field(20, "measured steps per run (medians over these)", min=1)
+    warmup: int = field(
+        10, "steps left out before measuring (at least the batches the loader queues)", min=0
+    )
+    steps: int = field(200, "measured steps per run: the window", min=1)
     repeats: int = field(
-        1,
-        "runs per configuration, interleaved; the run with the median step time is reported "
-        "(even: the faster of the two middle runs)",
+        3,
+        "runs per configuration, interleaved; A/B figures are the median pair, with the spread",
         min=1,
+    )
+    min_efficiency: float = field(
+        0.0, "exit code 1 if a world size's scaling efficiency is below this (0: no check)", min=0.0
     )
     sweep: bool = field(
         False, "also run each knob of --sweep-knobs against the default at the largest world size"
@@ -221,20 +235,27 @@ def launch(
 
 
 def figures(summary: dict) -> dict:
-    """Per-run figures from the step profile: images/s from the median step
-    time; the largest rank's peak memory (GPU: max_memory_allocated;
-    CPU: peak resident set, which includes torch and the data set)."""
-    median = summary["profile"]["median_s"]
-    step = median["step"]
+    """Per-run figures from the step profile: images/s from the window's mean step, and from
+    the median step; the largest rank's peak memory (GPU: max_memory_allocated, and what the
+    allocator reserved; CPU: peak resident set, which includes torch and the data set)."""
+    profile = summary["profile"]
+    median, step = profile["median_s"], profile["mean_step_s"]
     row = {
         "images_per_s": summary["global_batch_size"] / step,
+        "images_per_s_median": summary["global_batch_size"] / median["step"],
         "step_ms": 1000 * step,
+        "median_step_ms": 1000 * median["step"],
         "peak_memory_mib": None,
+        "peak_reserved_mib": None,
     }
-    # a --script may not report it
-    peaks = summary.get("perf", {}).get("peak_memory_bytes_per_rank")
-    if peaks:
-        row["peak_memory_mib"] = max(peaks) / 2**20
+    # a --script may not report them
+    perf = summary.get("perf", {})
+    for key, column in (
+        ("peak_memory_bytes_per_rank", "peak_memory_mib"),
+        ("peak_reserved_bytes_per_rank", "peak_reserved_mib"),
+    ):
+        if perf.get(key):
+            row[column] = max(perf[key]) / 2**20
     # A part no profiled step reached (the GradScaler skipped every optimizer step) stays empty.
     row.update(
         {f"{part}_ms": None if median[part] is None else 1000 * median[part] for part in PARTS}
@@ -243,21 +264,30 @@ def figures(summary: dict) -> dict:
 
 
 def median_run(rows: list[dict]) -> dict:
-    """The repeat with the median step time (keeps one run's parts together); with an even number of
-    repeats the faster of the two middle ones, a run that was measured rather than a mean of two."""
+    """The repeat with the median mean step (keeps one run's parts together); with an even number
+    of repeats the faster of the two middle ones, a run that was measured rather than a mean of
+    two."""
     ordered = sorted(rows, key=lambda r: r["step_ms"])
     return ordered[(len(ordered) - 1) // 2]
+
+
+def paired(a_rows: list[dict], b_rows: list[dict], ratio) -> tuple[float, float, float]:
+    """An A/B figure over the repeats: ratio(a, b) of each pair measured side by side (repeat r
+    of both), as (median, smallest, largest)."""
+    values = [ratio(a, b) for a, b in zip(a_rows, b_rows)]
+    return statistics.median(values), min(values), max(values)
 
 
 def run_all(
     cfg: BenchConfig, jobs: list[tuple[str, int, list[str]]], extra: list[str], threads: int
 ) -> dict:
-    """Each job `repeats` times, round-robin, so slow phases of a busy machine hit all of them."""
+    """Each job `repeats` times, round-robin, so slow phases of a busy machine hit all of them;
+    every repeat's figures, in order."""
     results: dict[str, list[dict]] = {name: [] for name, _, _ in jobs}
     for r in range(cfg.repeats):
         for name, nproc, flags in jobs:
             results[name].append(figures(launch(cfg, nproc, f"{name}_r{r}", flags, extra, threads)))
-    return {name: median_run(rows) for name, rows in results.items()}
+    return results
 
 
 def fmt(value, digits=1) -> str:
@@ -283,6 +313,15 @@ def write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
 
 def percent(part, whole):
     return None if part is None else 100 * part / whole
+
+
+def step_ratio(a: dict, b: dict) -> float:
+    """a's cost over b, in %: how much longer a's mean step is."""
+    return 100 * (a["step_ms"] / b["step_ms"] - 1)
+
+
+def speed_ratio(a: dict, b: dict) -> float:
+    return a["images_per_s"] / b["images_per_s"]
 
 
 def main(argv=None):
@@ -318,12 +357,15 @@ def main(argv=None):
         for kind, flags in (("ddp", []), ("noddp", ["--no-ddp"]))
     ]
     jobs += [(f"ws{sizes[-1]}_{knob}", sizes[-1], KNOBS[knob]) for knob in knobs]
-    result = run_all(cfg, jobs, extra, threads)
+    repeats = run_all(cfg, jobs, extra, threads)
+    result = {name: median_run(rows) for name, rows in repeats.items()}
 
-    base = result["ws1_ddp"]["images_per_s"]
+    # one rank without DDP: what N ranks would do with no cost of distribution at all
+    base = result["ws1_noddp"]["images_per_s"]
     rows = []
     for n in sizes:
         ddp, noddp = result[f"ws{n}_ddp"], result[f"ws{n}_noddp"]
+        cost = paired(repeats[f"ws{n}_ddp"], repeats[f"ws{n}_noddp"], step_ratio)
         rows.append(
             {
                 "world_size": n,
@@ -335,6 +377,7 @@ def main(argv=None):
                 "no_ddp_images_per_s": noddp["images_per_s"],
                 "no_ddp_step_ms": noddp["step_ms"],
                 "ddp_overhead_ms": ddp["step_ms"] - noddp["step_ms"],
+                **dict(zip(("ddp_cost_pct", "ddp_cost_min_pct", "ddp_cost_max_pct"), cost)),
             }
         )
     print()
@@ -344,12 +387,19 @@ def main(argv=None):
         {
             "scaling_efficiency": 3,
             "images_per_s": 0,
+            "images_per_s_median": 0,
             "images_per_s_per_rank": 0,
             "no_ddp_images_per_s": 0,
             "peak_memory_mib": 0,
+            "peak_reserved_mib": 0,
         },
     )
     write_csv(out / "scaling.csv", SCALING_COLUMNS, rows)
+    print(
+        f"images/s: the global batch over the mean step of {cfg.steps} steps; scaling "
+        "efficiency against one rank without DDP; ddp_cost_pct: DDP's step over no DDP's, "
+        f"median of {cfg.repeats} side-by-side pair(s), min and max beside it"
+    )
 
     from torch.utils.tensorboard import SummaryWriter
 
@@ -369,19 +419,31 @@ def main(argv=None):
                 "world_size": n,
                 **default,
                 "images_per_s_ratio": 1.0,
+                "images_per_s_ratio_min": 1.0,
+                "images_per_s_ratio_max": 1.0,
                 "exposed_comm_ratio": 1.0,
                 "scaling_efficiency": default["images_per_s"] / (n * base),
             }
         ]
         for knob in knobs:
             r = result[f"ws{n}_{knob}"]
+            speed = paired(repeats[f"ws{n}_{knob}"], repeats[f"ws{n}_ddp"], speed_ratio)
             sweep_rows.append(
                 {
                     "knob": knob,
                     "flags": " ".join(KNOBS[knob]),
                     "world_size": n,
                     **r,
-                    "images_per_s_ratio": r["images_per_s"] / default["images_per_s"],
+                    **dict(
+                        zip(
+                            (
+                                "images_per_s_ratio",
+                                "images_per_s_ratio_min",
+                                "images_per_s_ratio_max",
+                            ),
+                            speed,
+                        )
+                    ),
                     # > 1: the knob exposes less communication than the default
                     "exposed_comm_ratio": (
                         default["exposed_comm_ms"] / r["exposed_comm_ms"]
@@ -395,8 +457,9 @@ def main(argv=None):
             )
         print()
         print(
-            f"sweep at world size {n} (ratios to the default of this run; exposed_comm_ratio "
-            "= default / knob):"
+            f"sweep at world size {n} (ratios to the default of this run: the median of "
+            f"{cfg.repeats} side-by-side pair(s), min and max beside it; exposed_comm_ratio "
+            "= default / knob, of the median runs):"
         )
         print_table(
             SWEEP_COLUMNS,
@@ -404,6 +467,8 @@ def main(argv=None):
             {
                 "images_per_s": 0,
                 "images_per_s_ratio": 2,
+                "images_per_s_ratio_min": 2,
+                "images_per_s_ratio_max": 2,
                 "exposed_comm_ratio": 2,
                 "scaling_efficiency": 3,
                 "peak_memory_mib": 0,
@@ -427,7 +492,14 @@ def main(argv=None):
         + (f", {out / 'sweep.csv'}" if knobs else "")
         + f" and {out / 'tensorboard'} in {time.perf_counter() - started:.0f} s"
     )
+    below = [r for r in rows if r["scaling_efficiency"] < cfg.min_efficiency]
+    for r in below:
+        print(
+            f"missed: scaling efficiency {r['scaling_efficiency']:.3f} at world size "
+            f"{r['world_size']}, below --min-efficiency {cfg.min_efficiency:g}"
+        )
+    return 1 if below else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

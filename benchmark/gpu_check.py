@@ -1,30 +1,36 @@
-r"""GPU check: ResNet-50 throughput beside pytorch/examples' imagenet/main.py on one GPU, then
-every lesson's main command once on the GPU. One call, a few minutes; figures to JSON.
+r"""GPU check: ResNet-50 beside pytorch/examples' imagenet/main.py on one GPU, DDP's own cost,
+`--compile`, and every lesson's main command once on the GPU; each figure checked against its
+target (benchmark/README.md, "Targets"). Two calls of at most 8 minutes each:
 
     # imagenet/main.py of pytorch/examples at 77f55b9 (BSD-3, not part of this repository) into
     # external/, as benchmark/README.md shows, then:
-    python benchmark/gpu_check.py --imagenet-main external/imagenet_main.py
+    python benchmark/gpu_check.py --part throughput     # call 1: the comparison and DDP's cost
+    python benchmark/gpu_check.py --part compile        # call 2: --compile, then every lesson
 
-Every throughput is the same measure as benchmark/benchmark.py's: the batch over the median step
-time (warm-up steps left out), the data wait included. mean_images_per_s is the batch over the
-mean step: it counts the steps on which the loader fell behind. imagenet/main.py prints each
-batch's time with `-p 1`; it is stopped once it has printed enough of them. Ours runs one epoch
-of --fake-images a little longer than its steps, so both measure the loader's steady state.
-Runs, in order (a failed or timed out run is recorded and the check goes on):
+Every throughput is measured the same way (benchmark/README.md, "How a step is measured"): the
+batch over the mean step of a window of --steps steps after --warmup steps, the median step
+beside it. imagenet/main.py prints each batch's time with `-p 1` and is stopped once it has
+printed enough of them; ours writes its step profile. Both scripts run at world size 1 under DDP,
+as main.py's README shows, on the same data (FakeData of 1,000 classes through ToTensor), with
+the same loader workers. The runs of call 1, in order (a failed or timed-out run is recorded
+and the check goes on):
 
-    main_py            imagenet/main.py --dummy -a resnet50 -b 256, its defaults (4 loader workers,
-                       fp32 with cuDNN's TF32), DDP at world size 1 as its README shows
-    fp32               benchmark/train.py at equal settings (fake data 224 px, batch 256, 4 workers)
-    fp32_w             the same with --workers-best loader workers (the remaining runs use them)
-    bf16_cl            --precision bf16 --channels-last
-    bf16_cl_noddp      the same with --no-ddp: the loop without DDP (DDP's cost at world size 1)
-    bf16_cl_2          bf16_cl again, so DDP's cost is read against two DDP runs
-    bf16               --precision bf16 alone
-    lessons            each lesson's main command, one rank on the GPU: exit code and accuracy
-    bf16_cl_compile    --compile (last: the longest to start)
+    main_py_gpu_pace   imagenet/main.py --dummy -a resnet50 -b 256, fp32, under gpu_pace.py: its
+                       loaders yield one batch kept on the GPU (the GPU's own pace)
+    fp32_gpu_pace      benchmark/train.py at main.py's settings, under gpu_pace.py: fp32, cuDNN's
+                       benchmark mode off as in main.py (parity target)
+    bf16_cl_gpu_pace   --precision bf16 --channels-last, cuDNN's benchmark mode on (speed targets)
+    main_py            imagenet/main.py with its loader: --workers workers
+    fp32               benchmark/train.py with its loader, at main.py's settings
+    bf16_cl            bf16 + channels_last with its loader (loader target: against its GPU pace)
+    ddp_cost           benchmark/ddp_cost.py --mode time at bf16 + channels_last: no DDP, DDP's
+                       defaults and DDP with the knobs, --repeats windows each, interleaved
 
-Outputs in --output-dir: gpu_check.json (rewritten after every run) and one folder per run.
-A dry run on CPU: --device cpu --model resnet18 --image-size 32 --batch-size 8 --warmup 2 --steps 3.
+Call 2: bf16_cl_compile_gpu_pace (--compile; evaluation runs eager, not recompiled), then each
+lesson's main command on one rank (exit code and accuracy). Outputs in --output-dir:
+gpu_check_<part>.json (rewritten after every run) and one folder per run. Exit code 1 when a run
+failed or a target was missed. A dry run on the CPU: --device cpu --model small_cnn --image-size
+8 --batch-size 8 --workers 0 --warmup 2 --steps 3 (the targets are then missed: exit code 1).
 """
 
 import argparse
@@ -45,7 +51,7 @@ from common.launcher import free_port  # importable: benchmark.py put the reposi
 
 # imagenet/main.py's progress line: "Epoch: [0][ 12/5005]\tTime  0.201 ( 0.380)\t..."
 MAIN_PY_LINE = re.compile(r"Epoch: \[\d+\]\[\s*(\d+)/\d+\]\s+Time\s+([\d.]+)\s+\(\s*([\d.]+)\)")
-
+GPU_PACE = [sys.executable, str(REPO / "benchmark" / "gpu_pace.py")]
 TORCHRUN_ONE_RANK = [
     sys.executable,
     "-m",
@@ -69,6 +75,89 @@ LESSONS = [
 ]
 # after 01, whose weights it distils
 LESSON_AFTER_01 = ("08", "08_several_models/train.py --teacher {runs}/01/model.pt")
+
+# The anchors (benchmark/README.md, "Targets"), images/s of ResNet-50 training on one GPU.
+# MLPerf Training v3.0, 8 x H100 (closed division): time to train over the images it trained
+# on, per GPU; a derived figure.
+MLPERF_H100_PER_GPU = 7000
+# NVIDIA DeepLearningExamples, ResNet-50 v1.5, one A100 80GB, mixed precision, batch 256.
+NVIDIA_A100 = 2470
+# (name, what is measured, (row, row or None), the test, lowest, highest, the GPUs it is for,
+# its anchor); a figure is the first row's images/s over the second's, or one row's.
+TARGETS = [
+    (
+        "parity",
+        "fp32 at main.py's settings / main.py, both at GPU pace",
+        ("fp32_gpu_pace", "main_py_gpu_pace"),
+        0.97,
+        1.03,
+        None,
+        "imagenet/main.py",
+    ),
+    (
+        "bf16_channels_last",
+        "bf16 + channels_last / main.py, both at GPU pace",
+        ("bf16_cl_gpu_pace", "main_py_gpu_pace"),
+        2.0,
+        None,
+        None,
+        "imagenet/main.py",
+    ),
+    (
+        "loader",
+        "bf16 + channels_last with the loader / at GPU pace",
+        ("bf16_cl", "bf16_cl_gpu_pace"),
+        0.95,
+        None,
+        None,
+        "the GPU pace",
+    ),
+    (
+        "ddp_defaults",
+        "DDP's cost at world size 1, defaults (median pair, fraction of the step)",
+        ("ddp_cost:default", None),
+        None,
+        0.025,
+        None,
+        "no DDP",
+    ),
+    (
+        "ddp_knobs",
+        "DDP's cost at world size 1, with the knobs (median pair, fraction of the step)",
+        ("ddp_cost:knobs", None),
+        None,
+        0.01,
+        None,
+        "no DDP",
+    ),
+    (
+        "mlperf_eager",
+        "bf16 + channels_last at GPU pace, images/s",
+        ("bf16_cl_gpu_pace", None),
+        0.55 * MLPERF_H100_PER_GPU,
+        None,
+        ("H100", "H200"),
+        f"MLPerf v3.0 per H100, {MLPERF_H100_PER_GPU:,} x 0.55",
+    ),
+    (
+        "mlperf_compile",
+        "the same with --compile, images/s",
+        ("bf16_cl_compile_gpu_pace", None),
+        0.67 * MLPERF_H100_PER_GPU,
+        None,
+        ("H100", "H200"),
+        f"MLPerf v3.0 per H100, {MLPERF_H100_PER_GPU:,} x 0.67",
+    ),
+    (
+        "nvidia_a100",
+        "bf16 + channels_last at GPU pace, images/s",
+        ("bf16_cl_gpu_pace", None),
+        NVIDIA_A100,
+        None,
+        ("A100",),
+        f"NVIDIA's A100 80GB, {NVIDIA_A100:,}",
+    ),
+]
 
 
 class MemoryPoller:
@@ -123,13 +212,13 @@ def last_error(log: Path) -> str:
     return f"{(errors or lines)[-1].strip()} ({log})"
 
 
-def run_main_py(args, out: Path, timeout: float) -> dict:
-    """imagenet/main.py until it has printed warmup + steps batches; images/s from the
-    median batch time of the batches after the warm-up."""
+def run_main_py(args, out: Path, timeout: float, gpu_pace: bool) -> dict:
+    """imagenet/main.py until it has printed warmup + steps batches; images/s from the mean
+    (and the median) batch time of the window after the warm-up."""
     out.mkdir(parents=True, exist_ok=True)
     cuda = args.device == "cuda"
     cmd = [
-        sys.executable,
+        *(GPU_PACE if gpu_pace else [sys.executable]),
         str(Path(args.imagenet_main).resolve()),
         "--dummy",
         "-a",
@@ -177,23 +266,41 @@ def run_main_py(args, out: Path, timeout: float) -> dict:
         timer.cancel()
         stop_group(proc)
         log.close()
-    measured = [t for batch, t in sorted(times.items()) if batch > args.warmup]
-    if len(measured) < args.steps:
+    window = [t for batch, t in sorted(times.items()) if batch > args.warmup][: args.steps]
+    if len(window) < args.steps:
         return dict(row, error=f"printed {len(times)} batches (see {out}/output.log)")
-    step = statistics.median(measured[: args.steps])
     return dict(
         row,
-        images_per_s=args.batch_size / step,
-        mean_images_per_s=args.batch_size / statistics.mean(measured[: args.steps]),
-        step_ms=1000 * step,
+        images_per_s=args.batch_size / statistics.mean(window),
+        images_per_s_median=args.batch_size / statistics.median(window),
+        step_ms=1000 * statistics.mean(window),
         gpu_memory_used_mib=memory.peak_mib,
     )
 
 
-def run_ours(args, name: str, flags: list[str], out: Path, timeout: float) -> dict:
-    """One torchrun of benchmark/train.py with a step profile; figures as benchmark.py's."""
+def run_command(cmd: list[str], out: Path, timeout: float) -> tuple[dict, float | None]:
+    """Run one command into out/output.log: (an error row or {}, nvidia-smi's peak MiB)."""
+    out.mkdir(parents=True, exist_ok=True)
+    with MemoryPoller() as memory, (out / "output.log").open("w") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            stop_group(proc)
+            return {"error": f"timed out after {timeout:.0f} s"}, memory.peak_mib
+    if code != 0:
+        return {"error": f"exit code {code}: {last_error(out / 'output.log')}"}, memory.peak_mib
+    return {}, memory.peak_mib
+
+
+def run_ours(args, flags: list[str], out: Path, timeout: float, gpu_pace: bool) -> dict:
+    """benchmark/train.py with a step profile, at GPU pace (gpu_pace.py, one process) or with
+    its loader (torchrun, one rank); figures as benchmark.py's."""
+    warmup = args.warmup
     cmd = [
-        *TORCHRUN_ONE_RANK,
+        *(GPU_PACE if gpu_pace else TORCHRUN_ONE_RANK),
         "benchmark/train.py",
         "--device",
         args.device,
@@ -207,15 +314,17 @@ def run_ours(args, name: str, flags: list[str], out: Path, timeout: float) -> di
         str(args.batch_size),
         "--weight-decay",
         "0.0001",  # imagenet/main.py's default
+        "--num-workers",
+        str(args.workers),
         # one epoch longer than the steps run: the loader's steady state, as main.py's 1.28M
         "--fake-images",
-        str(args.batch_size * (args.warmup + args.steps + 2)),
+        str(args.batch_size * (warmup + args.steps + 2)),
         "--epochs",
         "1",
         "--max-steps",
-        str(args.warmup + args.steps + 1),
+        str(warmup + args.steps + 1),
         "--profile-warmup",
-        str(args.warmup),
+        str(warmup),
         "--profile-steps",
         str(args.steps),
         "--log-every",
@@ -226,28 +335,54 @@ def run_ours(args, name: str, flags: list[str], out: Path, timeout: float) -> di
         str(out),
         *flags,
     ]
-    row = {"command": " ".join(cmd[3:])}
-    out.mkdir(parents=True, exist_ok=True)
-    with MemoryPoller() as memory, (out / "output.log").open("w") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            code = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            stop_group(proc)
-            return dict(row, error=f"timed out after {timeout:.0f} s")
-    if code != 0:
-        return dict(row, error=f"exit code {code}: {last_error(out / 'output.log')}")
+    row = {"command": " ".join(cmd[1:])}
+    error, peak_mib = run_command(cmd, out, timeout)
+    if error:
+        return dict(row, **error)
     summary = json.loads((out / "summary.json").read_text())
+    median = summary["profile"]["median_s"]
     return dict(
         row,
         **figures(summary),
-        mean_images_per_s=summary["global_batch_size"] / summary["profile"]["mean_step_s"],
-        data_wait_fraction=summary["profile"]["median_s"]["data_wait"]
-        / summary["profile"]["median_s"]["step"],
-        gpu_memory_used_mib=memory.peak_mib,
+        data_wait_fraction=median["data_wait"] / median["step"],
+        gpu_memory_used_mib=peak_mib,
     )
+
+
+def run_ddp_cost(args, out: Path, timeout: float) -> dict:
+    """benchmark/ddp_cost.py --mode time: DDP's cost at world size 1, defaults and knobs."""
+    cmd = [
+        sys.executable,
+        "benchmark/ddp_cost.py",
+        "--mode",
+        "time",
+        "--device",
+        args.device,
+        "--model",
+        args.model,
+        "--image-size",
+        str(args.image_size),
+        "--batch-size",
+        str(args.batch_size),
+        "--precision",
+        "bf16",
+        "--channels-last",
+        "--variants",
+        "no_ddp,default,knobs",
+        "--warmup",
+        str(max(2, args.warmup // 2)),
+        "--steps",
+        str(args.steps),
+        "--repeats",
+        str(args.repeats),
+        "--output-dir",
+        str(out),
+    ]
+    row = {"command": " ".join(cmd[1:])}
+    error, _ = run_command(cmd, out, timeout)
+    if error:
+        return dict(row, **error)
+    return dict(row, variants=json.loads((out / "ddp_cost.json").read_text())["variants"])
 
 
 def run_lessons(args, runs: Path, timeout: float) -> dict:
@@ -309,25 +444,96 @@ def environment(device: str) -> dict:
     return dict(info, device=device, python=sys.version.split()[0])
 
 
+def figure(runs: dict, name: str) -> float | None:
+    """A row's images/s, or ("ddp_cost:VARIANT") DDP's cost in that variant; None if not run."""
+    if name.startswith("ddp_cost:"):
+        return runs.get("ddp_cost", {}).get("variants", {}).get(name.split(":")[1], {}).get("cost")
+    return runs.get(name, {}).get("images_per_s")
+
+
+def check_targets(runs: dict, gpu: str | None) -> list[dict]:
+    """Each target of TARGETS that applies to this GPU, with its figure and whether it is met
+    (None: a run it needs is not in this call, or failed)."""
+    checked = []
+    for name, what, (first, second), lowest, highest, gpus, anchor in TARGETS:
+        if gpus and not any(model in (gpu or "") for model in gpus):
+            continue  # another GPU's target
+        value = figure(runs, first)
+        if value is not None and second is not None:
+            base = figure(runs, second)
+            value = value / base if base else None
+        met = None
+        if value is not None:
+            met = (lowest is None or value >= lowest) and (highest is None or value <= highest)
+        limits = [
+            f">= {lowest:g}" if lowest is not None else "",
+            f"<= {highest:g}" if highest is not None else "",
+        ]
+        checked.append(
+            dict(
+                target=name,
+                what=what,
+                figure=value,
+                limit=" and ".join(filter(None, limits)),
+                anchor=anchor,
+                met=met,
+            )
+        )
+    return checked
+
+
+def plan(args) -> list[tuple[str, str, list[str]]]:
+    """(run name, kind, flags of benchmark/train.py) of the part asked for, in order."""
+    bf16_cl = ["--precision", "bf16", "--channels-last"]
+    main_settings = ["--no-cudnn-benchmark"]  # main.py leaves cuDNN's benchmark mode off
+    if args.part == "throughput":
+        return [
+            ("main_py_gpu_pace", "main_py_gpu_pace", []),
+            ("fp32_gpu_pace", "ours_gpu_pace", main_settings),
+            ("bf16_cl_gpu_pace", "ours_gpu_pace", bf16_cl),
+            ("main_py", "main_py", []),
+            ("fp32", "ours", main_settings),
+            ("bf16_cl", "ours", bf16_cl),
+            ("ddp_cost", "ddp_cost", []),
+        ]
+    return [
+        ("bf16_cl_compile_gpu_pace", "ours_gpu_pace", bf16_cl + ["--compile"]),
+        ("lessons", "lessons", []),
+    ]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", default="throughput", choices=("throughput", "compile"))
     parser.add_argument("--imagenet-main", default="external/imagenet_main.py")
     parser.add_argument("--output-dir", default="runs/gpu_check")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--image-size", type=int, default=224, help="ours; main.py's is 224")
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--workers", type=int, default=4, help="imagenet/main.py's default")
-    parser.add_argument("--workers-best", type=int, default=min(12, (os.cpu_count() or 4) - 2))
-    parser.add_argument("--warmup", type=int, default=10, help="steps left out")
-    parser.add_argument("--steps", type=int, default=30, help="steps measured")
-    parser.add_argument("--budget-s", type=float, default=480, help="the whole check")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=min(12, (os.cpu_count() or 4) - 2),
+        help="loader workers of both scripts",
+    )
+    parser.add_argument("--warmup", type=int, default=50, help="steps left out")
+    parser.add_argument("--steps", type=int, default=200, help="steps measured: the window")
+    parser.add_argument("--repeats", type=int, default=3, help="ddp_cost's interleaved windows")
+    parser.add_argument("--budget-s", type=float, default=470, help="the whole call")
     parser.add_argument("--skip", default="", help="comma-separated run names to leave out")
     args = parser.parse_args(argv)
-    if not Path(args.imagenet_main).is_file():
+    if args.part == "throughput" and not Path(args.imagenet_main).is_file():
         print(
             f"error: --imagenet-main {args.imagenet_main} is not a file (the docstring says "
             "where to get it)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.warmup < 2 * args.workers:
+        print(
+            f"error: --warmup {args.warmup} is less than the {2 * args.workers} batches "
+            f"{args.workers} loader workers queue ahead (2 each): use --warmup {2 * args.workers}",
             file=sys.stderr,
         )
         return 2
@@ -335,100 +541,99 @@ def main(argv=None) -> int:
     deadline = time.monotonic() + args.budget_s
     runs = Path(args.output_dir).resolve()
     runs.mkdir(parents=True, exist_ok=True)
-    best = ["--num-workers", str(args.workers_best)]
-    bf16_cl = best + ["--precision", "bf16", "--channels-last"]
-    ours = [  # the most telling first, in case the budget runs out
-        ("fp32", ["--num-workers", str(args.workers)]),
-        ("fp32_w", best),
-        ("bf16_cl", bf16_cl),
-        ("bf16_cl_noddp", bf16_cl + ["--no-ddp"]),
-        ("bf16_cl_2", bf16_cl),
-        ("bf16", best + ["--precision", "bf16"]),
-    ]
-    compiled = ("bf16_cl_compile", bf16_cl + ["--compile"])
     skip = set(filter(None, args.skip.split(",")))
     report = {"environment": environment(args.device), "settings": vars(args), "runs": {}}
+    path = runs / f"gpu_check_{args.part}.json"
 
     def save():
-        (runs / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+        path.write_text(json.dumps(report, indent=2) + "\n")
 
     def left(cap: float) -> float:
         return min(cap, deadline - time.monotonic())
 
     save()
     print(json.dumps(report["environment"]), flush=True)
-    plan = [("main_py", None)] + ours + [("lessons", None), compiled]
-    for name, flags in plan:
+    for name, kind, flags in plan(args):
         if name in skip:
             continue
         if left(1e9) < 20:
             report["runs"][name] = {"error": "skipped: out of --budget-s"}
             continue
         started = time.monotonic()
-        if name == "main_py":
-            row = run_main_py(args, runs / name, left(150))
-        elif name == "lessons":
-            row = {"results": run_lessons(args, runs / name, left(150))}
+        out = runs / name
+        if kind.startswith("main_py"):
+            row = run_main_py(args, out, left(150), gpu_pace=kind.endswith("gpu_pace"))
+        elif kind.startswith("ours"):
+            cap = 300 if "--compile" in flags else 150
+            row = run_ours(args, flags, out, left(cap), gpu_pace=kind.endswith("gpu_pace"))
+        elif kind == "ddp_cost":
+            row = run_ddp_cost(args, out, left(200))
         else:
-            row = run_ours(args, name, flags, runs / name, left(300 if "compile" in name else 150))
+            row = {"results": run_lessons(args, out, left(150))}
         row["wall_s"] = round(time.monotonic() - started, 1)
         report["runs"][name] = row
         save()
         print(f"{name}: {json.dumps(row)}", flush=True)
 
     rows = report["runs"]
-    reference = rows.get("main_py", {}).get("images_per_s")
-    table = []
-    for name, row in rows.items():
-        if name == "lessons" or "images_per_s" not in row:
-            continue
-        table.append(
-            dict(
-                row,
-                run=name,
-                vs_main_py=row["images_per_s"] / reference if reference else None,
-                vs_fp32=row["images_per_s"] / rows["fp32_w"]["images_per_s"]
-                if "images_per_s" in rows.get("fp32_w", {})
-                else None,
-            )
-        )
-    ddp = [rows.get(n, {}).get("step_ms") for n in ("bf16_cl", "bf16_cl_2")]
-    no_ddp = rows.get("bf16_cl_noddp", {}).get("step_ms")
-    if all(ddp) and no_ddp:
-        report["ddp_overhead_world_size_1"] = statistics.mean(ddp) / no_ddp - 1
-    save()
+    reference = rows.get("main_py_gpu_pace", {}).get("images_per_s")
+    table = [
+        dict(row, run=name, vs_main_py=row["images_per_s"] / reference if reference else None)
+        for name, row in rows.items()
+        if "images_per_s" in row
+    ]
     print()
     print_table(
         [
             "run",
             "images_per_s",
+            "images_per_s_median",
             "vs_main_py",
-            "vs_fp32",
-            "mean_images_per_s",
             "step_ms",
             "data_wait_ms",
             "peak_memory_mib",
+            "peak_reserved_mib",
             "gpu_memory_used_mib",
         ],
         table,
         {
             "vs_main_py": 2,
-            "vs_fp32": 2,
             "images_per_s": 0,
-            "mean_images_per_s": 0,
+            "images_per_s_median": 0,
             "peak_memory_mib": 0,
+            "peak_reserved_mib": 0,
+            "gpu_memory_used_mib": 0,
         },
     )
-    if "ddp_overhead_world_size_1" in report:
-        print(f"DDP overhead at world size 1: {100 * report['ddp_overhead_world_size_1']:.1f}%")
+    for variant, result in rows.get("ddp_cost", {}).get("variants", {}).items():
+        if "cost" in result:
+            print(
+                f"DDP at world size 1, {variant}: {100 * result['cost']:.2f}% over no DDP "
+                f"({100 * result['cost_min']:.2f} to {100 * result['cost_max']:.2f}%, "
+                f"{len(result['mean_step_s'])} pairs)"
+            )
     lessons = rows.get("lessons", {}).get("results", {})
     for name, result in lessons.items():
         print(f"lesson {name}: exit {result['exit_code']}, accuracy {result['eval_accuracy']}")
+    report["targets"] = check_targets(rows, report["environment"].get("gpu"))
+    save()
+    print()
+    print_table(
+        ["target", "figure", "limit", "met", "anchor"],
+        [
+            dict(t, met={True: "met", False: "MISSED", None: "not run"}[t["met"]])
+            for t in report["targets"]
+        ],
+        {"figure": 3},
+    )
     failed = [n for n, r in rows.items() if "error" in r]
     failed += [f"lesson {n}" for n, r in lessons.items() if r["exit_code"] != 0]
+    missed = [t["target"] for t in report["targets"] if t["met"] is False]
     if failed:
         print(f"failed: {', '.join(failed)}")
-    return 1 if failed else 0
+    if missed:
+        print(f"missed: {', '.join(missed)}")
+    return 1 if failed or missed else 0
 
 
 if __name__ == "__main__":

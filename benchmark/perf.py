@@ -15,14 +15,18 @@ DDP arguments, register_comm_hook) stay visible in benchmark/train.py. Here live
     time goes
     perf_settings(...)                    what the knobs set, read back from the objects
     (summary.json)
-    peak_memory(device)                   every rank's peak memory (GPU: allocated by tensors; CPU:
-    resident)
+    buffer_checksum(module)               a checksum of the buffers (buffers_identical)
+    peak_memory(device)                   every rank's peak memory (GPU: allocated by tensors and
+    reserved by the allocator; CPU: resident)
+    SYNC_BUFFERS_ARGUMENT                 DDP's name for --no-broadcast-buffers in this torch
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import inspect
 import math
 import shutil
 import statistics
@@ -59,6 +63,15 @@ DDP_ONLY = (
     "static_graph",
     "find_unused_parameters",
     "comm_hook",
+    "broadcast_buffers",
+    "batched_grad_copy",
+)
+
+DDP_ARGUMENTS = inspect.signature(DistributedDataParallel).parameters
+# --no-broadcast-buffers: DDP's argument that stops the broadcast of rank 0's buffers at every
+# forward. torch 2.13 renamed broadcast_buffers to forward_sync_buffers; the old name warns there.
+SYNC_BUFFERS_ARGUMENT = (
+    "forward_sync_buffers" if "forward_sync_buffers" in DDP_ARGUMENTS else "broadcast_buffers"
 )
 
 
@@ -102,6 +115,19 @@ def check_knobs(cfg) -> None:
             f"precision: GPU {slow[0]} has no native bf16 (compute capability "
             f"{'.'.join(map(str, torch.cuda.get_device_capability(slow[0])))}; Ampere, 8.0, and "
             "newer have it): use --precision fp16, which adds a GradScaler"
+        )
+    if cfg.batched_grad_copy and "batched_grad_copy" not in DDP_ARGUMENTS:
+        raise ConfigError(
+            f"batched_grad_copy: DDP has it from torch 2.13 on; this is torch {torch.__version__} "
+            "(drop --batched-grad-copy)"
+        )
+    queued = cfg.num_workers * cfg.prefetch_factor
+    if cfg.profile_steps and queued > cfg.profile_warmup:
+        # the first steps after start-up are served from the batches the workers queued
+        raise ConfigError(
+            f"profile_warmup: {cfg.profile_warmup} steps, but the loader queues {queued} batches "
+            f"ahead ({cfg.num_workers} workers x prefetch_factor {cfg.prefetch_factor}); measured "
+            f"steps would be served from that queue: use --profile-warmup {queued} or more"
         )
     if cfg.fake_images and cfg.dataset != "fake":
         raise ConfigError(f"fake_images: applies to --dataset fake only, not {cfg.dataset}")
@@ -217,28 +243,45 @@ def checkpointed_blocks(module: nn.Module) -> list[bool]:
     ]
 
 
-def peak_memory(device: torch.device) -> dict:
-    """Collective: every rank's peak memory since it started, in bytes, on all ranks.
+def buffer_checksum(module: nn.Module) -> str:
+    """SHA-256 of the module's buffers (BatchNorm's running statistics and counts)."""
+    digest = hashlib.sha256()
+    for buffer in module.buffers():
+        digest.update(buffer.detach().double().cpu().numpy().tobytes())
+    return digest.hexdigest()
 
-    GPU: torch.cuda.max_memory_allocated, the most memory tensors held at once.
+
+def peak_memory(device: torch.device) -> dict:
+    """Collective: every rank's peak memory, in bytes, on all ranks.
+
+    GPU: torch.cuda.max_memory_allocated (the most memory tensors held at once) and
+    max_memory_reserved (what the caching allocator held: what a second job on the GPU could not
+    use); since the measured window started when profiling (StepTimer resets both), else since
+    the process started.
     CPU: the process's peak resident set (getrusage's ru_maxrss), which also counts
     the interpreter, torch's libraries and the data set, so a saving in activations
     shows as a difference between two runs, not as a fraction of this figure.
     """
     if device.type == "cuda":
-        kind, peak = "cuda_max_memory_allocated", torch.cuda.max_memory_allocated(device)
+        kind = "cuda_max_memory_allocated"
+        peaks = [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)]
     else:
         import resource  # Unix only
 
         # ru_maxrss is in kilobytes on Linux, in bytes on macOS.
         kind = "cpu_max_rss"
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (
-            1 if sys.platform == "darwin" else 1024
-        )
-    mine = torch.tensor([peak], dtype=torch.int64, device=device)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peaks = [rss * (1 if sys.platform == "darwin" else 1024), 0]
+    mine = torch.tensor(peaks, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
-    return {"peak_memory": kind, "peak_memory_bytes_per_rank": [int(t.item()) for t in gathered]}
+    memory = {
+        "peak_memory": kind,
+        "peak_memory_bytes_per_rank": [int(t[0].item()) for t in gathered],
+    }
+    if device.type == "cuda":
+        memory["peak_reserved_bytes_per_rank"] = [int(t[1].item()) for t in gathered]
+    return memory
 
 
 class NoDDP(nn.Module):
@@ -263,32 +306,41 @@ class NoDDP(nn.Module):
 
 class StepTimer:
     """Images/s and data wait for the progress lines;
-    with `steps` > 0 also where each step's time goes.
+    with `steps` > 0 also where each step's time goes, over a window of `steps` steps.
 
-        timer = StepTimer(model.module, optimizer, device, warmup=5, steps=20)
+        timer = StepTimer(model.module, optimizer, device, warmup=50, steps=200)
         for images, labels in timer.iterate(train_loader):   # the only change to the loop
             ...                                               # forward, backward, optimizer step
         images_per_s, data_wait = timer.rates()               # collective: since the epoch started
         summary["profile"] = timer.profile()                  # collective
 
-    Nothing is called inside the step: `iterate` marks when a batch is requested and when
-    it is in hand, a post-accumulate-grad hook on every parameter marks the last gradient,
-    and the optimizer's step pre- and post-hooks mark the optimizer step. A step ends when
-    the loop asks for the next batch. The parts (seconds) of each profiled step:
+    The method (benchmark/README.md, "How a step is measured"):
+    - Nothing is called inside the step: `iterate` marks when a batch is requested and when
+      it is in hand, a post-accumulate-grad hook marks the last gradient of the backward pass,
+      and the optimizer's step pre- and post-hooks mark the optimizer step. A step ends when
+      the loop asks for the next batch.
+    - On a GPU the marks are CUDA events, recorded on the GPU's time line and read once, after
+      the window: no synchronize between measured steps, so the CPU runs ahead of the GPU as it
+      does in training (a synchronize per step would show DDP's CPU work as step time).
+    - The headline is the window's mean step (its whole time over its steps: what a user gets,
+      stalls included); each part's median is beside it.
+    - The GPU's peak-memory counters are reset when the window starts, after the warm-up.
+    - Only the marks that are read are recorded: the gradient hook counts the backward pass's
+      gradients and records on the last one (as many as the step before had).
+
+    The parts (seconds) of each profiled step:
       data_wait         batch requested -> batch in hand (time inside next(loader));
       forward_backward  batch in hand -> the last parameter gradient computed;
       exposed_comm      last gradient computed -> optimizer.step() starts: DDP's backward() waits
                         there for the buckets still being all-reduced, so this is the communication
                         NOT hidden behind backward compute (about 0 with --no-ddp); with fp16 it
-                        also
-                        holds the GradScaler's unscale and overflow check;
+                        also holds the GradScaler's unscale and overflow check;
       optimizer         optimizer.step() itself;
       other             after optimizer.step() -> next batch requested (GradScaler update, loss
                         bookkeeping, progress lines);
       step              batch requested -> next batch requested (the sum of the parts).
     A part the step did not reach (a step the GradScaler skipped has
-    no optimizer step) is left out. On GPUs the marks are CUDA events
-    (the GPU's time line), read after a synchronize per profiled step.
+    no optimizer step) is left out.
     """
 
     PARTS = ("data_wait", "forward_backward", "exposed_comm", "optimizer", "other", "step")
@@ -305,13 +357,17 @@ class StepTimer:
         self.device, self.warmup, self.steps = device, warmup, steps
         self.cuda = device.type == "cuda"
         self.index = 0  # steps finished, over all epochs
-        self.rows: list[list[float]] = []
+        self.rows: list[list[float]] = []  # the window's steps, in seconds, once read
+        self.window_s: float | None = None  # first request -> last end of the window
+        self.pending: list[list] = []  # the window's marks, read after it
         self.marks: dict = {}
+        self.grads = 0  # gradient hooks called in this step
+        self.grads_per_step: int | None = None  # ... and in the step before
         self.images, self.wait_s, self.started = 0, 0.0, time.perf_counter()
         if steps > 0:
             for p in module.parameters():
-                if p.requires_grad:  # the last call of a backward pass wins
-                    p.register_post_accumulate_grad_hook(lambda param: self._mark("grad_ready"))
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._gradient_done)
             optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._mark("step_start"))
             optimizer.register_step_post_hook(lambda opt, args, kwargs: self._mark("step_end"))
 
@@ -329,17 +385,41 @@ class StepTimer:
         if self._active():
             self.marks[name] = self._now()
 
+    def _gradient_done(self, param) -> None:
+        # Mark only the backward pass's last gradient: in the first step every one (the last
+        # call wins), then the one that makes as many as the step before had.
+        self.grads += 1
+        if self.grads_per_step is None or self.grads == self.grads_per_step:
+            self._mark("grad_ready")
+
     def _seconds(self, a, b) -> float:
         if a is None or b is None:
             return math.nan
         return a.elapsed_time(b) / 1000.0 if self.cuda else b - a
+
+    def _read_window(self) -> None:
+        """Turn the window's marks into seconds: one synchronize, after the last measured step."""
+        if not self.pending:
+            return
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        for marks in self.pending:
+            self.rows.append(
+                [self._seconds(a, b) for a, b in zip(marks, marks[1:])]
+                + [self._seconds(marks[0], marks[-1])]
+            )
+        self.window_s = self._seconds(self.pending[0][0], self.pending[-1][-1])
+        self.pending = []
 
     def iterate(self, loader):
         """Yield the loader's batches, timing the wait for each (and each step, when profiling)."""
         self.images, self.wait_s, self.started = 0, 0.0, time.perf_counter()
         batches = iter(loader)
         while True:
-            self.marks = {}
+            self.marks, self.grads = {}, 0
+            if self.cuda and self.steps and self.index == self.warmup:
+                # the peaks of the measured window, not of start-up and cuDNN's autotuning
+                torch.cuda.reset_peak_memory_stats(self.device)
             self._mark("request")
             requested = time.perf_counter()
             try:
@@ -352,13 +432,10 @@ class StepTimer:
             yield batch  # the step runs here; a `break` ends it without a record
             self._mark("end")
             if self._active():
-                if self.cuda:
-                    torch.cuda.synchronize(self.device)
-                marks = [self.marks.get(name) for name in self.MARKS]
-                self.rows.append(
-                    [self._seconds(a, b) for a, b in zip(marks, marks[1:])]
-                    + [self._seconds(marks[0], marks[-1])]
-                )
+                self.pending.append([self.marks.get(name) for name in self.MARKS])
+                if self.index == self.warmup + self.steps - 1:  # the window's last step
+                    self._read_window()
+            self.grads_per_step = self.grads
             self.index += 1
 
     def rates(self) -> tuple[float, float]:
@@ -379,16 +456,24 @@ class StepTimer:
         )
 
     def profile(self) -> dict:
-        """Collective when profiling: each part's median over the profiled steps
-        of the mean over ranks (median_s is None when profiling is off)."""
+        """Collective when profiling: the window's mean step (its time over its steps) and each
+        part's median over the window's steps, of the mean over ranks (None when off)."""
         result = {"warmup_steps": self.warmup, "steps": 0, "median_s": None, "mean_step_s": None}
         if self.steps == 0:
             return result
+        self._read_window()  # a window the run ended early
         count = torch.tensor([len(self.rows)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MIN)
         n = int(count.item())  # every rank runs the same steps; be safe anyway
+        rows = self.rows[:n]
+        # the window's mean step: its whole time over its steps (the steps' sum where a rank ran
+        # more steps than another, or the rows came from elsewhere)
+        whole = self.window_s is not None and n == len(self.rows)
+        window = self.window_s if whole else sum(row[-1] for row in rows)
         table = torch.tensor(
-            self.rows[:n] or [[0.0] * len(self.PARTS)], dtype=torch.float64, device=self.device
+            [row + [window / n] for row in rows] or [[0.0] * (len(self.PARTS) + 1)],
+            dtype=torch.float64,
+            device=self.device,
         )
         dist.all_reduce(table)  # a part missing on any rank stays NaN and is left out
         table = (table / dist.get_world_size()).cpu()
@@ -396,8 +481,7 @@ class StepTimer:
         for i, part in enumerate(self.PARTS):
             values = [v for v in table[:n, i].tolist() if not math.isnan(v)]
             median[part] = statistics.median(values) if values else None
-        # the mean step counts the loader's occasional stalls, which the median leaves out
-        mean_step = statistics.mean(table[:n, self.PARTS.index("step")].tolist()) if n else None
+        mean_step = float(table[0, -1]) if n else None
         return dict(result, steps=n, median_s=median if n else None, mean_step_s=mean_step)
 
 
@@ -438,6 +522,9 @@ def perf_settings(
         "ddp_static_graph": ddp.static_graph if ddp else None,
         "ddp_find_unused_parameters": ddp.find_unused_parameters if ddp else None,
         "ddp_comm_hook": comm_hook.__name__ if comm_hook else None,
+        # a property over forward_sync_buffers from torch 2.13 on
+        "ddp_broadcast_buffers": ddp.broadcast_buffers if ddp else None,
+        "ddp_batched_grad_copy": getattr(ddp, "batched_grad_copy", False) if ddp else None,
         "activation_checkpointing_blocks": len(checkpointed),
         # one variant for all
         "activation_checkpointing_use_reentrant": checkpointed[0] if checkpointed else None,
@@ -445,4 +532,5 @@ def perf_settings(
         "loader_pin_memory": loader.pin_memory,
         "loader_persistent_workers": loader.persistent_workers,
         "loader_prefetch_factor": loader.prefetch_factor,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
     }

@@ -41,8 +41,10 @@ from perf import (
     ACTIVATION_CHECKPOINTING,
     AMP_DTYPES,
     COMM_HOOKS,
+    SYNC_BUFFERS_ARGUMENT,
     NoDDP,
     StepTimer,
+    buffer_checksum,
     check_knobs,
     checkpoint_blocks,
     device_type,
@@ -83,7 +85,15 @@ class PerfConfig(TrainConfig):
     )
     bucket_cap_mb: float = field(25.0, "DDP gradient bucket size in MiB", min=0.0)
     gradient_as_bucket_view: bool = field(
-        False, "DDP: gradients are views into the buckets (saves the copies into and out of them)"
+        False, "DDP: gradients are views into the buckets (saves their memory and the copy out)"
+    )
+    broadcast_buffers: bool = field(
+        True,
+        "DDP: broadcast rank 0's buffers (BatchNorm statistics) at every forward; "
+        "--no-broadcast-buffers: each rank keeps its own, averaged before evaluation",
+    )
+    batched_grad_copy: bool = field(
+        False, "DDP (torch 2.13+): one batched copy of the gradients into each bucket"
     )
     static_graph: bool = field(
         False, "DDP: the graph is the same every step (enables optimizations)"
@@ -95,6 +105,9 @@ class PerfConfig(TrainConfig):
         "none",
         "DDP communication hook compressing gradients",
         choices=("none", "bf16_compress", "fp16_compress"),
+    )
+    cudnn_benchmark: bool = field(
+        True, "cuDNN times its convolution algorithms per input shape and keeps the fastest (GPU)"
     )
     pin_memory: bool = field(True, "pinned host memory for faster copies to the GPU (GPU only)")
     persistent_workers: bool = field(
@@ -125,15 +138,15 @@ class PerfConfig(TrainConfig):
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, memory_format=torch.preserve_format):
+def evaluate(model, forward, loader, device, memory_format=torch.preserve_format):
     """Exact distributed evaluation: this rank's sums, all-reduced. `model` is the plain module
-    (ddp_model.module): ranks may hold different numbers of test batches."""
+    (ddp_model.module): ranks may hold different numbers of test batches; `forward` runs it."""
     model.eval()
     # loss sum, correct, count
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:
         images, labels = images.to(device, memory_format=memory_format), labels.to(device)
-        logits = model(images)
+        logits = forward(images)
         totals += torch.stack(
             [
                 F.cross_entropy(logits, labels, reduction="sum"),
@@ -156,6 +169,8 @@ def train(cfg, launch):
     if device.type == "cuda":
         # before the process group, so its collectives use this device
         torch.cuda.set_device(device)
+    # fixed input shapes: cuDNN picks the fastest convolution algorithm once per shape (GPU only)
+    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
     dist.init_process_group(
         backend,
         init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
@@ -208,6 +223,11 @@ def train(cfg, launch):
         model.compile()
     comm_hook = COMM_HOOKS[cfg.comm_hook] if cfg.ddp else None
     if cfg.ddp:
+        ddp_knobs = {}
+        if not cfg.broadcast_buffers:  # forward_sync_buffers from torch 2.13 on
+            ddp_knobs[SYNC_BUFFERS_ARGUMENT] = False
+        if cfg.batched_grad_copy:
+            ddp_knobs["batched_grad_copy"] = True
         model = DDP(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
@@ -218,6 +238,7 @@ def train(cfg, launch):
             static_graph=cfg.static_graph,  # same graph every step: DDP can plan ahead
             # only if some parameters get no grad
             find_unused_parameters=cfg.find_unused_parameters,
+            **ddp_knobs,
         )
         if comm_hook is not None:  # default_hooks.bf16_compress_hook / fp16_compress_hook
             model.register_comm_hook(state=None, hook=comm_hook)
@@ -270,9 +291,10 @@ def train(cfg, launch):
             ):
                 logits = model(images)
                 loss = F.cross_entropy(logits, labels)
-            # Kept (zeroed in place) under --gradient-as-bucket-view: a fresh .grad each step
-            # would be copied into the bucket again, the copy that the knob saves.
-            optimizer.zero_grad(set_to_none=not cfg.gradient_as_bucket_view)
+            # set_to_none (the default), also under --gradient-as-bucket-view: backward's fresh
+            # .grad is copied into the bucket once; a zeroed one would cost a zero, an add and a
+            # divide per gradient (benchmark/README.md, "What DDP adds to a step").
+            optimizer.zero_grad(set_to_none=True)
             # DDP all-reduces (averages) the gradients here: every rank steps alike.
             scaler.scale(loss).backward()
             scaler.step(optimizer)  # fp16: unscales, and skips the step if a gradient overflowed
@@ -300,7 +322,19 @@ def train(cfg, launch):
         dist.all_reduce(loss_and_count)
         train_loss = (loss_and_count[0] / loss_and_count[1]).item()
         images_per_s, data_wait = timer.rates()  # this epoch's training loop
-        eval_loss, eval_acc, eval_count = evaluate(model.module, test_loader, device, memory_format)
+        if not cfg.broadcast_buffers and launch.world_size > 1:
+            # Each rank's BatchNorm statistics saw only its own batches: evaluate and save their
+            # average, the same on every rank. A collective: every rank calls it.
+            for buffer in model.module.buffers():
+                if buffer.is_floating_point():
+                    dist.all_reduce(buffer)
+                    buffer /= launch.world_size
+        # --compile: the module's own forward, eager; compiling it again for eval mode
+        # would take as long as the training graphs did
+        forward = model.module.forward if cfg.compile else model.module
+        eval_loss, eval_acc, eval_count = evaluate(
+            model.module, forward, test_loader, device, memory_format
+        )
         if launch.rank == 0:
             print(
                 f"epoch {epoch + 1} done: train loss {train_loss:.4f}, eval loss {eval_loss:.4f}, "
@@ -337,6 +371,9 @@ def train(cfg, launch):
     # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
     checksums = [None] * launch.world_size
     dist.all_gather_object(checksums, parameter_checksum(model))
+    # ... and of its buffers, which DDP's forward broadcast leaves each rank's own (a collective)
+    buffer_checksums = [None] * launch.world_size
+    dist.all_gather_object(buffer_checksums, buffer_checksum(model.module))
     summary = dict(
         world_size=launch.world_size,
         launcher=launch.launcher,
@@ -359,6 +396,7 @@ def train(cfg, launch):
         perf=dict(
             perf_settings(model, scaler, train_loader, comm_hook, cfg.compile, logits, images),
             **memory,
+            buffers_identical=len(set(buffer_checksums)) == 1,
         ),
         replica_checksums=checksums,
     )

@@ -15,6 +15,7 @@ from common.errors import DataError, exit_on_bad_input
 
 DOWNLOADABLE = ("cifar10", "mnist", "fashion_mnist")
 FAKE_TRAIN_SIZE, FAKE_TEST_SIZE = 2048, 512
+FAKE_CLASSES = 1000  # imagenet/main.py's --dummy: ImageNet's classes, so the same last layer
 # UCI handwritten digits; source and licence: DIGITS.md
 DIGITS_FILE = Path(__file__).with_name("digits.csv.gz")
 DIGITS_SIZE, DIGITS_TEST_FRACTION = 1797, 0.2  # 20% held out
@@ -117,11 +118,13 @@ def build_datasets(
     if name == "fake":
         size = image_size or 32
         return DataBundle(
-            datasets.FakeData(FAKE_TRAIN_SIZE, (3, size, size), 10, train_tf, random_offset=0),
             datasets.FakeData(
-                FAKE_TEST_SIZE, (3, size, size), 10, test_tf, random_offset=FAKE_TRAIN_SIZE
+                FAKE_TRAIN_SIZE, (3, size, size), FAKE_CLASSES, train_tf, random_offset=0
             ),
-            10,
+            datasets.FakeData(
+                FAKE_TEST_SIZE, (3, size, size), FAKE_CLASSES, test_tf, random_offset=FAKE_TRAIN_SIZE
+            ),
+            FAKE_CLASSES,
             3,
             size,
         )

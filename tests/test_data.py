@@ -84,12 +84,15 @@ def test_fake_data_is_deterministic_and_sized_and_imagenet_main_dummy_set():
     a, b = build_datasets("fake", image_size=16), build_datasets("fake", image_size=16)
     assert a.train[3][0].shape == (3, 16, 16)
     assert torch.equal(a.test[5][0], b.test[5][0]) and not torch.equal(a.train[0][0], a.test[0][0])
-    # benchmark/gpu_check.py's equal settings: the images of imagenet/main.py's --dummy set
-    # (FakeData through ToTensor, pytorch/examples 77f55b9), so both loaders do the same work
+    # benchmark/gpu_check.py's equal settings: the images and labels of imagenet/main.py's
+    # --dummy set (FakeData of 1,000 classes through ToTensor, pytorch/examples 77f55b9), so both
+    # loaders do the same work and both models end in the same 1,000-wide layer
     from torchvision import datasets, transforms
 
-    dummy = datasets.FakeData(2048, (3, 16, 16), 10, transforms.ToTensor())
-    assert torch.equal(a.train[3][0], dummy[3][0])
+    dummy = datasets.FakeData(2048, (3, 16, 16), 1000, transforms.ToTensor())
+    assert a.num_classes == 1000
+    assert torch.equal(a.train[3][0], dummy[3][0]) and a.train[3][1] == dummy[3][1]
+    assert len({a.train[i][1] for i in range(64)}) > 10  # not 10 classes
 
 
 # Recorded from scikit-learn 1.9.1's load_digits() (images
