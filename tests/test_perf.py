@@ -89,10 +89,11 @@ def error_lines(result) -> list[str]:
 
 
 def test_every_knob_on_two_ranks(tmp_path):
-    """fp16 + GradScaler, channels_last, fp16 hook, 1 MiB buckets, bucket views,
-    static graph, loader settings, activation checkpointing, step profile, progress
-    lines and TensorBoard, on 2 warm ranks (tests/warm_ranks.py); on CIFAR-10-format files through
-    tests/perf_cifar.py (as the benchmark README's CIFAR figures were taken)."""
+    """fp16 + GradScaler, channels_last, fp16 hook, 1 MiB buckets, bucket views, no buffer
+    broadcast, batched gradient copies, static graph, loader settings, activation checkpointing,
+    step profile, progress lines and TensorBoard, on 2 warm ranks (tests/warm_ranks.py); on
+    CIFAR-10-format files through tests/perf_cifar.py (as the benchmark README's CIFAR figures
+    were taken)."""
     write_cifar10(tmp_path / "data" / "cifar10", per_batch=20, test_size=30)
     out = tmp_path / "out"
     result = warm_ranks(
@@ -107,7 +108,7 @@ def test_every_knob_on_two_ranks(tmp_path):
         "--image-size",
         "16",
         "--max-steps",
-        "4",
+        "6",
         "--log-every",
         "2",
         "--device",
@@ -122,6 +123,8 @@ def test_every_knob_on_two_ranks(tmp_path):
         "--bucket-cap-mb",
         "1",
         "--gradient-as-bucket-view",
+        "--no-broadcast-buffers",
+        "--batched-grad-copy",
         "--static-graph",
         "--num-workers",
         "1",
@@ -131,7 +134,7 @@ def test_every_knob_on_two_ranks(tmp_path):
         "--activation-checkpointing",
         "non_reentrant",
         "--profile-warmup",
-        "1",
+        "3",  # the 3 batches the worker queues
         "--profile-steps",
         "2",
         "--output-dir",
@@ -152,6 +155,8 @@ def test_every_knob_on_two_ranks(tmp_path):
         "ddp_static_graph": True,
         "ddp_find_unused_parameters": False,
         "ddp_comm_hook": "fp16_compress_hook",
+        "ddp_broadcast_buffers": False,
+        "ddp_batched_grad_copy": True,
         "loader_num_workers": 1,
         "loader_pin_memory": False,  # pinning is for GPUs only
         "loader_persistent_workers": False,
@@ -159,24 +164,26 @@ def test_every_knob_on_two_ranks(tmp_path):
         # the classifier
         "activation_checkpointing_blocks": 1,
         "activation_checkpointing_use_reentrant": False,
+        "cudnn_benchmark": True,  # the default; it acts on GPUs only
         "peak_memory": "cpu_max_rss",
         "peak_memory_bytes_per_rank": summary["perf"]["peak_memory_bytes_per_rank"],
+        "buffers_identical": True,
     }
     assert summary["perf"]["grad_scale"] > 1
     assert (summary["world_size"], summary["steps"], summary["backend"], summary["device"]) == (
         2,
-        4,
+        6,
         "gloo",
         "cpu",
     )
     assert len(summary["perf"]["peak_memory_bytes_per_rank"]) == 2
     assert summary["replicas_identical"] and math.isfinite(summary["final_train_loss"])
     profile = summary["profile"]
-    assert (profile["warmup_steps"], profile["steps"]) == (1, 2)
+    assert (profile["warmup_steps"], profile["steps"]) == (3, 2)
     assert profile["median_s"]["step"] > 0 and profile["median_s"]["forward_backward"] > 0
     assert profile["images_per_second"] > 0 and 0 <= profile["data_wait_fraction"] < 1
-    # 2 progress lines + epoch
-    assert result.stdout.count("images/s") == 3 and "data-wait" in result.stdout
+    # 3 progress lines + epoch
+    assert result.stdout.count("images/s") == 4 and "data-wait" in result.stdout
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     keys = torch.load(out / "model.pt", weights_only=True).keys()
     assert keys and not any(k.startswith("module.") for k in keys)
@@ -238,14 +245,18 @@ def test_precision_scaler_and_hook_in_process(here, tmp_path, monkeypatch, preci
             "ddp_static_graph": False,
             "ddp_find_unused_parameters": False,
             "ddp_comm_hook": None,
+            "ddp_broadcast_buffers": True,
+            "ddp_batched_grad_copy": False,
             "loader_num_workers": 0,
             "loader_pin_memory": False,
             "loader_persistent_workers": False,
             "loader_prefetch_factor": None,
             "activation_checkpointing_blocks": 0,
             "activation_checkpointing_use_reentrant": None,
+            "cudnn_benchmark": True,
             "peak_memory": "cpu_max_rss",
             "peak_memory_bytes_per_rank": p["peak_memory_bytes_per_rank"],
+            "buffers_identical": True,
         }
         assert len(p["peak_memory_bytes_per_rank"]) == 1 and p["peak_memory_bytes_per_rank"][0] > 0
         assert summary["profile"] == {
@@ -502,6 +513,61 @@ def test_step_profile_on_a_gpu_marks_cuda_events(one_rank_group):
     assert len(timer.rows) == 2 and all(part >= 0 for row in timer.rows for part in row)
 
 
+class FakeCudaEvent:
+    """torch.cuda.Event's timing interface on the host clock, counting the events made."""
+
+    made = 0
+
+    def __init__(self, enable_timing=False):
+        FakeCudaEvent.made += 1
+        self.at = None
+
+    def record(self, stream=None):
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end) -> float:
+        assert self.at is not None and end.at is not None, "an event read before it was recorded"
+        return 1000 * (end.at - self.at)
+
+
+def test_the_window_is_timed_with_events_read_once_after_it(monkeypatch):
+    """benchmark/README.md, "How a step is measured", on a GPU's code path (CUDA events stood in
+    by the host clock): no synchronize between the measured steps, one after the window; the
+    peak-memory counters reset when the window starts; six events a step (one per mark read: a
+    single one for the last gradient, not one per parameter); the headline is the window's whole
+    time over its steps, which counts a slow step in full where the median does not."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "Event", FakeCudaEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    monkeypatch.setattr(
+        torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append("reset")
+    )
+    model = SmallCNN()  # 8 parameter tensors: 8 gradient hooks a step
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    timer = perf.StepTimer(model, optimizer, torch.device("cuda", 0), warmup=3, steps=10)
+    loader = [(torch.zeros(2, 1, 8, 8), torch.zeros(2, dtype=torch.long))] * 15
+    FakeCudaEvent.made = 0
+    for i, (images, labels) in enumerate(timer.iterate(loader)):
+        if i == 8:
+            time.sleep(0.2)  # one slow step in the window
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+        calls.append(f"step {i}")
+    assert len(list(model.parameters())) == 8
+    assert calls.count("sync") == 1 and calls.index("sync") == calls.index("step 12") + 1
+    assert calls.count("reset") == 1 and calls.index("reset") == calls.index("step 2") + 1
+    assert FakeCudaEvent.made == 6 * 10  # in the window's 10 steps, the marks read; none outside
+    assert len(timer.rows) == 10 and all(not math.isnan(v) for row in timer.rows for v in row)
+    monkeypatch.setattr(perf.dist, "all_reduce", lambda tensor, op=None: None)
+    monkeypatch.setattr(perf.dist, "get_world_size", lambda: 1)
+    timer.device = CPU  # the collectives' tensors: no GPU here
+    profile = timer.profile()
+    steps = [row[-1] for row in timer.rows]
+    assert profile["mean_step_s"] == pytest.approx(timer.window_s / 10)
+    assert profile["mean_step_s"] == pytest.approx(sum(steps) / 10, rel=0.01)
+    assert profile["mean_step_s"] > 0.02 > profile["median_s"]["step"]  # the slow step counts
+
+
 # --- refusals
 # -------------------------------------------------------------------------------------------
 
@@ -517,11 +583,25 @@ def test_step_profile_on_a_gpu_marks_cuda_events(one_rank_group):
         (["--backend", "nccl", "--device", "cpu"], "backend: nccl needs CUDA tensors"),
         (["--precision", "fp8"], "config key 'precision' must be one of fp32, bf16, fp16"),
         (["--fake-images", "4096"], "fake_images: applies to --dataset fake only, not digits"),
+        (["--no-ddp", "--no-broadcast-buffers"], "ddp: broadcast_buffers configure DDP"),
+        (
+            ["--profile-steps", "20", "--num-workers", "4", "--profile-warmup", "5"],
+            "profile_warmup: 5 steps, but the loader queues 8 batches ahead (4 workers x "
+            "prefetch_factor 2); measured steps would be served from that queue: use "
+            "--profile-warmup 8 or more",
+        ),
     ],
 )
 def test_bad_knob_combinations_are_refused(flags, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         parse_config(train_script.PerfConfig, flags)
+
+
+def test_batched_grad_copy_is_refused_on_a_torch_without_it(monkeypatch):
+    """DDP's batched_grad_copy came with torch 2.13: older torch is told so, before any group."""
+    monkeypatch.setattr(perf, "DDP_ARGUMENTS", {})
+    with pytest.raises(ConfigError, match="batched_grad_copy: DDP has it from torch 2.13 on"):
+        parse_config(train_script.PerfConfig, ["--batched-grad-copy"])
 
 
 @pytest.mark.skipif(
@@ -942,15 +1022,21 @@ def test_profile_is_the_median_over_steps_of_the_mean_over_ranks(monkeypatch):
     """Two ranks' step times, [0, 1, 10] s here and [10, 10, 0] s on the other: the means
     per step are [5, 5.5, 5], their median 5 (the mean of the two ranks' medians would be
     5.5). A part missing on a rank (NaN) leaves that step out of the part's median. The mean
-    step counts every step, so a loader's occasional stall shows in it."""
+    step is each rank's window over its steps, averaged over ranks: every step counts, so a
+    loader's occasional stall shows in it."""
     model = SmallCNN()
     timer = perf.StepTimer(
         model, torch.optim.SGD(model.parameters(), lr=0.1), CPU, warmup=0, steps=3
     )
     nan = math.nan
     timer.rows = [[1, 1, 1, 1, 1, step] for step in (0.0, 1.0, 10.0)]
-    other_rank = torch.tensor(
-        [[3, 1, 1, 1, 1, 10.0], [3, 1, 1, nan, 1, 10.0], [3, 1, 1, 1, 1, 0.0]], dtype=torch.float64
+    other_rank = torch.tensor(  # each step's parts, then the rank's window over its steps
+        [
+            [3, 1, 1, 1, 1, 10.0, 20 / 3],
+            [3, 1, 1, nan, 1, 10.0, 20 / 3],
+            [3, 1, 1, 1, 1, 0.0, 20 / 3],
+        ],
+        dtype=torch.float64,
     )
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM):
@@ -988,47 +1074,92 @@ def bucket_copies(profiled) -> dict[str, int]:
     return {name: names.count(name) for name in (COPY_INTO_BUCKET, COPY_OUT_OF_BUCKET)}
 
 
-def test_gradient_as_bucket_view_saves_both_copies_only_with_gradients_kept(one_rank_group):
-    """What the knob saves, counted with torch.profiler in the third backward of a 4-tensor
-    model: without it the reducer copies every gradient into its bucket and back out; with it
-    the copy out is gone, and the copy in goes too only while the gradients stay between steps
-    (zero_grad(set_to_none=False)); set_to_none=True makes a fresh .grad that is copied in again."""
-    counts = {}
-    for view, set_to_none in ((False, True), (True, True), (True, False)):
-        torch.manual_seed(0)
-        model = DistributedDataParallel(
-            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)),
-            gradient_as_bucket_view=view,
-        )
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(3):
-            optimizer.zero_grad(set_to_none=set_to_none)
-            with torch.profiler.profile() as profiled:
-                model(torch.randn(4, 8)).sum().backward()
-            optimizer.step()
-        counts[view, set_to_none] = bucket_copies(profiled)
-    assert counts == {
-        (False, True): {COPY_INTO_BUCKET: 4, COPY_OUT_OF_BUCKET: 4},
-        (True, True): {COPY_INTO_BUCKET: 4, COPY_OUT_OF_BUCKET: 0},
-        (True, False): {COPY_INTO_BUCKET: 0, COPY_OUT_OF_BUCKET: 0},
-    }
-
-
-def test_the_benchmark_keeps_gradients_under_gradient_as_bucket_view(here, tmp_path):
-    """benchmark/train.py measures what the knob saves: over 2 steps with it, the gradients are
-    copied into the bucket in the first step only (they do not exist before it); without it,
-    into and out of the bucket in every step (the control)."""
+def test_the_benchmark_copies_each_gradient_into_its_bucket_once_under_bucket_views(here, tmp_path):
+    """benchmark/train.py sets the gradients to None also under --gradient-as-bucket-view: over
+    2 steps each gradient is copied into its bucket once a step and never out; without the
+    knob, into and out of the bucket every step (the control)."""
     counts = {}
     for view in (True, False):
         flags = [*FAKE, "--max-steps", "2"] + (["--gradient-as-bucket-view"] if view else [])
         with torch.profiler.profile() as profiled:
             here(tmp_path / str(view), *flags)
         counts[view] = bucket_copies(profiled)
-    parameters = counts[True][COPY_INTO_BUCKET]  # one copy per parameter tensor
-    assert parameters > 0 and counts == {
-        True: {COPY_INTO_BUCKET: parameters, COPY_OUT_OF_BUCKET: 0},
+    parameters = len(list(SmallCNN(in_channels=3, num_classes=1000).parameters()))
+    assert counts == {
+        True: {COPY_INTO_BUCKET: 2 * parameters, COPY_OUT_OF_BUCKET: 0},
         False: {COPY_INTO_BUCKET: 2 * parameters, COPY_OUT_OF_BUCKET: 2 * parameters},
     }
+
+
+ddp_cost = load_script("benchmark/ddp_cost.py", "ddp_cost")
+
+
+def test_ddp_cost_counts_what_each_knob_takes_away(one_rank_group, tmp_path):
+    """benchmark/README.md, "What DDP adds to a step": ddp_cost.py's counts per step against no
+    DDP, on ResNet-18 (62 parameter tensors, 3 buckets of 25 MiB). DDP's defaults copy each
+    gradient into its bucket and out, and broadcast the buffers; each knob takes its part away;
+    gradients kept and zeroed in place (benchmark/train.py's old way) copy nothing but zero, add
+    to and divide every gradient: more kernels than the defaults."""
+    cfg = parse_config(ddp_cost.CostConfig, ["--model", "resnet18", "--image-size", "16"])
+    images, labels = torch.randn(2, 3, 16, 16), torch.tensor([1, 2])
+    counted = ddp_cost.count(cfg, list(ddp_cost.VARIANTS), CPU, images, labels)
+    added = {
+        name: {column: counted[name][f"added_{column}"] for column in ddp_cost.COLUMNS}
+        for name in counted
+    }
+    tensors = len(list(torch.nn.Module.parameters(ddp_cost.build_model("resnet18", 1000, 3, 16))))
+    default = added["default"]
+    assert tensors == 62 and added["no_ddp"] == dict.fromkeys(ddp_cost.COLUMNS, 0)
+    assert default["all_reduces"] == 3 and default["broadcasts"] >= 1
+    assert default["gradient_copies"] == 2 * tensors and default["gradient_zero_add_div"] == 0
+    no_broadcast = added["no_broadcast_buffers"]
+    assert no_broadcast["broadcasts"] == 0 and no_broadcast["kernels"] < default["kernels"]
+    view = added["gradient_as_bucket_view"]
+    assert view["gradient_copies"] == tensors  # into the bucket; out of it no more
+    assert view["kernels"] == default["kernels"] - tensors
+    zeroed = added["gradient_as_bucket_view_zeroed"]
+    assert zeroed["gradient_copies"] == 0 and zeroed["gradient_zero_add_div"] == 3 * tensors
+    assert zeroed["kernels"] > default["kernels"]
+    assert added["bucket_100mb"]["all_reduces"] == 1
+    assert added["static_graph"]["host_reads"] == tensors
+    if "batched_grad_copy" in added:  # torch 2.13 and newer
+        batched = added["batched_grad_copy"]
+        # one batched copy into each bucket, then each gradient out of it
+        assert batched["gradient_copies"] == tensors + default["all_reduces"]
+    knobs = added["knobs"]
+    assert (knobs["all_reduces"], knobs["broadcasts"]) == (1, 0)
+    assert knobs["kernels"] <= 2 and knobs["gradient_copies"] <= 1
+
+
+def test_ddp_cost_times_the_variants_interleaved_with_the_spread(monkeypatch):
+    """ddp_cost.py --mode time: each variant's window --repeats times, round-robin, warm-up steps
+    first; the cost is the median over the repeats of the variant's window against no DDP's window
+    of the same repeat, with the smallest and largest beside it. A clock that each window's end
+    moves on by a planned time stands in for the CUDA events."""
+    order = []
+    monkeypatch.setattr(
+        ddp_cost, "build", lambda cfg, name, device: lambda images, labels: order.append(name)
+    )
+    planned = iter([1.0, 1.10, 1.0, 1.30, 1.0, 1.05])  # each window's seconds, in run order
+    clock = {"now": 0.0, "calls": 0}
+
+    def perf_counter():
+        clock["calls"] += 1
+        if clock["calls"] % 2 == 0:  # a window's end
+            clock["now"] += next(planned)
+        return clock["now"]
+
+    monkeypatch.setattr(ddp_cost.time, "perf_counter", perf_counter)
+    cfg = parse_config(
+        ddp_cost.CostConfig, ["--mode", "time", "--warmup", "2", "--steps", "4", "--repeats", "3"]
+    )
+    result = ddp_cost.time_windows(cfg, ["no_ddp", "default"], CPU, None, None)
+    assert order == (["no_ddp"] * 6 + ["default"] * 6) * 3  # 2 warm-up + 4 timed, round-robin
+    assert result["no_ddp"]["mean_step_s"] == pytest.approx([0.25] * 3)
+    assert result["default"]["mean_step_s"] == pytest.approx([1.10 / 4, 1.30 / 4, 1.05 / 4])
+    assert result["default"]["cost"] == pytest.approx(0.10)  # the median of 10%, 30% and 5%
+    assert result["default"]["cost_min"] == pytest.approx(0.05)
+    assert result["default"]["cost_max"] == pytest.approx(0.30)
 
 
 def test_benchmark_passes_leading_arguments_extra_flags_threads_and_timeout(monkeypatch, tmp_path):
