@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` im
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.config import MODELS, field, load_config
@@ -234,6 +235,8 @@ def time_windows(cfg: CostConfig, names: list[str], device, images, labels) -> d
     return result
 
 
+# under torchrun, a failing rank's exception and traceback show in torchrun's summary
+@record
 def main(argv=None) -> int:
     cfg = load_config(CostConfig, argv)
     with exit_on_bad_input():  # bad input: one "error:" line, exit code 2

@@ -122,7 +122,11 @@ def build_datasets(
                 FAKE_TRAIN_SIZE, (3, size, size), FAKE_CLASSES, train_tf, random_offset=0
             ),
             datasets.FakeData(
-                FAKE_TEST_SIZE, (3, size, size), FAKE_CLASSES, test_tf, random_offset=FAKE_TRAIN_SIZE
+                FAKE_TEST_SIZE,
+                (3, size, size),
+                FAKE_CLASSES,
+                test_tf,
+                random_offset=FAKE_TRAIN_SIZE,
             ),
             FAKE_CLASSES,
             3,

@@ -26,7 +26,15 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common.config import DATASETS, TrainConfig
 from common.data import digits
-from tests.helpers import REPO, pinned_torch_only, clean_env, load_script, torchrun, tracked_files
+from tests.helpers import (
+    REPO,
+    clean_env,
+    command_argv,
+    load_script,
+    pinned_torch_only,
+    torchrun,
+    tracked_files,
+)
 from tests.markdown import markdown_blocks, markdown_section, markdown_table, readme_sample
 from tests import readme_samples
 from tests.sample_runs import Ran, shared_runs
@@ -490,6 +498,60 @@ def test_the_published_figures_agree_with_the_formulas():
     assert max(rank_gaps) == 100  # "peaks differ by up to 100 MiB between ranks"
     # "(2x slower)"
     assert [round(float(memory[0][3]) / float(row[3])) for row in memory[1:]] == [2, 2]
+
+
+DDP_COST = "python benchmark/ddp_cost.py --mode count"
+# the README table's rows -> ddp_cost.py's variants
+DDP_COST_ROWS = {
+    "DDP's defaults": "default",
+    "`--no-broadcast-buffers`": "no_broadcast_buffers",
+    "`--gradient-as-bucket-view`": "gradient_as_bucket_view",
+    "the same, gradients zeroed in place": "gradient_as_bucket_view_zeroed",
+    "`--bucket-cap-mb 100`": "bucket_100mb",
+    "`--static-graph`": "static_graph",
+    "`--batched-grad-copy`": "batched_grad_copy",
+    "the four knobs together": "knobs",
+}
+
+
+@pinned_torch_only("the counts of torch 2.14.1's DDP")
+def test_the_ddp_cost_table_is_what_ddp_cost_counts(tmp_path):
+    """benchmark/README.md, "What DDP adds to a step": the table is the command's counts, in its
+    column order, and the sentences under it quote them."""
+    argv = command_argv(DDP_COST) + ["--output-dir", str(tmp_path)]
+    subprocess.run(argv, cwd=REPO, env=clean_env(), check=True, capture_output=True, timeout=300)
+    counted = json.loads((tmp_path / "ddp_cost.json").read_text())["variants"]
+    table = bench_table("| variant | all-reduces |")
+    assert [row[0] for row in table] == list(DDP_COST_ROWS)
+    for row in table:
+        added = counted[DDP_COST_ROWS[row[0]]]
+        # the columns in ddp_cost.py's order, as it writes them
+        assert [float(v) for v in row[1:]] == [
+            v for k, v in added.items() if k.startswith("added_")
+        ]
+    section = " ".join(markdown_section(BENCH_README, "## What DDP adds to a step").split())
+    default, knobs = counted["default"], counted["knobs"]
+    from torchvision.models import resnet50
+
+    model = resnet50()
+    said = re.search(
+        r"ResNet-50 has (\d+) parameter tensors in (\d+) buckets .* and (\d+) buffers", section
+    )
+    assert [int(v) for v in said.groups()] == [
+        len(list(model.parameters())),
+        default["added_all_reduces"],
+        len(list(model.buffers())),
+    ]
+    collectives = default["added_all_reduces"] + default["added_broadcasts"]
+    assert f"add {default['added_kernels']:.0f} kernels a step" in section
+    assert f"and {collectives:.0f} collectives" in section
+    assert f"back out: {default['added_gradient_copies']:.0f} copies" in section
+    broadcast = default["added_kernels"] - counted["no_broadcast_buffers"]["added_kernels"]
+    assert f"The buffer broadcast adds {broadcast:.0f} kernels" in section
+    zeroed = counted["gradient_as_bucket_view_zeroed"]["added_kernels"]
+    assert f"divide every gradient: {zeroed:.0f} kernels" in section
+    assert f"leave {knobs['added_kernels']:.0f} kernels, one all-reduce" in section
+    assert knobs["added_all_reduces"] == 1 and knobs["added_broadcasts"] == 0
 
 
 # --- README.md: the install commands
