@@ -335,10 +335,21 @@ def test_no_ddp_baseline_makes_no_gradient_all_reduce(here, tmp_path):
 
 def test_compile_in_place_before_the_wrap(here, tmp_path, monkeypatch):
     """model.compile() traces the module that DDP then wraps; no wrapper
-    module, so model.pt's keys are the plain module's. A counting
+    module, so model.pt's keys are the plain module's. Evaluation runs the
+    module's own forward, eager: no graph is compiled for eval mode, where calling
+    the compiled module would compile again (the control). A counting
     backend stands in for inductor (no C++ compilation here)."""
-    graphs, built = [], []
+    graphs, built, during_eval = [], [], []
     real_compile, real_build = torch.compile, train_script.build_model
+    real_evaluate = train_script.evaluate
+
+    def evaluate(*args, **kwargs):
+        before = len(graphs)
+        result = real_evaluate(*args, **kwargs)
+        during_eval.append(len(graphs) - before)
+        return result
+
+    monkeypatch.setattr(train_script, "evaluate", evaluate)
 
     def counting_backend(graph_module, example_inputs):
         graphs.append(graph_module)
@@ -357,6 +368,11 @@ def test_compile_in_place_before_the_wrap(here, tmp_path, monkeypatch):
     assert (
         summary["perf"]["compiled"] is True and summary["perf"]["ddp"] == "DistributedDataParallel"
     )
+    assert during_eval == [0]
+    compiled_for_training = len(graphs)
+    with torch.no_grad():
+        built[0].eval()(torch.zeros(2, 1, 8, 8))  # the control: eval mode through the compiled call
+    assert len(graphs) > compiled_for_training
     SmallCNN(1, 10).load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
 
 
