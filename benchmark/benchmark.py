@@ -51,6 +51,8 @@ KNOBS = {
     "bucket_5mb": ["--bucket-cap-mb", "5"],
     "bucket_100mb": ["--bucket-cap-mb", "100"],
     "grad_as_bucket_view": ["--gradient-as-bucket-view"],
+    "no_broadcast_buffers": ["--no-broadcast-buffers"],
+    "batched_grad_copy": ["--batched-grad-copy"],
     "static_graph": ["--static-graph"],
     "bf16_compress": ["--comm-hook", "bf16_compress"],
     "fp16_compress": ["--comm-hook", "fp16_compress"],

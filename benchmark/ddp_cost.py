@@ -122,12 +122,26 @@ class CostConfig:
     precision: str = field("fp32", "autocast: fp32 (off), bf16 or fp16", choices=tuple(AMP_DTYPES))
     channels_last: bool = field(False, "channels_last memory format for model and inputs")
     device: str = field("auto", "auto: cuda where there is a GPU", choices=("auto", "cpu", "cuda"))
-    warmup: int = field(3, "steps before counting or timing (DDP rebuilds its buckets)", min=2)
-    steps: int = field(2, "steps counted, or timed in each window", min=1)
+    warmup: int = field(
+        0, "steps before counting or each window (0: 3 to count, 20 to time; at least 2)", min=0
+    )
+    steps: int = field(
+        0, "steps counted, or timed in each window (0: 2 to count, 200 to time)", min=0
+    )
     repeats: int = field(3, "time: windows per variant, interleaved", min=1)
     variants: str = field(",".join(VARIANTS), f"comma-separated, from: {', '.join(VARIANTS)}")
     output_dir: str = field("runs/ddp_cost", "where ddp_cost.json goes")
     timeout_s: float = field(300.0, "process-group timeout in seconds", min=1.0)
+
+
+def with_defaults(cfg: CostConfig) -> CostConfig:
+    """The mode's warm-up and steps where they are 0: a few steps to count, a window to time."""
+    counting = cfg.mode == "count"
+    return dataclasses.replace(
+        cfg,
+        warmup=cfg.warmup or (3 if counting else 20),
+        steps=cfg.steps or (2 if counting else 200),
+    )
 
 
 def build(cfg: CostConfig, name: str, device: torch.device):
@@ -248,8 +262,11 @@ def main(argv=None) -> int:
             )
         if "no_ddp" not in names:
             raise ConfigError("variants: include no_ddp, the base every cost is measured against")
+        if cfg.warmup == 1:  # DDP rebuilds its buckets after the first step
+            raise ConfigError("warmup: at least 2 steps, after which DDP's buckets are rebuilt")
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device: cuda was asked for but this machine has no usable CUDA GPU")
+    cfg = with_defaults(cfg)
     gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     launch = detect_launcher(uses_gpu=gpu)
     device = torch.device("cuda", launch.gpu) if gpu else torch.device("cpu")

@@ -1,6 +1,6 @@
 r"""GPU check: ResNet-50 beside pytorch/examples' imagenet/main.py on one GPU, DDP's own cost,
 `--compile`, and every lesson's main command once on the GPU; each figure checked against its
-target (benchmark/README.md, "Targets"). Two calls of at most 8 minutes each:
+target (benchmark/README.md, "Targets"). Two calls, each ended within --budget-s (470 s):
 
     # imagenet/main.py of pytorch/examples at 77f55b9 (BSD-3, not part of this repository) into
     # external/, as benchmark/README.md shows, then:
@@ -29,8 +29,9 @@ and the check goes on):
 Call 2: bf16_cl_compile_gpu_pace (--compile; evaluation runs eager, not recompiled), then each
 lesson's main command on one rank (exit code and accuracy). Outputs in --output-dir:
 gpu_check_<part>.json (rewritten after every run) and one folder per run. Exit code 1 when a run
-failed or a target was missed. A dry run on the CPU: --device cpu --model small_cnn --image-size
-8 --batch-size 8 --workers 0 --warmup 2 --steps 3 (the targets are then missed: exit code 1).
+failed, timed out or was skipped for want of time, or a target was missed. A dry run on the CPU:
+--device cpu --model small_cnn --image-size 8 --batch-size 8 --workers 0 --warmup 2 --steps 3
+(the targets are then missed: exit code 1).
 """
 
 import argparse

@@ -949,6 +949,16 @@ def test_gpu_check_targets_apply_to_their_gpu_and_are_met_or_missed(monkeypatch)
     assert gpu_check.check_targets(runs, None)[0]["met"] is False
 
 
+def test_gpu_check_ends_within_its_budget(tmp_path):
+    """--budget-s: a run that cannot start in the time left is recorded as skipped, and the call
+    exits with code 1 at once rather than overrunning its call on the GPU machine."""
+    cmd = [PYTHON, "benchmark/gpu_check.py", "--part", "compile", "--device", "cpu"]
+    result = run(cmd + ["--budget-s", "1", "--output-dir", str(tmp_path)], 60)
+    runs = json.loads((tmp_path / "gpu_check_compile.json").read_text())["runs"]
+    assert runs == {name: {"error": "skipped: out of --budget-s"} for name in runs}
+    assert list(runs) == ["bf16_cl_compile_gpu_pace", "lessons"] and result.returncode == 1
+
+
 def test_gpu_check_refuses_bad_input_with_one_line(tmp_path):
     """No imagenet/main.py where the throughput call needs it, and a warm-up shorter than the
     batches the loader queues: one error line each, exit code 2, before any run."""
@@ -1277,7 +1287,10 @@ def test_ddp_cost_counts_what_each_knob_takes_away(one_rank_group, tmp_path):
     gradient into its bucket and out, and broadcast the buffers; each knob takes its part away;
     gradients kept and zeroed in place (benchmark/train.py's old way) copy nothing but zero, add
     to and divide every gradient: more kernels than the defaults."""
-    cfg = parse_config(ddp_cost.CostConfig, ["--model", "resnet18", "--image-size", "16"])
+    cfg = ddp_cost.with_defaults(
+        parse_config(ddp_cost.CostConfig, ["--model", "resnet18", "--image-size", "16"])
+    )
+    assert (cfg.warmup, cfg.steps) == (3, 2)  # counting's defaults
     images, labels = torch.randn(2, 3, 16, 16), torch.tensor([1, 2])
     counted = ddp_cost.count(cfg, list(ddp_cost.VARIANTS), CPU, images, labels)
     added = {
