@@ -300,7 +300,7 @@ def fmt(value, digits=1) -> str:
 
 def print_table(columns: list[str], rows: list[dict], digits: dict) -> None:
     cells = [[fmt(row.get(c), digits.get(c, 1)) for c in columns] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for r in cells:
         print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
