@@ -560,16 +560,18 @@ def test_step_profile_on_a_gpu_marks_cuda_events(one_rank_group):
 
 
 class FakeCudaEvent:
-    """torch.cuda.Event's timing interface on the host clock, counting the events made."""
+    """torch.cuda.Event's timing interface on a clock of its own, which each recorded event
+    moves on by 1 ms (a test moves it further); it counts the events made."""
 
-    made = 0
+    made, now = 0, 0.0
 
     def __init__(self, enable_timing=False):
         FakeCudaEvent.made += 1
         self.at = None
 
     def record(self, stream=None):
-        self.at = time.perf_counter()
+        FakeCudaEvent.now += 0.001
+        self.at = FakeCudaEvent.now
 
     def elapsed_time(self, end) -> float:
         assert self.at is not None and end.at is not None, "an event read before it was recorded"
@@ -578,7 +580,7 @@ class FakeCudaEvent:
 
 def test_the_window_is_timed_with_events_read_once_after_it(monkeypatch):
     """benchmark/README.md, "How a step is measured", on a GPU's code path (CUDA events stood in
-    by the host clock): no synchronize between the measured steps, one after the window; the
+    by a clock of their own): no synchronize between the measured steps, one after the window; the
     peak-memory counters reset when the window starts; six events a step (one per mark read: a
     single one for the last gradient, not one per parameter); the headline is the window's whole
     time over its steps, which counts a slow step in full where the median does not."""
@@ -595,7 +597,7 @@ def test_the_window_is_timed_with_events_read_once_after_it(monkeypatch):
     FakeCudaEvent.made = 0
     for i, (images, labels) in enumerate(timer.iterate(loader)):
         if i == 8:
-            time.sleep(0.2)  # one slow step in the window
+            FakeCudaEvent.now += 1.0  # one slow step in the window
         torch.nn.functional.cross_entropy(model(images), labels).backward()
         optimizer.step()
         calls.append(f"step {i}")
@@ -611,7 +613,8 @@ def test_the_window_is_timed_with_events_read_once_after_it(monkeypatch):
     steps = [row[-1] for row in timer.rows]
     assert profile["mean_step_s"] == pytest.approx(timer.window_s / 10)
     assert profile["mean_step_s"] == pytest.approx(sum(steps) / 10, rel=0.01)
-    assert profile["mean_step_s"] > 0.02 > profile["median_s"]["step"]  # the slow step counts
+    assert profile["median_s"]["step"] == pytest.approx(0.005)  # 5 ms between a step's marks
+    assert profile["mean_step_s"] == pytest.approx((10 * 0.006 - 0.001 + 1.0) / 10)  # it counts
 
 
 # --- refusals
