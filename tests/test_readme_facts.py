@@ -554,6 +554,28 @@ def test_the_ddp_cost_table_is_what_ddp_cost_counts(tmp_path):
     assert knobs["added_all_reduces"] == 1 and knobs["added_broadcasts"] == 0
 
 
+def test_the_targets_table_is_what_gpu_check_checks(monkeypatch):
+    """benchmark/README.md, "Targets": one row per target of gpu_check.py's TARGETS, in order, with
+    its limits; the anchors' arithmetic (0.55 and 0.67 of 7,000; 989 TFLOPS over 24.5 GFLOP)."""
+    monkeypatch.setitem(
+        sys.modules, "benchmark", load_script("benchmark/benchmark.py", "benchmark")
+    )
+    gpu_check = load_script("benchmark/gpu_check.py", "gpu_check_readme")
+    table = bench_table("| target | figure | limit | anchor |")
+    assert [row[0].strip("`") for row in table] == [t[0] for t in gpu_check.TARGETS]
+    for row, (name, what, rows, lowest, highest, gpus, anchor) in zip(table, gpu_check.TARGETS):
+        numbers = [float(n.replace(",", "")) for n in re.findall(r"\d[\d,.]*", row[2])]
+        percent = "%" in row[2]
+        limits = [v / 100 if percent else v for v in numbers]
+        assert limits == pytest.approx([v for v in (lowest, highest) if v is not None]), row
+        for gpu in gpus or ():
+            assert gpu in row[1], row
+    section = " ".join(markdown_section(BENCH_README, "### Targets").split())
+    assert f"{gpu_check.MLPERF_H100_PER_GPU:,} images/s per GPU" in section
+    assert f"{gpu_check.NVIDIA_A100:,} with mixed precision" in section
+    assert round(989e12 / 24.5e9, -3) == 40_000 and "about 40,000 images/s" in section
+
+
 # --- README.md: the install commands
 # -----------------------------------------------------------------
 
