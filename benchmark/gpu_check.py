@@ -20,11 +20,11 @@ and the check goes on):
     fp32_gpu_pace      benchmark/train.py at main.py's settings, under gpu_pace.py: fp32, cuDNN's
                        benchmark mode off as in main.py (parity target)
     bf16_cl_gpu_pace   --precision bf16 --channels-last, cuDNN's benchmark mode on (speed targets)
-    main_py            imagenet/main.py with its loader: --workers workers
-    fp32               benchmark/train.py with its loader, at main.py's settings
-    bf16_cl            bf16 + channels_last with its loader (loader target: against its GPU pace)
     ddp_cost           benchmark/ddp_cost.py --mode time at bf16 + channels_last: no DDP, DDP's
                        defaults and DDP with the knobs, --repeats windows each, interleaved
+    bf16_cl            bf16 + channels_last with its loader (loader target: against its GPU pace)
+    main_py            imagenet/main.py with its loader: --workers workers
+    fp32               benchmark/train.py with its loader, at main.py's settings
 
 Call 2: bf16_cl_compile_gpu_pace (--compile; evaluation runs eager, not recompiled), then each
 lesson's main command on one rank (exit code and accuracy). Outputs in --output-dir:
@@ -492,10 +492,11 @@ def plan(args) -> list[tuple[str, str, list[str]]]:
             ("main_py_gpu_pace", "main_py_gpu_pace", []),
             ("fp32_gpu_pace", "ours_gpu_pace", main_settings),
             ("bf16_cl_gpu_pace", "ours_gpu_pace", bf16_cl),
+            ("ddp_cost", "ddp_cost", []),
+            ("bf16_cl", "ours", bf16_cl),
+            # no target of their own, last in case the budget runs out
             ("main_py", "main_py", []),
             ("fp32", "ours", main_settings),
-            ("bf16_cl", "ours", bf16_cl),
-            ("ddp_cost", "ddp_cost", []),
         ]
     return [
         ("bf16_cl_compile_gpu_pace", "ours_gpu_pace", bf16_cl + ["--compile"]),

@@ -859,10 +859,10 @@ def test_gpu_check_dry_runs_both_calls_and_checks_the_targets(tmp_path):
         "main_py_gpu_pace",
         "fp32_gpu_pace",
         "bf16_cl_gpu_pace",
+        "ddp_cost",
+        "bf16_cl",
         "main_py",
         "fp32",
-        "bf16_cl",
-        "ddp_cost",
     ]
     assert not [name for name, row in runs.items() if "error" in row]
     for name in ("main_py", "main_py_gpu_pace"):  # batch times 0.1 0.2 0.3 1.2 after the warm-up
