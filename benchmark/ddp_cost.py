@@ -303,44 +303,29 @@ def main(argv=None) -> int:
             f"{cfg.model}, {cfg.image_size} px, batch {cfg.batch_size}, {report['device']}, "
             f"world size {launch.world_size}, torch {torch.__version__}"
         )
+        # benchmark/benchmark.py's table printer (beside this file; imported here, where this
+        # script runs as a script: the tests import the functions above without it)
+        from benchmark import print_table
+
         if cfg.mode == "count":
             print("per step, added to the same step without DDP:")
-            print_rows(
-                ["variant", *COLUMNS],
-                [{"variant": n, **{k: result[n][f"added_{k}"] for k in COLUMNS}} for n in names],
-            )
+            rows = [{"variant": n, **{k: result[n][f"added_{k}"] for k in COLUMNS}} for n in names]
+            print_table(["variant", *COLUMNS], rows, dict.fromkeys(COLUMNS, 0))
         else:
             print(f"mean step over {cfg.steps} steps, {cfg.repeats} interleaved windows each:")
-            print_rows(
-                ["variant", "step_ms", "cost_pct", "min_pct", "max_pct"],
-                [
-                    {
-                        "variant": n,
-                        "step_ms": 1000 * r["median_of_repeats_s"],
-                        "cost_pct": 100 * r["cost"] if "cost" in r else None,
-                        "min_pct": 100 * r["cost_min"] if "cost" in r else None,
-                        "max_pct": 100 * r["cost_max"] if "cost" in r else None,
-                    }
-                    for n, r in result.items()
-                ],
-            )
+            rows = [
+                {
+                    "variant": n,
+                    "step_ms": 1000 * r["median_of_repeats_s"],
+                    "cost_pct": 100 * r["cost"] if "cost" in r else None,
+                    "min_pct": 100 * r["cost_min"] if "cost" in r else None,
+                    "max_pct": 100 * r["cost_max"] if "cost" in r else None,
+                }
+                for n, r in result.items()
+            ]
+            print_table(["variant", "step_ms", "cost_pct", "min_pct", "max_pct"], rows, {})
     dist.destroy_process_group()
     return 0
-
-
-def print_rows(columns: list[str], rows: list[dict]) -> None:
-    def cell(value):
-        if value is None:
-            return ""
-        if isinstance(value, float):
-            return f"{value:g}" if value == int(value) else f"{value:.2f}"
-        return str(value)
-
-    cells = [[cell(row.get(c)) for c in columns] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
-    for r in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
 
 
 if __name__ == "__main__":

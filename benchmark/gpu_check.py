@@ -299,7 +299,6 @@ def run_command(cmd: list[str], out: Path, timeout: float) -> tuple[dict, float 
 def run_ours(args, flags: list[str], out: Path, timeout: float, gpu_pace: bool) -> dict:
     """benchmark/train.py with a step profile, at GPU pace (gpu_pace.py, one process) or with
     its loader (torchrun, one rank); figures as benchmark.py's."""
-    warmup = args.warmup
     cmd = [
         *(GPU_PACE if gpu_pace else TORCHRUN_ONE_RANK),
         "benchmark/train.py",
@@ -319,13 +318,13 @@ def run_ours(args, flags: list[str], out: Path, timeout: float, gpu_pace: bool) 
         str(args.workers),
         # one epoch longer than the steps run: the loader's steady state, as main.py's 1.28M
         "--fake-images",
-        str(args.batch_size * (warmup + args.steps + 2)),
+        str(args.batch_size * (args.warmup + args.steps + 2)),
         "--epochs",
         "1",
         "--max-steps",
-        str(warmup + args.steps + 1),
+        str(args.warmup + args.steps + 1),
         "--profile-warmup",
-        str(warmup),
+        str(args.warmup),
         "--profile-steps",
         str(args.steps),
         "--log-every",

@@ -1301,7 +1301,7 @@ def test_ddp_cost_counts_what_each_knob_takes_away(one_rank_group, tmp_path):
         name: {column: counted[name][f"added_{column}"] for column in ddp_cost.COLUMNS}
         for name in counted
     }
-    tensors = len(list(torch.nn.Module.parameters(ddp_cost.build_model("resnet18", 1000, 3, 16))))
+    tensors = len(list(ddp_cost.build_model("resnet18", 1000, 3, 16).parameters()))
     default = added["default"]
     assert tensors == 62 and added["no_ddp"] == dict.fromkeys(ddp_cost.COLUMNS, 0)
     assert default["all_reduces"] == 3 and default["broadcasts"] >= 1
