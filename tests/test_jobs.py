@@ -620,8 +620,9 @@ def test_pbs_deadline_saves_resubmits_and_the_next_job_resumes_bitwise(
     - SAVE_MARGIN_S) stops it, the job file submits itself again after
     this job (afterany), and that job resumes in the same RUN_DIR."""
     need_tools("mpiexec.mpich")
-    # stop after 4 s
-    env = pbs_chain_env(tmp_path, job_file, "4323.pbs01", WALLTIME_S="9", SAVE_MARGIN_S="5")
+    # A deadline 1 s after the start: reached before the first step ends however fast the machine
+    # (the whole run takes 3.8 s on 2 cores: with 4 s it sometimes ended before the deadline).
+    env = pbs_chain_env(tmp_path, job_file, "4323.pbs01", WALLTIME_S="6", SAVE_MARGIN_S="5")
     first = run(["bash", REPO / "jobs" / job_file], 180, env=env, check=True, cwd=tmp_path)
     saved_at = int(
         re.search(r"^time limit: checkpoint at step (\d+) saved", first.stdout, re.M).group(1)
@@ -705,7 +706,7 @@ def test_pbs_crash_is_not_resubmitted_and_restarts_are_capped(tmp_path):
         capped,
         "pbs_mpiexec.pbs",
         "4327.pbs01",
-        WALLTIME_S="9",
+        WALLTIME_S="6",
         SAVE_MARGIN_S="5",
         RESTART_COUNT="5",
         MAX_RESTARTS="5",
