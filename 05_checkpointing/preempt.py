@@ -9,6 +9,7 @@ jobs/ requeue on it. `diff 05_checkpointing/train.py 05_checkpointing/preempt.py
 """
 
 import dataclasses
+import multiprocessing
 import os
 import signal
 import sys
@@ -58,15 +59,25 @@ class CheckpointConfig(TrainConfig):
         return Path(self.checkpoint_dir or Path(self.output_dir) / "checkpoints")
 
 
+# Slurm's time-limit warning (the job files' --signal) and a scheduler's or torchrun's stop.
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
 class Preemption:
     """SIGTERM / SIGUSR1 only set a flag, and the deadline is only compared; the ranks act together
     at a step boundary. A rank that saved and exited on its own would leave the others hanging in
     their next all-reduce. requested() is a collective (MAX over ranks): if any rank was signalled
-    or is past the deadline, every rank learns it after the same step."""
+    or is past the deadline, every rank learns it after the same step.
 
-    def __init__(self, time_limit_s=0.0):
+    srun and torchrun send the signal to every process of the step, DataLoader workers included.
+    A worker it ends fails the rank, waiting for its next batch, before the rank saves. So the
+    workers ignore it: see start_loader_server and ignore_preemption_signals."""
+
+    def __init__(self, time_limit_s=0.0, loader_start_method=None):
         self.signum, self.deadline = 0, time.monotonic() + (time_limit_s or float("inf"))
-        for s in (signal.SIGTERM, signal.SIGUSR1):
+        if loader_start_method == "forkserver":
+            start_loader_server()
+        for s in PREEMPTION_SIGNALS:
             signal.signal(s, self.handler)
 
     def handler(self, signum, frame):
@@ -78,6 +89,25 @@ class Preemption:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         signum, late = flag.tolist()
         return signal.Signals(signum).name if signum else "time limit" if late else ""
+
+
+def start_loader_server():
+    """Starts the forkserver that the loaders' workers are forked from, with the signals ignored.
+    Ignored signals stay ignored in a child, so the server and every worker forked from it ignore
+    them from their first instant. Started later by the first loader, the server would die of the
+    signal, and every worker with it (a worker exits once its parent is gone)."""
+    for s in PREEMPTION_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    server_started = multiprocessing.get_context("forkserver").Process(target=int)
+    server_started.start()
+    server_started.join()
+
+
+def ignore_preemption_signals(worker_id):
+    """The loaders' worker_init_fn: a loader worker sets its own SIGTERM handler as it starts,
+    which ends it on a SIGTERM from anyone but its parent; this puts "ignore" back."""
+    for s in PREEMPTION_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
 
 
 @torch.no_grad()
@@ -159,7 +189,7 @@ def train(cfg, launch) -> int:
     """Returns the exit code: 0, or REQUEUE_EXIT_CODE after a preemption save."""
     start_time = time.perf_counter()
     # First: a signal from now on is not lost.
-    preemption = Preemption(cfg.time_limit_s)
+    preemption = Preemption(cfg.time_limit_s, worker_start_method(cfg.num_workers))
     # One GPU per process: the local rank's, or 0 where the site shows each rank only its own;
     # else CPU (gloo).
     device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
@@ -204,6 +234,7 @@ def train(cfg, launch) -> int:
         multiprocessing_context=worker_start_method(cfg.num_workers),
         pin_memory=device.type == "cuda",
         generator=generator,
+        worker_init_fn=ignore_preemption_signals,
     )
     # A strided slice per rank: every test sample once (DistributedSampler pads with repeats).
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
@@ -213,6 +244,7 @@ def train(cfg, launch) -> int:
         num_workers=cfg.num_workers,
         multiprocessing_context=worker_start_method(cfg.num_workers),
         generator=generator,
+        worker_init_fn=ignore_preemption_signals,
     )
 
     # To this rank's device, then wrap: DDP's hooks all-reduce the gradients in backward().

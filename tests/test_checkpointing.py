@@ -314,6 +314,94 @@ def test_sigterm_to_torchrun_reaches_the_workers_which_save(tmp_path):
     assert len(batches(tmp_path, 0)) == len(batches(tmp_path, 1)) == stopped
 
 
+def slow_data_env(**extra: str) -> dict[str, str]:
+    """A loader-bound pipeline: 20 ms a sample (tests/inject), read in the loaders' workers."""
+    return clean_env(
+        PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}", DDP_TEST_SLOW_SAMPLE_S="0.02", **extra
+    )
+
+
+@pytest.mark.launchers
+@pytest.mark.parametrize("target", ["torchrun-agent", "every-process"])
+def test_time_limit_signal_with_loader_workers_saves_and_resumes_bitwise(
+    reference, tmp_path, target
+):
+    """The time-limit warning (SIGUSR1) with two loader workers a rank, as the job files deliver
+    it: to torchrun's agent, which passes it on to each worker's whole process group
+    (--signals-to-handle, as jobs/slurm_torchrun.sbatch starts it), or to every process of the
+    step, as srun does (one process group here). Before, the signal ended the loader workers, or
+    their forkserver, and the ranks failed ("DataLoader worker ... exited unexpectedly") unsaved."""
+    args = [*ARGS, "--num-workers", "2", "--log-every", "1", "--output-dir", str(tmp_path)]
+    log = tmp_path / "out.log"
+    if target == "torchrun-agent":
+        cmd = [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+            str(REPO / PREEMPT),
+            *args,
+        ]
+        procs = [
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=slow_data_env(),
+                stdout=open(log, "w"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        ]
+    else:
+        port, procs = str(free_port()), []
+        for rank in (0, 1):
+            env = slow_data_env(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE="2",
+                LOCAL_WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            )
+            procs.append(
+                subprocess.Popen(
+                    [PYTHON, str(REPO / PREEMPT), *args],
+                    cwd=REPO,
+                    env=env,
+                    stdout=open(log if rank == 0 else tmp_path / "rank1.log", "w"),
+                    stderr=subprocess.STDOUT,
+                    process_group=0 if rank == 0 else procs[0].pid,
+                )
+            )
+    try:
+        deadline = time.monotonic() + 120
+        while "epoch 1 step 5 " not in log.read_text() and time.monotonic() < deadline:
+            assert procs[0].poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        if target == "torchrun-agent":
+            procs[0].send_signal(signal.SIGUSR1)
+        else:
+            os.killpg(procs[0].pid, signal.SIGUSR1)
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p)
+    out = log.read_text()
+    saved = re.search(r"^SIGUSR1: checkpoint at step (\d+) saved; exiting with code 75", out, re.M)
+    assert saved, out[-3000:]
+    stopped = int(saved.group(1))
+    assert ckpt.load(ckpt.read_latest(tmp_path / "checkpoints"))["step"] == stopped
+    assert (tmp_path / "checkpoints" / "REQUEUE").read_text() == f"SIGUSR1 at step {stopped}\n"
+    # torchrun exits 1 after a forwarded signal; ranks started directly exit 75
+    assert codes == ([1] if target == "torchrun-agent" else [REQUEUE, REQUEUE]), out[-3000:]
+    # the requeued job, with fast data: it ends as the uninterrupted run without workers
+    torchrun(PREEMPT, *args, timeout=180, env=clean_env())
+    assert read_summary(tmp_path)["resumed_from_step"] == stopped
+    assert_same_params(reference, tmp_path)
+
+
 def test_truncated_latest_checkpoint_falls_back_to_the_previous_one(reference, tmp_path):
     folder = tmp_path / "checkpoints"
     shutil.copytree(reference / "checkpoints", folder)

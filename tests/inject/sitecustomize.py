@@ -19,6 +19,9 @@ when torch.optim is first imported, so it works in every example without touchin
     DDP_TEST_SLOW_ALL_REDUCE_S=S  sleep S seconds before every torch.distributed.all_reduce in this
                                   process: a slow node, for comm_check, when set for one node's
                                   ranks only
+    DDP_TEST_SLOW_SAMPLE_S=S      sleep S seconds in every TensorDataset.__getitem__ (the digits
+                                  set's samples): a data-bound pipeline, in the DataLoader's
+                                  worker processes when it has them
 """
 
 import importlib.abc
@@ -28,6 +31,7 @@ import sys
 AT_STEP = os.environ.get("DDP_TEST_FAIL_AT_STEP", "")
 SLOW_ALL_REDUCE_S = os.environ.get("DDP_TEST_SLOW_ALL_REDUCE_S", "")
 NONFINITE_AT_FORWARD = os.environ.get("DDP_TEST_NONFINITE_AT_FORWARD", "")
+SLOW_SAMPLE_S = os.environ.get("DDP_TEST_SLOW_SAMPLE_S", "")
 
 
 def _install(optim=None) -> None:
@@ -101,6 +105,18 @@ def _slow_all_reduce(distributed) -> None:
     distributed.all_reduce = all_reduce
 
 
+def _slow_samples(dataset_module) -> None:
+    import time
+
+    original, delay = dataset_module.TensorDataset.__getitem__, float(SLOW_SAMPLE_S)
+
+    def getitem(self, index):
+        time.sleep(delay)
+        return original(self, index)
+
+    dataset_module.TensorDataset.__getitem__ = getitem
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Calls install(module) right after `module_name` is imported (importing torch here
     would slow every process the tests start, torchrun's own agent included)."""
@@ -133,7 +149,7 @@ def _after_import(module_name, install) -> None:
         sys.meta_path.insert(0, _AfterImport(module_name, install))
 
 
-if AT_STEP or SLOW_ALL_REDUCE_S or NONFINITE_AT_FORWARD:
+if AT_STEP or SLOW_ALL_REDUCE_S or NONFINITE_AT_FORWARD or SLOW_SAMPLE_S:
     import importlib.util
 if NONFINITE_AT_FORWARD:
     _after_import("torch.optim", _nonfinite_forward)
@@ -141,3 +157,5 @@ if AT_STEP:
     _after_import("torch.optim", _install)
 if SLOW_ALL_REDUCE_S:
     _after_import("torch.distributed", _slow_all_reduce)
+if SLOW_SAMPLE_S:
+    _after_import("torch.utils.data.dataset", _slow_samples)
