@@ -129,7 +129,7 @@ def check_in(info, device, timeout_s):
     is_server = info.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     try:
         store = dist.TCPStore(
-            info.master_addr,
+            info.master_addr.strip("[]"),
             info.master_port,
             info.world_size,
             is_server,
@@ -697,7 +697,7 @@ def check(cfg, info, device, backend, table):
                 launcher=info.launcher,
                 scheduler=info.scheduler,
                 backend=backend,
-                master_addr=info.master_addr,
+                master_addr=info.master_addr.strip("[]"),
                 master_port=info.master_port,
                 ranks=[
                     dict(

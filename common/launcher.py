@@ -20,8 +20,8 @@ from common.errors import LauncherError, exit_on_bad_input
 
 # torchrun's --master-port default across nodes (one node without it: a free port)
 DEFAULT_PORT = 29500
-# below the ephemeral range (32768+); stride coprime to span
-PORT_BASE, PORT_SPAN, ARRAY_STRIDE = 15000, 15000, 7537
+# below the ephemeral range (32768+); the stride (PBS subjobs, srun steps) coprime to the span
+PORT_BASE, PORT_SPAN, STRIDE = 15000, 15000, 7537
 LOOPBACK = "127.0.0.1"
 
 
@@ -47,6 +47,7 @@ MPI_LAUNCHERS = (  # Hydra is also Intel MPI's (named intel-mpi where I_MPI_ROOT
         "mpich", "MPI_LOCALNRANKS", "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE", "MPI_LOCALNRANKS"
     ),
 )
+MPI_NAMES = ("openmpi", "mpich", "intel-mpi", "pals")
 # PMI_SIZE and PMI_LOCAL_SIZE: Cray PMI's, which PALS sets up for every rank it starts
 PALS = Dialect(
     "pals", "PALS_LOCAL_RANKID", "PALS_RANKID", "PALS_LOCAL_RANKID", "PMI_SIZE", "PMI_LOCAL_SIZE"
@@ -115,10 +116,17 @@ def _slurm_tasks_on_node(env: Mapping[str, str]) -> int | None:
     """This node's count in SLURM_STEP_TASKS_PER_NODE ('2(x3),1': 2 tasks on 3 nodes, then 1)."""
     spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
     node_index, counts = _int(env, "SLURM_NODEID"), []
+    if not spec:
+        return None
     for item in spec.split(","):
         m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
         if not m:
-            return None
+            name = (
+                "SLURM_STEP_TASKS_PER_NODE"
+                if env.get("SLURM_STEP_TASKS_PER_NODE")
+                else ("SLURM_TASKS_PER_NODE")
+            )
+            raise LauncherError(f"{name}={spec!r} is not a task count list such as '2(x3),1'")
         counts += [int(m.group(1))] * int(m.group(2) or 1)
     return counts[node_index] if node_index is not None and 0 <= node_index < len(counts) else None
 
@@ -129,13 +137,26 @@ def _scheduler(env: Mapping[str, str]) -> tuple[str, str]:
     return ("pbs", env["PBS_JOBID"]) if env.get("PBS_JOBID") else ("none", "")
 
 
-def master_address(env: Mapping[str, str]) -> str:
-    """MASTER_ADDR, else the job's first host (Slurm node list, PBS node file), else loopback."""
+def master_address(env: Mapping[str, str], launcher: str = "single") -> str:
+    """Rank 0's host, as it goes in a tcp:// URL (an IPv6 address in brackets): MASTER_ADDR, else
+    the host where `launcher` puts rank 0 in a Slurm or PBS job, else loopback."""
+    host = _rank0_host(env, launcher)
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _rank0_host(env: Mapping[str, str], launcher: str) -> str:
     if env.get("MASTER_ADDR"):
         return env["MASTER_ADDR"]
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-    if env.get("SLURM_JOB_ID") and nodelist:
-        return expand_hostlist(nodelist)[0]
+    if launcher == "single":  # its own store: in an salloc shell it is not on the job's nodes
+        return LOOPBACK
+    if env.get("SLURM_JOB_ID"):
+        if _in_srun_step(env) and launcher not in MPI_NAMES and env.get("SLURM_STEP_NODELIST"):
+            return _srun_task0_host(env)
+        # mpirun and mpiexec run in the batch step, on the job's first node, and put rank 0 there.
+        # Open MPI starts its daemons with `srun --nodelist=<the other nodes>`: the step node list
+        # its ranks inherit leaves out rank 0's node.
+        if env.get("SLURM_JOB_NODELIST"):
+            return expand_hostlist(env["SLURM_JOB_NODELIST"])[0]
     if nodefile := env.get("PBS_NODEFILE"):
         try:
             lines = Path(nodefile).read_text().split()
@@ -147,8 +168,22 @@ def master_address(env: Mapping[str, str]) -> str:
     return LOOPBACK
 
 
-def master_port(env: Mapping[str, str]) -> int:
-    """MASTER_PORT, else one from the job id (PBS array subjob i adds i x ARRAY_STRIDE)."""
+def _srun_task0_host(env: Mapping[str, str]) -> str:
+    """The step's first node; with `srun -m arbitrary` the host file's first line (srun places
+    task i on line i, and SLURM_STEP_NODELIST is sorted)."""
+    if env.get("SLURM_DISTRIBUTION", "").startswith("arbitrary") and env.get("SLURM_HOSTFILE"):
+        try:
+            return Path(env["SLURM_HOSTFILE"]).read_text().split()[0]
+        except (OSError, IndexError):
+            raise LauncherError(
+                f"SLURM_HOSTFILE={env['SLURM_HOSTFILE']}: cannot read its first host"
+            ) from None
+    return expand_hostlist(env["SLURM_STEP_NODELIST"])[0]
+
+
+def master_port(env: Mapping[str, str], launcher: str = "single") -> int:
+    """MASTER_PORT, else one from the job id: PBS array subjob i adds i x STRIDE, and so does srun
+    step i, so that the steps of one job side by side do not meet at one port."""
     if env.get("MASTER_PORT"):
         port = _int(env, "MASTER_PORT")
         if not 1 <= port <= 65535:
@@ -157,7 +192,10 @@ def master_port(env: Mapping[str, str]) -> int:
     # PBS: '1234.pbs01', array subjob '1234[5].pbs01'
     if not (m := re.match(r"(\d+)(?:\[(\d+)\])?", _scheduler(env)[1])):
         return DEFAULT_PORT
-    return PORT_BASE + (int(m[1]) + int(m[2] or 0) * ARRAY_STRIDE) % PORT_SPAN
+    # An MPI launcher's ranks are in different steps (its daemons' and the batch step): not those.
+    srun_step = _in_srun_step(env) and launcher not in MPI_NAMES
+    index = int(m[2] or 0) + (int(env["SLURM_STEP_ID"]) if srun_step else 0)
+    return PORT_BASE + (int(m[1]) + index * STRIDE) % PORT_SPAN
 
 
 def detect_launcher(
@@ -249,8 +287,15 @@ def launch_info(
             f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}): "
             "one rank per GPU, seeing all or its own"
         )
-    alone = name == "single" and scheduler == "none" and not env.get("MASTER_PORT")
-    port, addr = 0 if alone else master_port(env), master_address(env)
+    if local_world < world and scheduler == "none" and not env.get("MASTER_ADDR"):
+        if name not in ("torchrun", "mp.spawn"):  # torchrun sets MASTER_ADDR for its workers
+            raise LauncherError(
+                f"{name}: {world} ranks on more than one host ({local_world} on this one), and no "
+                "Slurm or PBS job says where rank 0 is: export MASTER_ADDR=<rank 0's host> (and "
+                "MASTER_PORT) to every rank"
+            )
+    alone = name == "single" and not env.get("MASTER_PORT")
+    port, addr = 0 if alone else master_port(env, name), master_address(env, name)
     return LaunchInfo(name, rank, local_rank, world, local_world, addr, port, scheduler, job, gpu)
 
 

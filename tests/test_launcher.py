@@ -10,7 +10,7 @@ import pytest
 
 from common.errors import LauncherError
 from common.launcher import (
-    ARRAY_STRIDE,
+    STRIDE,
     DEFAULT_PORT,
     PORT_BASE,
     PORT_SPAN,
@@ -84,8 +84,9 @@ CASES = [
             "LOCAL_RANK": "1",
             "LOCAL_WORLD_SIZE": "2",
             "PMI_RANK": "7",
+            "MASTER_ADDR": "node0",
         },
-        ("env", 1, 1, 4, 2, "127.0.0.1"),
+        ("env", 1, 1, 4, 2, "node0"),
     ),
     (
         "openmpi",
@@ -93,15 +94,15 @@ CASES = [
             "OMPI_COMM_WORLD_RANK": "5",
             "OMPI_COMM_WORLD_LOCAL_RANK": "1",
             "OMPI_COMM_WORLD_SIZE": "8",
-            "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "8",
             "PMIX_RANK": "5",
         },
-        ("openmpi", 5, 1, 8, 4, "127.0.0.1"),
+        ("openmpi", 5, 1, 8, 8, "127.0.0.1"),
     ),
     (
         "mpich hydra",
-        {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"},
-        ("mpich", 2, 0, 4, 2, "127.0.0.1"),
+        {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "4"},
+        ("mpich", 2, 2, 4, 4, "127.0.0.1"),
     ),
     (
         "intel mpi",
@@ -150,14 +151,14 @@ CASES = [
         ("slurm", 1, 0, 2, 1, "n3"),
     ),
     (
-        "slurm batch script without srun is one process",
+        "slurm batch script without srun is one process, on its own store",
         {
             "SLURM_JOB_ID": "123",
             "SLURM_PROCID": "0",
             "SLURM_NTASKS": "8",
             "SLURM_JOB_NODELIST": "gpu[1-2]",
         },
-        ("single", 0, 0, 1, 1, "gpu1"),
+        ("single", 0, 0, 1, 1, "127.0.0.1"),
     ),
     ("pbs job without mpiexec", {"PBS_JOBID": "99.server"}, ("single", 0, 0, 1, 1, "127.0.0.1")),
     (
@@ -181,6 +182,125 @@ def test_launch_info(env, expected):
     ) == expected
 
 
+def openmpi_rank(rank: int, local_rank: int, world: int, local_world: int) -> dict[str, str]:
+    numbers = dict(RANK=rank, LOCAL_RANK=local_rank, SIZE=world, LOCAL_SIZE=local_world)
+    return {f"OMPI_COMM_WORLD_{name}": str(value) for name, value in numbers.items()}
+
+
+def test_mpirun_in_a_slurm_job_meets_on_the_jobs_first_node_from_every_node():
+    """Open MPI's mpirun runs in the batch step on the job's first node and starts its daemons
+    on the others with `srun --nodelist=<the other nodes>` (plm_slurm_module.c): the ranks there
+    inherit that step's SLURM_STEP_NODELIST, SLURM_STEP_ID and SLURM_PROCID. Before, they met at
+    the daemon step's first node (n2), the ranks on n1 at n1."""
+    job = {"SLURM_JOB_ID": "4321", "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_NODELIST": "n[1-3]"}
+    on_first = {**job, "SLURM_PROCID": "0", **openmpi_rank(1, 1, 6, 2)}  # the batch step's
+    daemon_step = {"SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "n[2-3]", "SLURM_PROCID": "1"}
+    on_third = {**job, **daemon_step, **openmpi_rank(5, 1, 6, 2)}
+    found = [launch_info(env) for env in (on_first, on_third)]
+    assert [(i.launcher, i.master_addr, i.master_port) for i in found] == [
+        ("openmpi", "n1", PORT_BASE + 4321)
+    ] * 2
+
+
+def test_two_srun_steps_of_one_job_get_two_ports():
+    """`srun ... &` twice in one allocation: each step its own store (before, both took the job's
+    port, and the second step's rank 0 failed with EADDRINUSE)."""
+
+    def task(step: str) -> dict[str, str]:
+        return {
+            "SLURM_JOB_ID": "4321",
+            "SLURM_STEP_ID": step,
+            "SLURM_PROCID": "0",
+            "SLURM_LOCALID": "0",
+            "SLURM_NTASKS": "2",
+            "SLURM_NODEID": "0",
+            "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+            "SLURM_STEP_NODELIST": "n[1-2]",
+        }
+
+    ports = [launch_info(task(step)).master_port for step in ("0", "1", "2")]
+    assert ports[0] == PORT_BASE + 4321 and len(set(ports)) == 3
+
+
+def test_multi_host_mpi_outside_a_scheduler_needs_master_addr():
+    """mpiexec with a host file, jsrun's OMPI_* variables, Open MPI under SGE: no Slurm or PBS job
+    names rank 0's host. Before, every host met silently at its own 127.0.0.1:29500."""
+    for env in (
+        openmpi_rank(5, 1, 8, 4),
+        {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"},
+        {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+    ):
+        with pytest.raises(LauncherError, match="export MASTER_ADDR=<rank 0's host>"):
+            launch_info(env)
+        assert launch_info({**env, "MASTER_ADDR": "node0"}).master_addr == "node0"
+    # one host: loopback is right
+    assert launch_info(openmpi_rank(5, 1, 8, 8)).master_addr == "127.0.0.1"
+
+
+def test_an_ipv6_rendezvous_address_goes_in_brackets():
+    from urllib.parse import urlparse
+
+    for given, url_host in (("::1", "[::1]"), ("fd00::7", "[fd00::7]"), ("[::1]", "[::1]")):
+        info = launch_info(
+            {"MASTER_ADDR": given, "MASTER_PORT": "4000", "RANK": "0", "WORLD_SIZE": "1"}
+        )
+        url = urlparse(f"tcp://{info.master_addr}:{info.master_port}")
+        assert (
+            info.master_addr == url_host and url.port == 4000 and url.hostname == given.strip("[]")
+        )
+    # the control: unbracketed, the port cannot be read
+    with pytest.raises(ValueError):
+        urlparse("tcp://::1:4000").port
+
+
+def test_a_process_in_an_salloc_shell_runs_alone_on_loopback():
+    """salloc's shell has the job's variables but no step (salloc.c); `python train.py` there
+    runs on the login node. Before, it waited for a store at the job's first compute node."""
+    salloc_shell = {"SLURM_JOB_ID": "4321", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2"}
+    info = launch_info(salloc_shell)
+    assert (info.launcher, info.world_size, info.master_addr, info.master_port) == (
+        "single",
+        1,
+        "127.0.0.1",
+        0,
+    )
+
+
+def test_srun_arbitrary_distribution_puts_rank_0_on_the_host_files_first_line(tmp_path):
+    """`srun -m arbitrary` with SLURM_HOSTFILE: task i on line i, while SLURM_STEP_NODELIST is
+    sorted (srun_job.c, hostlist_uniq)."""
+    (tmp_path / "hosts").write_text("n2\nn1\n")
+    env = {
+        "SLURM_JOB_ID": "4321",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+        "SLURM_STEP_NODELIST": "n[1-2]",
+        "SLURM_DISTRIBUTION": "arbitrary",
+        "SLURM_HOSTFILE": str(tmp_path / "hosts"),
+    }
+    assert launch_info(env).master_addr == "n2"
+    assert launch_info({**env, "SLURM_DISTRIBUTION": "block"}).master_addr == "n1"
+
+
+def test_a_malformed_task_count_names_its_variable():
+    env = {
+        "SLURM_JOB_ID": "4321",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_TASKS_PER_NODE": "2(3)",
+        "SLURM_STEP_NODELIST": "n[1-2]",
+    }
+    with pytest.raises(LauncherError, match=r"SLURM_STEP_TASKS_PER_NODE='2\(3\)' is not a task"):
+        launch_info(env)
+
+
 def test_explicit_rank_is_mp_spawn():
     info = launch_info({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4000"}, rank=1, world_size=3)
     assert (info.launcher, info.rank, info.local_rank, info.world_size, info.master_port) == (
@@ -202,11 +322,12 @@ def test_pbs_master_is_first_line_of_nodefile(tmp_path):
 
 
 def test_unreadable_or_empty_nodefile_is_an_error(tmp_path):
+    ranks = pals_rank(0, 0, 4, 2)
     with pytest.raises(LauncherError, match="PBS_NODEFILE"):
-        launch_info({"PBS_JOBID": "1", "PBS_NODEFILE": str(tmp_path / "missing")})
+        launch_info({"PBS_JOBID": "1", "PBS_NODEFILE": str(tmp_path / "missing"), **ranks})
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(LauncherError, match="is empty"):
-        launch_info({"PBS_JOBID": "1", "PBS_NODEFILE": str(tmp_path / "empty")})
+        launch_info({"PBS_JOBID": "1", "PBS_NODEFILE": str(tmp_path / "empty"), **ranks})
 
 
 @pytest.mark.parametrize(
@@ -218,7 +339,7 @@ def test_unreadable_or_empty_nodefile_is_an_error(tmp_path):
         ({"SLURM_JOB_ID": "77_3"}, PORT_BASE + 77),  # array job
         ({"PBS_JOBID": "8812.pbs-server"}, PORT_BASE + 8812),
         # array subjob
-        ({"PBS_JOBID": "8812[3].pbs-server"}, PORT_BASE + (8812 + 3 * ARRAY_STRIDE) % PORT_SPAN),
+        ({"PBS_JOBID": "8812[3].pbs-server"}, PORT_BASE + (8812 + 3 * STRIDE) % PORT_SPAN),
         ({"PBS_JOBID": "8812[].pbs-server"}, PORT_BASE + 8812),  # the array job itself
     ],
 )
@@ -502,8 +623,8 @@ def test_a_process_started_alone_takes_any_free_port(monkeypatch):
         with socket.socket() as store:  # free: a store can bind it
             store.bind(("127.0.0.1", port))
     assert launch_info({"MASTER_PORT": "4000"}).master_port == 4000
-    # a batch shell: the job's port
-    assert launch_info({"SLURM_JOB_ID": "4321"}).master_port == PORT_BASE + 4321
+    # a batch shell or an salloc shell: alone too
+    assert launch_info({"SLURM_JOB_ID": "4321"}).master_port == 0
     # a launcher's world of one
     assert launch_info({"RANK": "0", "WORLD_SIZE": "1"}).master_port == DEFAULT_PORT
 
@@ -816,3 +937,34 @@ def test_ranks_started_by_hand_with_torchruns_variables_train(tmp_path):
     summary = read_summary(tmp_path)
     assert (summary["launcher"], summary["world_size"], summary["steps"]) == ("env", 2, 3)
     assert summary["replicas_identical"]
+
+
+@pytest.mark.launchers
+def test_two_ranks_meet_at_an_ipv6_master_addr(tmp_path):
+    """01 on two ranks started by hand with MASTER_ADDR=::1 (loopback's IPv6 address): before, the
+    URL tcp://::1:PORT failed in every rank ("Port could not be cast to integer value")."""
+    port = str(free_port_v6())
+    procs = [
+        start(
+            [PYTHON, "01_basic_ddp/train.py", "--max-steps", "2", "--epochs", "1"]
+            + ["--batch-size", "16", "--output-dir", str(tmp_path)],
+            env=clean_env(
+                RANK=str(rank),
+                WORLD_SIZE="2",
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE="2",
+                MASTER_ADDR="::1",
+                MASTER_PORT=port,
+            ),
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [finish(p, 120, f"rank {r} at [::1]") for r, p in enumerate(procs)]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert read_summary(tmp_path)["world_size"] == 2
+
+
+def free_port_v6() -> int:
+    with socket.socket(socket.AF_INET6) as probe:
+        probe.bind(("::1", 0))
+        return probe.getsockname()[1]
