@@ -1,17 +1,26 @@
-"""A real two-node Slurm cluster on this machine, for tests (root only).
+"""A real two-node Slurm cluster on this machine, of two distinct hosts, for tests (root only).
 
     with SlurmCluster(tmp_dir) as cluster:
         job_id = cluster.sbatch(["jobs/slurm_srun.sbatch"], env, REPO)
         state = cluster.wait(job_id, timeout=180)
 
-Everything lives under one temporary folder: munged with its own key and socket,
-slurmctld and two slurmd ("node1", "node2", both 127.0.0.1 on their own ports) with
-their own spool folders. Ports are picked free, so several clusters can run side by
-side. `stop()` ends exactly the daemons it started (by pid), also after a failure.
+Each node is a host of its own: a network namespace (`ip netns`) with its own address on a bridge
+the cluster makes (10.A.B.11 and .12, the bridge .1), and its own host name ("node1", "node2", a
+UTS namespace), which resolves through a hosts file of the cluster's, bind-mounted over
+/etc/hosts in the node's mount namespace. The node's slurmd runs there, and so does every job
+step it starts: a wrong rendezvous host, a name that does not resolve or an address that is only
+loopback fails as on a real cluster. slurmctld and munged run on this machine (the bridge's
+address), as on a head node; clients (sbatch, scontrol) reach slurmctld there.
+
+Everything else lives under one temporary folder: munged with its own key and socket, the
+configuration, spool folders. Names and the subnet are picked per cluster, so several clusters can
+run side by side. `stop()` ends exactly what it started (by pid and namespace), also after a
+failure.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import random
 import signal
@@ -31,9 +40,24 @@ TOOLS = (
     "scontrol",
     "sinfo",
     "scancel",
+    "ip",
+    "nsenter",
+    "unshare",
 )
 NODES = ("node1", "node2")
 CPUS_PER_NODE = 2  # what each fake node advertises; both share this machine's cores
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    """A /24 in 10.0.0.0/8 that no interface of this machine is on."""
+    taken = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    while True:
+        subnet = ipaddress.ip_network(f"10.{random.randint(64, 250)}.{random.randint(0, 255)}.0/24")
+        if (
+            f" 10.{subnet.network_address.packed[1]}.{subnet.network_address.packed[2]}."
+            not in taken
+        ):
+            return subnet
 
 
 class SlurmCluster:
@@ -55,6 +79,48 @@ class SlurmCluster:
         self.munge_pid_file = self.root / "munge" / "munged.pid"
         self.conf = self.root / "slurm.conf"
         self.socket = self.root / "munge" / "munge.socket"
+        self.tag = f"{os.getpid() % 100000}{random.randint(0, 99)}"  # interface names: 15 bytes
+        self.bridge = f"sbr{self.tag}"
+        self.netns = {node: f"slurm{self.tag}-{node}" for node in NODES}
+        self.subnet = _free_subnet()
+        self.head_address = str(self.subnet[1])
+        self.address = {node: str(self.subnet[11 + i]) for i, node in enumerate(NODES)}
+        self.hosts_file = self.root / "hosts"
+        self.network_made: list[list[str]] = []  # how to undo each piece, newest last
+
+    # -- the hosts: namespaces, a bridge, names -------------------------------------------------
+    def _make_network(self) -> None:
+        def ip(*args: str) -> None:
+            subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+        ip("link", "add", self.bridge, "type", "bridge")
+        self.network_made.append(["link", "del", self.bridge])
+        ip("addr", "add", f"{self.head_address}/24", "dev", self.bridge)
+        ip("link", "set", self.bridge, "up")
+        for i, node in enumerate(NODES):
+            ns, outside = self.netns[node], f"sve{self.tag}{i}"
+            ip("netns", "add", ns)
+            self.network_made.append(["netns", "del", ns])
+            ip("link", "add", outside, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            ip("link", "set", outside, "master", self.bridge, "up")
+            ip("-n", ns, "addr", "add", f"{self.address[node]}/24", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        # The nodes' /etc/hosts: every node by name, and the head node as "slurmctld".
+        lines = ["127.0.0.1 localhost", f"{self.head_address} slurmctld"]
+        lines += [f"{self.address[node]} {node}" for node in NODES]
+        self.hosts_file.write_text("\n".join(lines) + "\n")
+
+    def on_node(self, node: str, command: list[str]) -> list[str]:
+        """`command` as a process of host `node`: its network, its host name, its /etc/hosts."""
+        # nsenter, not `ip netns exec`, which mounts a new /sys (without the cgroup file system
+        # slurmd needs)
+        return [
+            "nsenter", f"--net=/run/netns/{self.netns[node]}",
+            "unshare", "--uts", "--mount", "--propagation", "private",
+            "sh", "-c", f'mount --bind "$0" /etc/hosts && hostname {node} && exec "$@"',
+            str(self.hosts_file), *command,
+        ]  # fmt: skip
 
     # -- environment for clients (sbatch, srun, scontrol) -------------------------------------
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -86,6 +152,7 @@ class SlurmCluster:
             check=True,
             capture_output=True,
         )
+        self._make_network()
         self._write_conf()
         env = self.env()
         for node in NODES:
@@ -106,7 +173,9 @@ class SlurmCluster:
         for node in NODES:
             self.procs.append(
                 subprocess.Popen(
-                    ["slurmd", "-D", "-N", node, "-f", str(self._node_conf(node))],
+                    self.on_node(
+                        node, ["slurmd", "-D", "-N", node, "-f", str(self._node_conf(node))]
+                    ),
                     env=env,
                     stdout=open(log / f"slurmd-{node}.out", "w"),
                     stderr=subprocess.STDOUT,
@@ -134,9 +203,9 @@ class SlurmCluster:
     def _write_conf(self) -> None:
         ctld_port = free_port()
         ports = {node: free_port() for node in NODES}
-        root = self.root
+        root, nodes = self.root, ",".join(NODES)
         node_lines = "\n".join(
-            f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} "
+            f"NodeName={node} NodeHostname={node} NodeAddr={self.address[node]} Port={port} "
             f"CPUs={CPUS_PER_NODE} RealMemory=1000 State=UNKNOWN"
             for node, port in ports.items()
         )
@@ -144,7 +213,7 @@ class SlurmCluster:
 ClusterName=testcluster
 # A random first job id: job files derive their port from it, so side-by-side clusters differ.
 FirstJobId={random.randint(1000, 14000)}
-SlurmctldHost=localhost(127.0.0.1)
+SlurmctldHost=localhost({self.head_address})
 SlurmctldPort={ctld_port}
 SlurmUser=root
 SlurmdUser=root
@@ -173,7 +242,12 @@ KillWait=5
 InactiveLimit=0
 MinJobAge=600
 {node_lines}
-PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
+# Preemption as sites set it up: a job of the higher tier ("urgent") preempts those of "debug",
+# which get SIGTERM and GraceTime seconds to save, then are requeued.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=debug Nodes={nodes} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=60
+PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """)
         # srun --mpi=pmix: the plugin makes a client directory per job step under
         # PMIxCliTmpDirBase, named without the node, so two slurmd on one host would collide
@@ -243,6 +317,17 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
                 proc.kill()
                 proc.wait(timeout=15)
         self.procs.clear()
+        # what a job left running on a node (the namespace lives on while a process is in it)
+        for ns in self.netns.values():
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+            for pid in pids.stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for undo in reversed(self.network_made):
+            subprocess.run(["ip", *undo], capture_output=True, timeout=30)
+        self.network_made.clear()
         try:
             pid = int(self.munge_pid_file.read_text().strip())
         except (OSError, ValueError):

@@ -18,14 +18,15 @@ from tests.helpers import (
     PYTHON,
     REPO,
     clean_env,
+    free_port,
     kill_group,
-    load_script,
     read_env,
     read_summary,
     repeated_lines,
     run,
     torchrun,
     skip_below_torch,
+    wait_all,
 )
 from tests.launcher_tools import need_root, need_tools, openmpi_env
 from tests.slurm_cluster import TOOLS as SLURM_TOOLS, SlurmCluster
@@ -33,7 +34,6 @@ from tests.slurm_cluster import TOOLS as SLURM_TOOLS, SlurmCluster
 JOBS = sorted((REPO / "jobs").glob("*.*"))
 SLURM_JOBS = ["slurm_srun.sbatch", "slurm_torchrun.sbatch"]
 SMALL = "--max-steps 3 --epochs 1 --batch-size 16"
-REQUEUE_EXIT_CODE = load_script("05_checkpointing/checkpoint.py", "checkpoint").REQUEUE_EXIT_CODE
 
 
 def test_job_files_exist():
@@ -85,8 +85,12 @@ def test_job_file_static(job):
 def test_slurm_file_settings(name):
     text = (REPO / "jobs" / name).read_text()
     assert "--kill-on-bad-exit=1" in text
-    # The warning goes to the job steps (the ranks), not only to the batch shell (B:).
-    assert re.search(r"^#SBATCH --signal=USR1@\d+$", text, re.M)
+    # The warning goes to the job steps (the ranks), not only to the batch shell (B:), early
+    # enough for torchrun's shutdown timeout, which it gives its workers to save in.
+    lead = int(re.search(r"^#SBATCH --signal=USR1@(\d+)$", text, re.M).group(1))
+    shutdown = re.search(r"TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-(\d+)", text)
+    assert lead >= 300 and (shutdown is None or int(shutdown.group(1)) <= lead - 60)
+    assert (shutdown is not None) == ("torchrun" in name)
     assert re.search(r"^#SBATCH --requeue$", text, re.M) and re.search(
         r"^#SBATCH --open-mode=append$", text, re.M
     )
@@ -97,7 +101,6 @@ def test_slurm_file_settings(name):
     assert (
         "SCRIPT=${SCRIPT:-05_checkpointing/preempt.py}" in text
     )  # the default: saves on a signal, resumes
-    assert f"REQUEUE_EXIT_CODE={REQUEUE_EXIT_CODE}" in text
 
 
 def test_pbs_file_settings():
@@ -111,10 +114,7 @@ def test_pbs_file_settings():
             in text
         ), name
         assert "qrerun" not in text.split("#PBS")[-1]  # needs operator rights: resubmit instead
-        assert (
-            f"REQUEUE_EXIT_CODE={REQUEUE_EXIT_CODE}" in text
-            and f"JOB_FILE=${{JOB_FILE:-jobs/{name}}}" in text
-        )
+        assert f"JOB_FILE=${{JOB_FILE:-jobs/{name}}}" in text
 
 
 # -- a real two-node Slurm cluster ---------------------------------------------------------------
@@ -173,16 +173,19 @@ def test_sbatch_job_completes(slurm_jobs, cluster, name, launcher):
     # one per node
     assert [(p["rank"], p["local_rank"]) for p in summary["placement"]] == [(0, 0), (1, 0)]
     port = 15000 + int(job_id) % 15000
-    # First host from scontrol (node1), its NodeAddr
+    # First host from scontrol (node1), its NodeAddr (node1's own address, a host of its own)
     # as the rendezvous address, port from the job id.
-    assert f"first host node1, rendezvous 127.0.0.1:{port}" in output
+    node1 = cluster.address["node1"]
+    assert f"first host node1, rendezvous {node1}:{port}" in output
     # Rank 0's placement table: ranks 0 and 1, each local rank 0 (one per node), on CPU.
     assert re.search(
         r"^\s+0\s+0\s+\S+\s+cpu\s+unset\n\s+1\s+0\s+\S+\s+cpu\s+unset$", output, re.M
     ), output
     assert "launcher " + launcher in output
     if launcher == "slurm":
-        assert (summary["master_addr"], summary["master_port"]) == ("127.0.0.1", port)
+        assert (summary["master_addr"], summary["master_port"]) == (node1, port)
+    # each rank on a host of its own
+    assert sorted(p["host"] for p in summary["placement"]) == ["node1", "node2"], summary
 
 
 def test_slurm_detection_batch_shell_vs_job_step(cluster, tmp_path):
@@ -226,6 +229,13 @@ MPI_SAYS = {
 }
 
 
+def cluster_openmpi_env(**extra: str) -> dict[str, str]:
+    """Open MPI as root, over the nodes' own network (eth0: each node's only interface but lo)."""
+    env = openmpi_env(**extra)
+    env.update(OMPI_MCA_oob_tcp_if_include="eth0", OMPI_MCA_btl_tcp_if_include="eth0")
+    return env
+
+
 @pytest.fixture(scope="module")
 def launcher_matrix(cluster, tmp_path_factory):
     """One job of 2 nodes x 2 tasks: tests/launch_probe.py under srun with every MPI plugin and
@@ -245,7 +255,7 @@ def launcher_matrix(cluster, tmp_path_factory):
     lines.append(f"timeout 60 mpirun -n 4 --map-by ppr:2:node {probe} mpiexec/openmpi")
     (root / "job.sh").write_text("\n".join(lines) + "\n")
     args = ["-N2", "--ntasks-per-node=2", "--cpus-per-task=1", "-o", str(root / "out")]
-    job = cluster.sbatch([*args, str(root / "job.sh")], openmpi_env(), REPO)
+    job = cluster.sbatch([*args, str(root / "job.sh")], cluster_openmpi_env(), REPO)
     state = cluster.wait(job, 180)
     output = (root / "out").read_text()
     assert state[0] == "COMPLETED", f"{state}\n{output}\n{cluster.logs()}"
@@ -289,14 +299,55 @@ def test_mpiexec_inside_a_slurm_job_is_read_from_the_mpi(launcher_matrix, mpi):
     assert sorted(rank["detected"][1] for rank in ranks) == [0, 1, 2, 3]
     assert {tuple(rank["detected"][3:]) for rank in ranks} == {(4, 2)}
     assert any(rank["env"]["SLURM_PROCID"] != str(rank["detected"][1]) for rank in ranks)
+    # Two hosts, and every rank meets at one rendezvous: rank 0's host (no MASTER_ADDR given).
+    # Before, Open MPI's ranks on node2 inherited its daemon step's node list and met at node2.
+    hosts = {rank["detected"][1]: rank["host"] for rank in ranks}
+    assert sorted(set(hosts.values())) == ["node1", "node2"]
+    assert {rank["rendezvous"].split(":")[0] for rank in ranks} == {hosts[0]}, ranks
+    assert len({rank["rendezvous"] for rank in ranks}) == 1
+
+
+def test_srun_tasks_meet_at_their_steps_first_node(launcher_matrix):
+    for cell, tasks in launcher_matrix.items():
+        if cell.startswith("srun/"):
+            host_of_rank_0 = next(t["host"] for t in tasks if t["detected"][1] == 0)
+            assert {t["rendezvous"].split(":")[0] for t in tasks} == {host_of_rank_0}, cell
+
+
+@pytest.mark.parametrize("mpi", ["openmpi", "mpich"])
+def test_06_trains_under_mpiexec_inside_an_allocation_across_both_hosts(cluster, tmp_path, mpi):
+    """mpirun (Open MPI) or mpiexec (MPICH) in an sbatch job over both nodes, one rank each, with
+    no MASTER_ADDR: 06 trains, its ranks on two hosts, identical replicas."""
+    need_tools("mpiexec.mpich", "mpirun")
+    launch = {
+        "openmpi": "mpirun -n 2 --map-by ppr:1:node",
+        "mpich": "mpiexec.mpich -n 2 -ppn 1",
+    }[mpi]
+    out = tmp_path / "run"
+    (tmp_path / "job.sh").write_text(
+        f"#!/bin/bash\nset -euo pipefail\ntimeout 150 {launch} {PYTHON} 06_multinode/train.py "
+        f"{SMALL} --output-dir {out}\n"
+    )
+    args = ["-N2", "--ntasks-per-node=1", "--cpus-per-task=1", "-o", str(tmp_path / "out")]
+    job = cluster.sbatch([*args, str(tmp_path / "job.sh")], cluster_openmpi_env(), REPO)
+    state = cluster.wait(job, 200)
+    output = (tmp_path / "out").read_text()
+    assert state[0] == "COMPLETED", f"{state}\n{output[-3000:]}\n{cluster.logs()}"
+    summary = read_summary(out)
+    assert (summary["launcher"], summary["world_size"], summary["replicas_identical"]) == (
+        mpi,
+        2,
+        True,
+    )
+    assert [p["host"] for p in summary["placement"]] == ["node1", "node2"]
+    assert summary["master_addr"] == "node1"
 
 
 def test_01_trains_under_srun_with_the_pmi2_plugin(cluster, tmp_path):
     """Sites with MpiDefault=pmi2 (and Intel MPI users told to add --mpi=pmi2): 01 on 2 nodes x 2
     tasks trains with identical replicas, each rank on the local rank Slurm gave it."""
     (tmp_path / "job.sh").write_text(
-        # the test nodes' names do not resolve: their address, as the job files take it
-        "#!/bin/bash\nset -euo pipefail\nexport MASTER_ADDR=127.0.0.1\n"
+        "#!/bin/bash\nset -euo pipefail\n"
         f"srun --mpi=pmi2 -N2 --ntasks-per-node=2 --cpus-per-task=1 {PYTHON} "
         f"01_basic_ddp/train.py {SMALL} --log-every 1000 --output-dir {tmp_path / '01'}\n"
     )
@@ -318,7 +369,7 @@ def test_01_trains_under_srun_with_the_pmi2_plugin(cluster, tmp_path):
 
 # Long enough (8 epochs of 45 steps) to be stopped mid-run; a checkpoint every 20 steps.
 PREEMPT_ARGS = "--epochs 8 --batch-size 16 --save-every-steps 20 --log-every 1000"
-SLURM_DELIVERIES = ("signal", "grace", "requeue")
+SLURM_DELIVERIES = ("signal", "requeue")
 
 
 def load_params(path):
@@ -350,18 +401,14 @@ def uninterrupted(tmp_path_factory):
 
 
 def delivery_command(name: str, delivery: str, job_id: str) -> list[str]:
-    """How Slurm delivers each: the file's own --signal (to the job steps,
-    as at the time limit), a preemption with a grace time (SIGTERM to
-    the whole job, batch shell included), an operator's requeue."""
+    """How Slurm delivers each: the file's own --signal (to the job steps, as before the time
+    limit), an operator's requeue (SIGTERM to the whole job; Slurm requeues it itself)."""
     if delivery == "signal":
         sig = re.search(
             r"^#SBATCH --signal=(\w+)@\d+$", (REPO / "jobs" / name).read_text(), re.M
         ).group(1)
         return ["scancel", f"--signal={sig}", job_id]
-    return {
-        "grace": ["scancel", "--full", "--signal=TERM", job_id],
-        "requeue": ["scontrol", "requeue", job_id],
-    }[delivery]
+    return {"requeue": ["scontrol", "requeue", job_id]}[delivery]
 
 
 @pytest.fixture(scope="module")
@@ -463,7 +510,11 @@ def test_preempted_job_requeues_once_and_resumes_bitwise(
 
 
 def test_crashed_job_is_not_requeued(cluster, tmp_path):
-    """A crash is not a preemption: the job fails and is not requeued (05 fails at step 2 here)."""
+    """A crash is not a preemption: the job fails and is not requeued (05 fails at step 2 here),
+    even in a run folder where an earlier run's save left checkpoints/REQUEUE (before, the job file
+    found that note and requeued the crash until MAX_RESTARTS)."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "REQUEUE").write_text("SIGUSR1 at step 12\n")
     env = clean_env(
         PYTHON=PYTHON,
         RUN_DIR=str(tmp_path / "run"),
@@ -480,6 +531,119 @@ def test_crashed_job_is_not_requeued(cluster, tmp_path):
     assert state[0] == "FAILED" and "injected failure" in log and "requeueing" not in log, log[
         -3000:
     ]
+    assert restarts(cluster, job) == 0
+
+
+def restarts(cluster, job_id: str) -> int:
+    shown = subprocess.run(
+        ["scontrol", "show", "job", job_id],
+        env=cluster.env(),
+        text=True,
+        capture_output=True,
+        timeout=30,
+    ).stdout
+    return int(re.search(r"Restarts=(\d+)", shown).group(1))
+
+
+def submit_preempt_job(cluster, tmp_path, name, **extra):
+    """05's preempt.py under job file `name`, on one CPU a node; returns (job id, run dir, log)
+    once its first checkpoint exists."""
+    run_dir, log = tmp_path / "run", tmp_path / "out"
+    env = clean_env(
+        PYTHON=PYTHON, GPUS_PER_NODE="1", RUN_DIR=str(run_dir), TRAIN_ARGS=PREEMPT_ARGS, **extra
+    )
+    job = cluster.sbatch(["-o", str(log), *SBATCH_SMALL, f"jobs/{name}"], env, REPO)
+    deadline = time.monotonic() + 180
+    while not (run_dir / "checkpoints" / "latest").exists():
+        assert time.monotonic() < deadline and cluster.job_state(job)[0] in (
+            "PENDING",
+            "RUNNING",
+        ), log.read_text() if log.exists() else cluster.logs()
+        time.sleep(0.2)
+    return job, run_dir, log
+
+
+@pytest.mark.parametrize("name", SLURM_JOBS)
+def test_scancel_ends_the_job_for_good(cluster, tmp_path, name):
+    """`scancel JOBID` of a running job: CANCELLED, never requeued. Slurm sends SIGTERM to the
+    batch shell as well as to the steps (slurmd's _rpc_terminate_job); before, the job file took
+    it for a preemption, requeued, and the job ran to COMPLETED."""
+    if name == "slurm_torchrun.sbatch":
+        skip_below_torch("2.10", "torchrun's --signals-to-handle, which the job file passes")
+    job, run_dir, log = submit_preempt_job(cluster, tmp_path, name)
+    subprocess.run(["scancel", job], env=cluster.env(), check=True, timeout=30)
+    state = cluster.wait(job, 120)
+    time.sleep(2)  # a requeue would show as PENDING right after
+    output = log.read_text()
+    assert state[0] == "CANCELLED" and cluster.job_state(job)[0] == "CANCELLED", output[-3000:]
+    assert restarts(cluster, job) == 0 and "requeueing" not in output, output[-3000:]
+    assert "SIGTERM to the batch shell" in output
+
+
+@pytest.mark.parametrize("name", SLURM_JOBS)
+def test_preemption_saves_requeues_and_resumes_bitwise(cluster, uninterrupted, tmp_path, name):
+    """A real preemption: a job of the higher-tier partition ("urgent", every CPU of both nodes)
+    preempts the running one. Slurm sends SIGTERM to its steps, not to its batch shell, and shows
+    a PreemptTime; the ranks save, the job file requeues (Slurm 22.05 does not requeue a job that
+    ends within its GraceTime itself: seen here), and the job resumes from that save."""
+    if name == "slurm_torchrun.sbatch":
+        skip_below_torch("2.10", "torchrun's --signals-to-handle, which the job file passes")
+    # 5 ms a sample (tests/inject): some 30 s of training, so that the preemption, which Slurm
+    # starts a few seconds after the urgent job's submission, comes mid-run
+    slow = dict(PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}", DDP_TEST_SLOW_SAMPLE_S="0.005")
+    job, run_dir, log = submit_preempt_job(cluster, tmp_path, name, **slow)
+    urgent = cluster.sbatch(
+        ["-p", "urgent", "-N2", "--ntasks-per-node=2", "--cpus-per-task=1"]
+        + ["-o", str(tmp_path / "urgent.out"), "--wrap", "sleep 1"],
+        clean_env(),
+        REPO,
+    )
+    deadline, released = time.monotonic() + 300, False
+    while cluster.job_state(job)[0] not in cluster.FINAL_STATES and time.monotonic() < deadline:
+        if cluster.job_state(job)[0] == "PENDING" and not released:
+            # as in preempted_jobs: bring the requeued job's start forward, but not to "now"
+            subprocess.run(
+                ["scontrol", "update", f"JobId={job}", "StartTime=now+5"],
+                env=cluster.env(),
+                capture_output=True,
+                timeout=30,
+            )
+            released = True
+        time.sleep(0.5)
+    output = log.read_text()
+    assert cluster.job_state(job)[0] == "COMPLETED", output[-3000:]
+    assert cluster.job_state(urgent)[0] == "COMPLETED"
+    assert restarts(cluster, job) == 1, output[-3000:]
+    saved_at, resumed_from = stop_and_resume_steps(output)
+    assert (
+        f"SIGTERM: checkpoint at step {resumed_from} saved" in output and saved_at == resumed_from
+    )
+    assert re.search(r"^requeueing job \d+ \(exit code \d+; SIGTERM at step \d+\)$", output, re.M)
+    assert_bitwise_equal(load_params(run_dir / "model.pt"), uninterrupted)
+
+
+def test_two_srun_steps_of_one_job_train_side_by_side(cluster, tmp_path):
+    """`srun ... &` twice in one allocation, the sweep pattern: each step meets at its own port
+    (common/launcher.py adds the step id). Before, both took the job's port: the second step's
+    rank 0 failed with EADDRINUSE and its other rank joined the first step's store."""
+    lines = ["#!/bin/bash", "set -euo pipefail"]
+    for step in ("a", "b"):
+        lines.append(
+            f"srun --exact -N2 -n2 --cpus-per-task=1 {PYTHON} 06_multinode/train.py {SMALL} "
+            f"--output-dir {tmp_path / step} &"
+        )
+    lines.append("wait %1 && wait %2")
+    (tmp_path / "job.sh").write_text("\n".join(lines) + "\n")
+    args = ["-N2", "--ntasks-per-node=2", "--cpus-per-task=1", "-o", str(tmp_path / "out")]
+    job = cluster.sbatch([*args, str(tmp_path / "job.sh")], clean_env(), REPO)
+    state = cluster.wait(job, 240)
+    output = (tmp_path / "out").read_text()
+    assert state[0] == "COMPLETED", f"{state}\n{output[-3000:]}\n{cluster.logs()}"
+    summaries = [read_summary(tmp_path / step) for step in ("a", "b")]
+    assert [(s["world_size"], s["replicas_identical"]) for s in summaries] == [(2, True)] * 2
+    assert summaries[0]["master_port"] != summaries[1]["master_port"]
+    for summary in summaries:
+        assert sorted(p["host"] for p in summary["placement"]) == ["node1", "node2"]
 
 
 def test_requeues_stop_at_max_restarts(cluster, tmp_path):
@@ -584,10 +748,39 @@ def test_pbs_torchrun_job(tmp_path):
     print(f"PBS torchrun job: {time.perf_counter() - start:.1f} s")
 
 
+# What `qstat -f 4323.pbs01` prints for a job submitted with the site's options on the command line
+# (`qsub -A proj7 -q prod -l select=...:system=polaris -l filesystems=home:eagle ...`), in OpenPBS's
+# layout (src/cmds/qstat.c, prt_attr): four spaces, "name = value", a value past 78 columns
+# continued on the next line after a tab; the server's own totals (ncpus, nodect) beside.
+def qstat_attribute(name: str, value: str) -> str:
+    line = f"    {name} = {value}"
+    return "\n\t".join([line[:78], *(line[i : i + 77] for i in range(78, len(line), 77))]) + "\n"
+
+
+QSTAT_F = "Job Id: 4323.pbs01\n" + "".join(
+    qstat_attribute(name, value)
+    for name, value in [
+        ("Job_Name", "ddp-mpiexec"),
+        ("queue", "small"),
+        ("Account_Name", "proj7"),
+        ("Resource_List.filesystems", "home:eagle"),
+        ("Resource_List.ncpus", "128"),
+        ("Resource_List.nodect", "2"),
+        ("Resource_List.place", "scatter"),
+        ("Resource_List.select", "2:ncpus=64:mpiprocs=4:ngpus=4:system=polaris:host_type=gpu_node"),
+        ("Resource_List.walltime", "00:00:06"),
+    ]
+)
+RESUBMIT_RESOURCES = (
+    "-l select=2:ncpus=64:mpiprocs=4:ngpus=4:system=polaris:host_type=gpu_node -l place=scatter "
+    "-l walltime=00:00:06 -l filesystems=home:eagle -A proj7 -q prod"
+)
+
+
 def pbs_chain_env(tmp_path, job_file, job_id, **extra):
-    """PBS variables, real 05 and mpiexec, and a `qsub` that records the
-    resubmission (no PBS server can be installed here): its arguments,
-    the RUN_DIR and RESTART_COUNT it hands on, and its whole environment (qsub -V)."""
+    """PBS variables, real 05 and mpiexec, a `qstat -f` that prints QSTAT_F, and a `qsub` that
+    records the resubmission (no PBS server can be installed here): its arguments, the RUN_DIR
+    and RESTART_COUNT it hands on, and its whole environment (qsub -V)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "qsub").write_text(
@@ -595,6 +788,11 @@ def pbs_chain_env(tmp_path, job_file, job_id, **extra):
         f">> {tmp_path / 'qsub.calls'}\nenv -0 > {tmp_path / 'qsub.env'}\necho 9999.pbs01\n"
     )
     (bin_dir / "qsub").chmod(0o755)
+    (tmp_path / "qstat.out").write_text(QSTAT_F)
+    (bin_dir / "qstat").write_text(
+        f'#!/bin/sh\n[ "$1 $2" = "-f 4323.pbs01" ] && cat {tmp_path / "qstat.out"}\n'
+    )
+    (bin_dir / "qstat").chmod(0o755)
     per_node = (
         {"NRANKS_PER_NODE": "1", "MPIEXEC_BIND": ""}
         if "mpiexec" in job_file
@@ -606,6 +804,7 @@ def pbs_chain_env(tmp_path, job_file, job_id, **extra):
         RUN_DIR=str(tmp_path / "run"),
         TRAIN_ARGS=PREEMPT_ARGS,
         PATH=f"{bin_dir}:{clean_env()['PATH']}",
+        PBS_O_QUEUE="prod",
         **per_node,
         **extra,
     )
@@ -618,7 +817,9 @@ def test_pbs_deadline_saves_resubmits_and_the_next_job_resumes_bitwise(
 ):
     """PBS warns no one before the wall time: 05's --time-limit-s (WALLTIME_S
     - SAVE_MARGIN_S) stops it, the job file submits itself again after
-    this job (afterany), and that job resumes in the same RUN_DIR."""
+    this job (afterany), with this job's resources, account and submission queue read back with
+    qstat -f (before, only the file's #PBS lines: the command line's -A, -q, -l were lost), and
+    that job resumes in the same RUN_DIR."""
     need_tools("mpiexec.mpich")
     # A deadline 1 s after the start: reached before the first step ends however fast the machine
     # (the whole run takes 3.8 s on 2 cores: with 4 s it sometimes ended before the deadline).
@@ -628,8 +829,8 @@ def test_pbs_deadline_saves_resubmits_and_the_next_job_resumes_bitwise(
         re.search(r"^time limit: checkpoint at step (\d+) saved", first.stdout, re.M).group(1)
     )
     assert (tmp_path / "qsub.calls").read_text() == (
-        f"-V -W depend=afterany:4323.pbs01 jobs/{job_file} RUN_DIR={tmp_path / 'run'} "
-        "RESTART_COUNT=1\n"
+        f"-V -W depend=afterany:4323.pbs01 {RESUBMIT_RESOURCES} jobs/{job_file} "
+        f"RUN_DIR={tmp_path / 'run'} RESTART_COUNT=1\n"
     )
     # The resubmitted job, as qsub -V starts it: the environment qsub had, with PBS's own variables
     # for the new job. No rendezvous address or port of the first job rides along: the second
@@ -654,9 +855,10 @@ def test_pbs_deadline_saves_resubmits_and_the_next_job_resumes_bitwise(
 
 
 @pytest.mark.scheduler
-def test_pbs_sigterm_to_the_whole_job_saves_and_resubmits(tmp_path):
-    """As PBS does at the wall time or on preemption: SIGTERM to every process of the job; 05 saves
-    at the next step boundary (within kill_delay) and the job file resubmits."""
+def test_pbs_sigterm_to_the_whole_job_saves_and_is_not_resubmitted(tmp_path):
+    """As PBS does on `qdel`, at the wall time or on a preemption: SIGTERM to every process of the
+    job. 05 saves at the next step boundary (within kill_delay); the job file does not resubmit
+    (before, it did: a qdel was undone, up to MAX_RESTARTS times). A preempted job PBS reruns."""
     need_tools("mpiexec.mpich")
     env = pbs_chain_env(tmp_path, "pbs_mpiexec.pbs", "4325.pbs01")
     proc = subprocess.Popen(
@@ -679,16 +881,17 @@ def test_pbs_sigterm_to_the_whole_job_saves_and_resubmits(tmp_path):
         out, _ = proc.communicate(timeout=60)
     finally:
         kill_group(proc)
-    assert proc.returncode == 0, out
     assert re.search(r"^SIGTERM: checkpoint at step \d+ saved", out, re.M), out[-3000:]
-    assert "depend=afterany:4325.pbs01" in (tmp_path / "qsub.calls").read_text()
+    assert "this job ends here, not resubmitted" in out and not (tmp_path / "qsub.calls").exists()
 
 
 @pytest.mark.scheduler
 def test_pbs_crash_is_not_resubmitted_and_restarts_are_capped(tmp_path):
     need_tools("mpiexec.mpich")
     crash = tmp_path / "crash"
-    crash.mkdir()
+    # an earlier job's note in the run folder must not resubmit this crash
+    (crash / "run" / "checkpoints").mkdir(parents=True)
+    (crash / "run" / "checkpoints" / "REQUEUE").write_text("time limit at step 12\n")
     env = pbs_chain_env(
         crash,
         "pbs_mpiexec.pbs",
@@ -748,12 +951,10 @@ def test_torchrun_single_node_job_counts_the_gpus_torch_sees(tmp_path):
 def test_basic_example_runs_unchanged_under_srun(cluster, tmp_path):
     """01_basic_ddp/train.py, as its README says, under plain srun: two tasks on two nodes.
 
-    Rank and world size come from srun; only the address is given, because this test cluster's
-    node names do not resolve (on a real cluster the first host of the node list does)."""
+    Rank, world size and rendezvous (the step's first node, by name) come from srun."""
     out = tmp_path / "run"
     (tmp_path / "job.sh").write_text(
-        f"#!/bin/bash\nexport MASTER_ADDR=127.0.0.1\nsrun {PYTHON} 01_basic_ddp/train.py "
-        f"{SMALL} --output-dir {out}\n"
+        f"#!/bin/bash\nsrun {PYTHON} 01_basic_ddp/train.py {SMALL} --output-dir {out}\n"
     )
     job = cluster.sbatch(
         ["-N2", "-n2", *SBATCH_SMALL, "-o", str(tmp_path / "out"), str(tmp_path / "job.sh")],
@@ -769,3 +970,38 @@ def test_basic_example_runs_unchanged_under_srun(cluster, tmp_path):
         True,
     )
     assert repeated_lines((tmp_path / "out").read_text()) == []  # rank 0 printed
+
+
+def test_torchrun_multi_node_job_on_two_hosts(cluster, tmp_path):
+    """jobs/torchrun_multi_node.sh started on each of the test cluster's two hosts (their own
+    names and addresses, not through Slurm), meeting at RDZV_HOST=node1 by name: 06 trains, one
+    rank a host, identical replicas."""
+    out = tmp_path / "run"
+    env = clean_env(
+        PYTHON=PYTHON,
+        NNODES="2",
+        GPUS_PER_NODE="1",
+        RDZV_HOST="node1",
+        RDZV_PORT=str(free_port()),
+        RDZV_ID=f"two-hosts-{os.getpid()}",
+        TRAIN_ARGS=f"{SMALL} --output-dir {out}",
+    )
+    procs = [
+        subprocess.Popen(
+            cluster.on_node(node, ["bash", "jobs/torchrun_multi_node.sh"]),
+            cwd=REPO,
+            env=env,
+            stdout=open(tmp_path / f"{node}.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for node in ("node1", "node2")
+    ]
+    wait_all(procs, 180, tmp_path, "torchrun on two hosts")
+    summary = read_summary(out)
+    assert (summary["launcher"], summary["world_size"], summary["replicas_identical"]) == (
+        "torchrun",
+        2,
+        True,
+    )
+    assert sorted(p["host"] for p in summary["placement"]) == ["node1", "node2"]
