@@ -36,7 +36,15 @@ extra=()
 [[ -n ${IS_HOST:-} ]] && extra+=("--rdzv_conf=is_host=$IS_HOST")
 echo "$(hostname): joining $NNODES node(s) x $GPUS_PER_NODE at $RDZV_HOST:$RDZV_PORT (id $RDZV_ID)"
 
-# shellcheck disable=SC2086  # TRAIN_ARGS is a list of words
+# ---- What runs: this repository's scripts take its flags; a script of your own gets TRAIN_ARGS only
+# (its argparse would refuse the others).
+read -ra train_args <<<"$TRAIN_ARGS"  # a list of words
+if [[ $(realpath -m --relative-to=. "$SCRIPT") =~ ^([0-9][0-9]_[a-z_]+|benchmark|debugging)/ ]]; then
+    command=("$SCRIPT" --timeout-s "$PG_TIMEOUT_S" "${train_args[@]}")
+else
+    command=("$SCRIPT" "${train_args[@]}")
+fi
+
 exec "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$GPUS_PER_NODE" \
     --rdzv_backend=c10d --rdzv_endpoint="$RDZV_HOST:$RDZV_PORT" --rdzv_id="$RDZV_ID" \
-    "${extra[@]}" "$SCRIPT" --timeout-s "$PG_TIMEOUT_S" $TRAIN_ARGS
+    "${extra[@]}" "${command[@]}"

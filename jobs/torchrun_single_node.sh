@@ -21,6 +21,14 @@ TRAIN_ARGS=${TRAIN_ARGS:---dataset cifar10 --data-dir data --epochs 30 --output-
 # A --timeout-s in TRAIN_ARGS comes later and wins; it overrides a --config file's timeout_s.
 PG_TIMEOUT_S=${PG_TIMEOUT_S:-600}
 
+# ---- What runs: this repository's scripts take its flags; a script of your own gets TRAIN_ARGS only
+# (its argparse would refuse the others).
+read -ra train_args <<<"$TRAIN_ARGS"  # a list of words
+if [[ $(realpath -m --relative-to=. "$SCRIPT") =~ ^([0-9][0-9]_[a-z_]+|benchmark|debugging)/ ]]; then
+    command=("$SCRIPT" --timeout-s "$PG_TIMEOUT_S" "${train_args[@]}")
+else
+    command=("$SCRIPT" "${train_args[@]}")
+fi
+
 # --standalone: a private c10d rendezvous on a free port of this host.
-# shellcheck disable=SC2086  # TRAIN_ARGS is a list of words
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$GPUS_PER_NODE" "$SCRIPT" --timeout-s "$PG_TIMEOUT_S" $TRAIN_ARGS
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$GPUS_PER_NODE" "${command[@]}"

@@ -184,9 +184,10 @@ def test_the_scan_flags_unguarded_uses_only(source, expected):
 # -- barriers on nccl ------------------------------------------------------------------------------
 def barriers_without_device_ids(source: str) -> list[int]:
     """Lines of `barrier(...)` calls (dist.barrier, torch.distributed.barrier, an imported
-    barrier) that do not pass device_ids. On nccl such a barrier, before the group's first other
-    collective, picks its GPU as the global rank modulo the visible GPUs (set_device does not
-    count): with cyclic placement two ranks then share one GPU, which NCCL refuses."""
+    barrier) that do not pass device_ids. On nccl up to torch 2.7 such a barrier, before the
+    group's first other collective, picked its GPU as the global rank modulo the visible GPUs
+    (whatever set_device said): with cyclic placement two ranks then shared one GPU, which NCCL
+    refuses. Newer torch uses the current device, with a warning."""
     return [
         node.lineno
         for node in ast.walk(ast.parse(source))

@@ -509,29 +509,33 @@ def test_preempted_job_requeues_once_and_resumes_bitwise(
     assert_bitwise_equal(load_params(job["run_dir"] / "model.pt"), uninterrupted)
 
 
-def test_crashed_job_is_not_requeued(cluster, tmp_path):
-    """A crash is not a preemption: the job fails and is not requeued (05 fails at step 2 here),
-    even in a run folder where an earlier run's save left checkpoints/REQUEUE (before, the job file
-    found that note and requeued the crash until MAX_RESTARTS)."""
-    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    (tmp_path / "run" / "checkpoints" / "REQUEUE").write_text("SIGUSR1 at step 12\n")
-    env = clean_env(
-        PYTHON=PYTHON,
-        RUN_DIR=str(tmp_path / "run"),
-        TRAIN_ARGS=SMALL,
-        PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}",
-        DDP_TEST_FAIL_AT_STEP="2",
-        DDP_TEST_FAIL_RANK="1",
-    )
+@pytest.mark.parametrize("crash", ["at-step-2", "bad-input-after-a-requeue"])
+def test_crashed_job_is_not_requeued(cluster, tmp_path, crash):
+    """A crash is not a preemption: the job fails and is not requeued. At step 2 (injected); or
+    at once, on bad input (exit 2, before any process group), in a run folder where an earlier
+    run's save left checkpoints/REQUEUE: before, the job file found that note and requeued the
+    crash until MAX_RESTARTS (preempt.py deletes it only once it resumes)."""
+    if crash == "at-step-2":
+        failure = dict(
+            TRAIN_ARGS=SMALL,
+            PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}",
+            DDP_TEST_FAIL_AT_STEP="2",
+            DDP_TEST_FAIL_RANK="1",
+        )
+        said = "injected failure"
+    else:
+        (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+        (tmp_path / "run" / "checkpoints" / "REQUEUE").write_text("SIGUSR1 at step 12\n")
+        failure, said = dict(TRAIN_ARGS=f"{SMALL} --batch-size 0"), "error: "
+    env = clean_env(PYTHON=PYTHON, RUN_DIR=str(tmp_path / "run"), **failure)
     job = cluster.sbatch(
         ["-o", str(tmp_path / "out"), *SBATCH_SMALL, "jobs/slurm_srun.sbatch"], env, REPO
     )
     state = cluster.wait(job, 180)
+    time.sleep(2)  # a requeue would show as PENDING right after
     log = (tmp_path / "out").read_text()
-    assert state[0] == "FAILED" and "injected failure" in log and "requeueing" not in log, log[
-        -3000:
-    ]
-    assert restarts(cluster, job) == 0
+    assert state[0] == "FAILED" and said in log and "requeueing" not in log, log[-3000:]
+    assert cluster.job_state(job)[0] == "FAILED" and restarts(cluster, job) == 0
 
 
 def restarts(cluster, job_id: str) -> int:
@@ -545,12 +549,12 @@ def restarts(cluster, job_id: str) -> int:
     return int(re.search(r"Restarts=(\d+)", shown).group(1))
 
 
-def submit_preempt_job(cluster, tmp_path, name, **extra):
+def submit_preempt_job(cluster, tmp_path, name, train_args=PREEMPT_ARGS, **extra):
     """05's preempt.py under job file `name`, on one CPU a node; returns (job id, run dir, log)
     once its first checkpoint exists."""
     run_dir, log = tmp_path / "run", tmp_path / "out"
     env = clean_env(
-        PYTHON=PYTHON, GPUS_PER_NODE="1", RUN_DIR=str(run_dir), TRAIN_ARGS=PREEMPT_ARGS, **extra
+        PYTHON=PYTHON, GPUS_PER_NODE="1", RUN_DIR=str(run_dir), TRAIN_ARGS=train_args, **extra
     )
     job = cluster.sbatch(["-o", str(log), *SBATCH_SMALL, f"jobs/{name}"], env, REPO)
     deadline = time.monotonic() + 180
@@ -561,6 +565,22 @@ def submit_preempt_job(cluster, tmp_path, name, **extra):
         ), log.read_text() if log.exists() else cluster.logs()
         time.sleep(0.2)
     return job, run_dir, log
+
+
+def wait_through_a_requeue(cluster, job: str, timeout: float) -> None:
+    """Wait until the job ends, bringing a requeued run's start forward once, as preempted_jobs
+    does (to now+5, not to now)."""
+    deadline, released = time.monotonic() + timeout, False
+    while cluster.job_state(job)[0] not in cluster.FINAL_STATES and time.monotonic() < deadline:
+        if cluster.job_state(job)[0] == "PENDING" and not released:
+            subprocess.run(
+                ["scontrol", "update", f"JobId={job}", "StartTime=now+5"],
+                env=cluster.env(),
+                capture_output=True,
+                timeout=30,
+            )
+            released = True
+        time.sleep(0.5)
 
 
 @pytest.mark.parametrize("name", SLURM_JOBS)
@@ -598,18 +618,7 @@ def test_preemption_saves_requeues_and_resumes_bitwise(cluster, uninterrupted, t
         clean_env(),
         REPO,
     )
-    deadline, released = time.monotonic() + 300, False
-    while cluster.job_state(job)[0] not in cluster.FINAL_STATES and time.monotonic() < deadline:
-        if cluster.job_state(job)[0] == "PENDING" and not released:
-            # as in preempted_jobs: bring the requeued job's start forward, but not to "now"
-            subprocess.run(
-                ["scontrol", "update", f"JobId={job}", "StartTime=now+5"],
-                env=cluster.env(),
-                capture_output=True,
-                timeout=30,
-            )
-            released = True
-        time.sleep(0.5)
+    wait_through_a_requeue(cluster, job, 300)
     output = log.read_text()
     assert cluster.job_state(job)[0] == "COMPLETED", output[-3000:]
     assert cluster.job_state(urgent)[0] == "COMPLETED"
@@ -619,6 +628,33 @@ def test_preemption_saves_requeues_and_resumes_bitwise(cluster, uninterrupted, t
         f"SIGTERM: checkpoint at step {resumed_from} saved" in output and saved_at == resumed_from
     )
     assert re.search(r"^requeueing job \d+ \(exit code \d+; SIGTERM at step \d+\)$", output, re.M)
+    assert_bitwise_equal(load_params(run_dir / "model.pt"), uninterrupted)
+
+
+def test_time_limit_signal_with_loader_workers_under_srun_requeues_bitwise(
+    cluster, uninterrupted, tmp_path
+):
+    """The file's --signal (SIGUSR1 to every process of the step: proctrack/linuxproc, as
+    proctrack/pgid, or cgroup with SignalChildrenProcesses) with two loader workers a rank on a
+    data-bound pipeline (5 ms a sample): the ranks save, the job requeues and ends as the
+    uninterrupted run. Before, the signal ended the workers and the ranks failed unsaved."""
+    slow = dict(PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}", DDP_TEST_SLOW_SAMPLE_S="0.005")
+    args = f"{PREEMPT_ARGS} --num-workers 2"
+    job, run_dir, log = submit_preempt_job(cluster, tmp_path, "slurm_srun.sbatch", args, **slow)
+    subprocess.run(
+        delivery_command("slurm_srun.sbatch", "signal", job),
+        env=cluster.env(),
+        check=True,
+        timeout=30,
+    )
+    wait_through_a_requeue(cluster, job, 300)
+    output = log.read_text()
+    assert cluster.job_state(job)[0] == "COMPLETED" and restarts(cluster, job) == 1, output[-3000:]
+    saved_at, resumed_from = stop_and_resume_steps(output)
+    assert (
+        f"SIGUSR1: checkpoint at step {resumed_from} saved" in output and saved_at == resumed_from
+    )
+    assert "exited unexpectedly" not in output
     assert_bitwise_equal(load_params(run_dir / "model.pt"), uninterrupted)
 
 
@@ -889,9 +925,7 @@ def test_pbs_sigterm_to_the_whole_job_saves_and_is_not_resubmitted(tmp_path):
 def test_pbs_crash_is_not_resubmitted_and_restarts_are_capped(tmp_path):
     need_tools("mpiexec.mpich")
     crash = tmp_path / "crash"
-    # an earlier job's note in the run folder must not resubmit this crash
-    (crash / "run" / "checkpoints").mkdir(parents=True)
-    (crash / "run" / "checkpoints" / "REQUEUE").write_text("time limit at step 12\n")
+    crash.mkdir()
     env = pbs_chain_env(
         crash,
         "pbs_mpiexec.pbs",
@@ -903,6 +937,16 @@ def test_pbs_crash_is_not_resubmitted_and_restarts_are_capped(tmp_path):
     result = run(["bash", REPO / "jobs/pbs_mpiexec.pbs"], 120, env=env, cwd=crash)
     assert result.returncode != 0 and "injected failure" in result.output, result.output[-3000:]
     assert not (crash / "qsub.calls").exists()
+    # Bad input (exit 2, before any process group) where an earlier job's deadline save left
+    # checkpoints/REQUEUE: before, the file found that note and resubmitted the crash.
+    stale = tmp_path / "stale"
+    (stale / "run" / "checkpoints").mkdir(parents=True)
+    (stale / "run" / "checkpoints" / "REQUEUE").write_text("time limit at step 12\n")
+    env = pbs_chain_env(stale, "pbs_mpiexec.pbs", "4328.pbs01")
+    env["TRAIN_ARGS"] += " --batch-size 0"
+    result = run(["bash", REPO / "jobs/pbs_mpiexec.pbs"], 120, env=env, cwd=stale)
+    assert result.returncode != 0 and "error: " in result.output, result.output[-3000:]
+    assert not (stale / "qsub.calls").exists()
     capped = tmp_path / "capped"
     capped.mkdir()
     env = pbs_chain_env(
@@ -1005,3 +1049,72 @@ def test_torchrun_multi_node_job_on_two_hosts(cluster, tmp_path):
         True,
     )
     assert sorted(p["host"] for p in summary["placement"]) == ["node1", "node2"]
+
+
+# -- a script of the user's own, ported for torchrun, under every scheduler job file ---------------
+USER_SCRIPT = "tests/user_scripts/torchrun_style.py"
+
+
+def user_script_ranks(out) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+
+
+@pytest.mark.parametrize("name", SLURM_JOBS)
+def test_a_torchrun_style_script_of_ones_own_runs_under_the_slurm_job_files(
+    cluster, tmp_path, name
+):
+    """SCRIPT=my_train.py with its own argparse and env://, on two hosts: the job file gives it
+    TRAIN_ARGS only (before: `unrecognized arguments: --timeout-s 600 --output-dir ...`) and,
+    under srun, torchrun's variables through jobs/torchrun_env.py."""
+    if name == "slurm_torchrun.sbatch":
+        skip_below_torch("2.10", "torchrun's --signals-to-handle, which the job file passes")
+    out, log = tmp_path / "out", tmp_path / "log"
+    env = clean_env(
+        PYTHON=PYTHON,
+        GPUS_PER_NODE="1",
+        SCRIPT=USER_SCRIPT,
+        TRAIN_ARGS=f"--steps 3 --out {out}",
+        RUN_DIR=str(tmp_path / "run"),
+    )
+    job = cluster.sbatch(["-o", str(log), *SBATCH_SMALL, f"jobs/{name}"], env, REPO)
+    state = cluster.wait(job, 180)
+    assert state[0] == "COMPLETED", log.read_text()[-3000:]
+    ranks = user_script_ranks(out)
+    assert [
+        (r["rank"], r["local_rank"], r["world_size"], r["local_world_size"]) for r in ranks
+    ] == [
+        (0, 0, 2, 1),
+        (1, 0, 2, 1),
+    ]
+    assert sorted(r["host"] for r in ranks) == ["node1", "node2"]
+    assert all(r["replicas_identical"] for r in ranks)
+
+
+@pytest.mark.scheduler
+@pytest.mark.parametrize("job_file", ["pbs_mpiexec.pbs", "pbs_torchrun.pbs"])
+def test_a_torchrun_style_script_of_ones_own_runs_under_the_pbs_job_files(tmp_path, job_file):
+    need_tools("mpiexec.mpich")
+    per_node = (
+        {"NRANKS_PER_NODE": "1", "MPIEXEC_BIND": ""}
+        if "mpiexec" in job_file
+        else {"GPUS_PER_NODE": "1"}
+    )
+    env = pbs_env(
+        tmp_path,
+        "4331.pbs01",
+        SCRIPT=USER_SCRIPT,
+        TRAIN_ARGS=f"--steps 3 --out {tmp_path / 'out'}",
+        RUN_DIR=str(tmp_path / "run"),
+        GLOO_SOCKET_IFNAME="lo",
+        **per_node,
+    )
+    run(["bash", REPO / "jobs" / job_file], 180, env=env, check=True, cwd=tmp_path)
+    ranks = user_script_ranks(tmp_path / "out")
+    assert [(r["rank"], r["world_size"]) for r in ranks] == [(0, 2), (1, 2)]
+    assert all(r["replicas_identical"] for r in ranks)
+
+
+@pytest.mark.launchers
+def test_torchrun_env_refuses_a_missing_script_name():
+    result = run([PYTHON, "jobs/torchrun_env.py"], 60)
+    assert result.returncode == 2 and result.stderr.startswith("error: usage:")
