@@ -31,7 +31,7 @@ from tests.helpers import (
 from tests.launcher_tools import need_root, need_tools, openmpi_env
 from tests.slurm_cluster import TOOLS as SLURM_TOOLS, SlurmCluster
 
-JOBS = sorted((REPO / "jobs").glob("*.*"))
+JOBS = sorted(p for p in (REPO / "jobs").glob("*.*") if p.suffix in (".sh", ".sbatch", ".pbs"))
 SLURM_JOBS = ["slurm_srun.sbatch", "slurm_torchrun.sbatch"]
 SMALL = "--max-steps 3 --epochs 1 --batch-size 16"
 
