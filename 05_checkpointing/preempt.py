@@ -95,7 +95,8 @@ def start_loader_server():
     """Starts the forkserver that the loaders' workers are forked from, with the signals ignored.
     Ignored signals stay ignored in a child, so the server and every worker forked from it ignore
     them from their first instant. Started later by the first loader, the server would die of the
-    signal, and every worker with it (a worker exits once its parent is gone)."""
+    signal, and every worker with it (a worker exits once its parent is gone). This process ignores
+    the signals too while the server starts (a second or so, before any training)."""
     for s in PREEMPTION_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
     server_started = multiprocessing.get_context("forkserver").Process(target=int)
@@ -188,7 +189,7 @@ def resume(cfg, launch, device, training):
 def train(cfg, launch) -> int:
     """Returns the exit code: 0, or REQUEUE_EXIT_CODE after a preemption save."""
     start_time = time.perf_counter()
-    # First: a signal from now on is not lost.
+    # First: a signal from now on is not lost (but while the loaders' server starts, a second).
     preemption = Preemption(cfg.time_limit_s, worker_start_method(cfg.num_workers))
     # One GPU per process: the local rank's, or 0 where the site shows each rank only its own;
     # else CPU (gloo).

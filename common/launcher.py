@@ -114,18 +114,14 @@ def _expand_ranges(spec: str, hostlist: str) -> list[str]:
 
 def _slurm_tasks_on_node(env: Mapping[str, str]) -> int | None:
     """This node's count in SLURM_STEP_TASKS_PER_NODE ('2(x3),1': 2 tasks on 3 nodes, then 1)."""
-    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
-    node_index, counts = _int(env, "SLURM_NODEID"), []
+    step = bool(env.get("SLURM_STEP_TASKS_PER_NODE"))
+    name = "SLURM_STEP_TASKS_PER_NODE" if step else "SLURM_TASKS_PER_NODE"
+    spec, node_index, counts = env.get(name) or "", _int(env, "SLURM_NODEID"), []
     if not spec:
         return None
     for item in spec.split(","):
         m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
         if not m:
-            name = (
-                "SLURM_STEP_TASKS_PER_NODE"
-                if env.get("SLURM_STEP_TASKS_PER_NODE")
-                else ("SLURM_TASKS_PER_NODE")
-            )
             raise LauncherError(f"{name}={spec!r} is not a task count list such as '2(x3),1'")
         counts += [int(m.group(1))] * int(m.group(2) or 1)
     return counts[node_index] if node_index is not None and 0 <= node_index < len(counts) else None
