@@ -448,7 +448,11 @@ def test_node_specific_bad_input_is_said_by_each_nodes_first_rank(tmp_path):
     said = {}
     for rank, local_rank in ((0, 0), (2, 0), (3, 1)):
         env = clean_env(
-            RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE="4", LOCAL_WORLD_SIZE="2"
+            RANK=str(rank),
+            LOCAL_RANK=str(local_rank),
+            WORLD_SIZE="4",
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",  # two hosts, no job: rank 0's host must be given
         )
         data = warm_ranks(SCRIPTS[0], *missing, nproc=0, env=env, check=False)
         config = warm_ranks(SCRIPTS[0], "--lr", "fast", nproc=0, env=env, check=False)

@@ -211,10 +211,18 @@ def test_second_job_on_the_same_port_fails_with_address_already_in_use(tmp_path)
         # A second job on the same node whose id derives
         # the same port (TCPStore without libuv, as before
         # torch 2.4 and with USE_LIBUV=0): the capitalised "Address already in use".
+        # Its rank 0 of two, as the first's (a process alone takes any free port).
         second = run(
             [PYTHON, REPO / TRAIN, *SHORT, "--output-dir", tmp_path / "second"],
             timeout=120,
-            env=clean_env(SLURM_JOB_ID=str(job + 15000), USE_LIBUV="0"),
+            env=clean_env(
+                RANK="0",
+                LOCAL_RANK="0",
+                WORLD_SIZE="2",
+                LOCAL_WORLD_SIZE="2",
+                SLURM_JOB_ID=str(job + 15000),
+                USE_LIBUV="0",
+            ),
         )
         assert second.returncode != 0
         assert re.search(

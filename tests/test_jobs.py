@@ -608,9 +608,16 @@ def test_preemption_saves_requeues_and_resumes_bitwise(cluster, uninterrupted, t
     ends within its GraceTime itself: seen here), and the job resumes from that save."""
     if name == "slurm_torchrun.sbatch":
         skip_below_torch("2.10", "torchrun's --signals-to-handle, which the job file passes")
-    # 5 ms a sample (tests/inject): some 30 s of training, so that the preemption, which Slurm
-    # starts a few seconds after the urgent job's submission, comes mid-run
-    slow = dict(PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}", DDP_TEST_SLOW_SAMPLE_S="0.005")
+    # 20 ms a sample (tests/inject) until the save: some 2 minutes of training, so that the
+    # preemption, which Slurm starts seconds after the urgent job's submission (more on a loaded
+    # machine), comes mid-run; the requeued run goes at full speed.
+    slow_flag = tmp_path / "slow"
+    slow_flag.touch()
+    slow = dict(
+        PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}",
+        DDP_TEST_SLOW_SAMPLE_S="0.02",
+        DDP_TEST_SLOW_WHILE=str(slow_flag),
+    )
     job, run_dir, log = submit_preempt_job(cluster, tmp_path, name, **slow)
     urgent = cluster.sbatch(
         ["-p", "urgent", "-N2", "--ntasks-per-node=2", "--cpus-per-task=1"]
@@ -618,6 +625,10 @@ def test_preemption_saves_requeues_and_resumes_bitwise(cluster, uninterrupted, t
         clean_env(),
         REPO,
     )
+    deadline = time.monotonic() + 150
+    while "SIGTERM: checkpoint at step" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    slow_flag.unlink()
     wait_through_a_requeue(cluster, job, 300)
     output = log.read_text()
     assert cluster.job_state(job)[0] == "COMPLETED", output[-3000:]

@@ -22,6 +22,7 @@ when torch.optim is first imported, so it works in every example without touchin
     DDP_TEST_SLOW_SAMPLE_S=S      sleep S seconds in every TensorDataset.__getitem__ (the digits
                                   set's samples): a data-bound pipeline, in the DataLoader's
                                   worker processes when it has them
+    DDP_TEST_SLOW_WHILE=PATH      ... only while PATH exists (a test deletes it to speed up)
 """
 
 import importlib.abc
@@ -109,9 +110,11 @@ def _slow_samples(dataset_module) -> None:
     import time
 
     original, delay = dataset_module.TensorDataset.__getitem__, float(SLOW_SAMPLE_S)
+    flag = os.environ.get("DDP_TEST_SLOW_WHILE", "")
 
     def getitem(self, index):
-        time.sleep(delay)
+        if not flag or os.path.exists(flag):
+            time.sleep(delay)
         return original(self, index)
 
     dataset_module.TensorDataset.__getitem__ = getitem
