@@ -207,13 +207,16 @@ def test_sigkilled_worker_is_restarted_by_torchrun_and_resumes(reference, tmp_pa
     assert_same_params(reference, tmp_path)
 
 
-def _launch_env_ranks(output_dir: Path) -> list[subprocess.Popen]:
-    """Two ranks started directly (as srun or mpiexec would), in one new process group."""
+def _launch_env_ranks(
+    output_dir: Path, extra_args=(), make_env=None, logs=None
+) -> list[subprocess.Popen]:
+    """Two ranks started directly (as srun or mpiexec would), in one new process group, with
+    tests/record's environment unless `make_env`; output piped, or written to logs[rank]."""
+    make_env = make_env or (lambda **numbers: record_env(output_dir, **numbers))
     port = str(free_port())
     procs = []
     for rank in (0, 1):
-        env = record_env(
-            output_dir,
+        env = make_env(
             RANK=str(rank),
             LOCAL_RANK=str(rank),
             WORLD_SIZE="2",
@@ -221,15 +224,19 @@ def _launch_env_ranks(output_dir: Path) -> list[subprocess.Popen]:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
         )
+        output = (
+            dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            if logs is None
+            else dict(stdout=open(logs[rank], "w"), stderr=subprocess.STDOUT)
+        )
         procs.append(
             subprocess.Popen(
-                [PYTHON, str(REPO / PREEMPT), *ARGS, "--output-dir", str(output_dir)],
+                [PYTHON, str(REPO / PREEMPT), *ARGS, *extra_args, "--output-dir", str(output_dir)],
                 cwd=REPO,
                 env=env,
                 text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
                 process_group=0 if rank == 0 else procs[0].pid,
+                **output,
             )
         )
     return procs
@@ -331,7 +338,7 @@ def test_time_limit_signal_with_loader_workers_saves_and_resumes_bitwise(
     (--signals-to-handle, as jobs/slurm_torchrun.sbatch starts it), or to every process of the
     step, as srun does (one process group here). Before, the signal ended the loader workers, or
     their forkserver, and the ranks failed ("DataLoader worker ... exited unexpectedly") unsaved."""
-    args = [*ARGS, "--num-workers", "2", "--log-every", "1", "--output-dir", str(tmp_path)]
+    workers = ["--num-workers", "2", "--log-every", "1"]
     log = tmp_path / "out.log"
     if target == "torchrun-agent":
         cmd = [
@@ -342,7 +349,10 @@ def test_time_limit_signal_with_loader_workers_saves_and_resumes_bitwise(
             "--nproc_per_node=2",
             "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
             str(REPO / PREEMPT),
-            *args,
+            *ARGS,
+            *workers,
+            "--output-dir",
+            str(tmp_path),
         ]
         procs = [
             subprocess.Popen(
@@ -355,26 +365,7 @@ def test_time_limit_signal_with_loader_workers_saves_and_resumes_bitwise(
             )
         ]
     else:
-        port, procs = str(free_port()), []
-        for rank in (0, 1):
-            env = slow_data_env(
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE="2",
-                LOCAL_WORLD_SIZE="2",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
-            )
-            procs.append(
-                subprocess.Popen(
-                    [PYTHON, str(REPO / PREEMPT), *args],
-                    cwd=REPO,
-                    env=env,
-                    stdout=open(log if rank == 0 else tmp_path / "rank1.log", "w"),
-                    stderr=subprocess.STDOUT,
-                    process_group=0 if rank == 0 else procs[0].pid,
-                )
-            )
+        procs = _launch_env_ranks(tmp_path, workers, slow_data_env, [log, tmp_path / "rank1.log"])
     try:
         deadline = time.monotonic() + 120
         while "epoch 1 step 5 " not in log.read_text() and time.monotonic() < deadline:
@@ -397,7 +388,7 @@ def test_time_limit_signal_with_loader_workers_saves_and_resumes_bitwise(
     # torchrun exits 1 after a forwarded signal; ranks started directly exit 75
     assert codes == ([1] if target == "torchrun-agent" else [REQUEUE, REQUEUE]), out[-3000:]
     # the requeued job, with fast data: it ends as the uninterrupted run without workers
-    torchrun(PREEMPT, *args, timeout=180, env=clean_env())
+    torchrun(PREEMPT, *ARGS, *workers, "--output-dir", tmp_path, timeout=180, env=clean_env())
     assert read_summary(tmp_path)["resumed_from_step"] == stopped
     assert_same_params(reference, tmp_path)
 

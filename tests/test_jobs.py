@@ -236,6 +236,18 @@ def cluster_openmpi_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def sbatch_script(cluster, tmp_path, lines, sbatch_args, env, timeout) -> str:
+    """`lines` as a job script of its own, submitted with `sbatch_args`; its output, once the job
+    has COMPLETED (any other end fails the test, with the job's output and the daemons' logs)."""
+    (tmp_path / "job.sh").write_text("#!/bin/bash\nset -euo pipefail\n" + "\n".join(lines) + "\n")
+    job_file, log = str(tmp_path / "job.sh"), str(tmp_path / "out")
+    job = cluster.sbatch([*sbatch_args, "-o", log, job_file], env, REPO)
+    state = cluster.wait(job, timeout)
+    output = (tmp_path / "out").read_text()
+    assert state[0] == "COMPLETED", f"{state}\n{output[-3000:]}\n{cluster.logs()}"
+    return output
+
+
 @pytest.fixture(scope="module")
 def launcher_matrix(cluster, tmp_path_factory):
     """One job of 2 nodes x 2 tasks: tests/launch_probe.py under srun with every MPI plugin and
@@ -324,15 +336,14 @@ def test_06_trains_under_mpiexec_inside_an_allocation_across_both_hosts(cluster,
         "mpich": "mpiexec.mpich -n 2 -ppn 1",
     }[mpi]
     out = tmp_path / "run"
-    (tmp_path / "job.sh").write_text(
-        f"#!/bin/bash\nset -euo pipefail\ntimeout 150 {launch} {PYTHON} 06_multinode/train.py "
-        f"{SMALL} --output-dir {out}\n"
+    sbatch_script(
+        cluster,
+        tmp_path,
+        [f"timeout 150 {launch} {PYTHON} 06_multinode/train.py {SMALL} --output-dir {out}"],
+        ["-N2", "--ntasks-per-node=1", "--cpus-per-task=1"],
+        cluster_openmpi_env(),
+        200,
     )
-    args = ["-N2", "--ntasks-per-node=1", "--cpus-per-task=1", "-o", str(tmp_path / "out")]
-    job = cluster.sbatch([*args, str(tmp_path / "job.sh")], cluster_openmpi_env(), REPO)
-    state = cluster.wait(job, 200)
-    output = (tmp_path / "out").read_text()
-    assert state[0] == "COMPLETED", f"{state}\n{output[-3000:]}\n{cluster.logs()}"
     summary = read_summary(out)
     assert (summary["launcher"], summary["world_size"], summary["replicas_identical"]) == (
         mpi,
@@ -346,16 +357,17 @@ def test_06_trains_under_mpiexec_inside_an_allocation_across_both_hosts(cluster,
 def test_01_trains_under_srun_with_the_pmi2_plugin(cluster, tmp_path):
     """Sites with MpiDefault=pmi2 (and Intel MPI users told to add --mpi=pmi2): 01 on 2 nodes x 2
     tasks trains with identical replicas, each rank on the local rank Slurm gave it."""
-    (tmp_path / "job.sh").write_text(
-        "#!/bin/bash\nset -euo pipefail\n"
-        f"srun --mpi=pmi2 -N2 --ntasks-per-node=2 --cpus-per-task=1 {PYTHON} "
-        f"01_basic_ddp/train.py {SMALL} --log-every 1000 --output-dir {tmp_path / '01'}\n"
+    sbatch_script(
+        cluster,
+        tmp_path,
+        [
+            f"srun --mpi=pmi2 -N2 --ntasks-per-node=2 --cpus-per-task=1 {PYTHON} "
+            f"01_basic_ddp/train.py {SMALL} --log-every 1000 --output-dir {tmp_path / '01'}"
+        ],
+        ["-N2", "--ntasks-per-node=2", "--cpus-per-task=1"],
+        clean_env(),
+        240,
     )
-    args = ["-N2", "--ntasks-per-node=2", "--cpus-per-task=1", "-o", str(tmp_path / "out")]
-    job = cluster.sbatch([*args, str(tmp_path / "job.sh")], clean_env(), REPO)
-    state = cluster.wait(job, 240)
-    output = (tmp_path / "out").read_text()
-    assert state[0] == "COMPLETED", f"{state}\n{output}\n{cluster.logs()}"
     basic = read_summary(tmp_path / "01")
     assert (basic["world_size"], basic["launcher"], basic["replicas_identical"]) == (
         4,
@@ -673,19 +685,19 @@ def test_two_srun_steps_of_one_job_train_side_by_side(cluster, tmp_path):
     """`srun ... &` twice in one allocation, the sweep pattern: each step meets at its own port
     (common/launcher.py adds the step id). Before, both took the job's port: the second step's
     rank 0 failed with EADDRINUSE and its other rank joined the first step's store."""
-    lines = ["#!/bin/bash", "set -euo pipefail"]
-    for step in ("a", "b"):
-        lines.append(
-            f"srun --exact -N2 -n2 --cpus-per-task=1 {PYTHON} 06_multinode/train.py {SMALL} "
-            f"--output-dir {tmp_path / step} &"
-        )
-    lines.append("wait %1 && wait %2")
-    (tmp_path / "job.sh").write_text("\n".join(lines) + "\n")
-    args = ["-N2", "--ntasks-per-node=2", "--cpus-per-task=1", "-o", str(tmp_path / "out")]
-    job = cluster.sbatch([*args, str(tmp_path / "job.sh")], clean_env(), REPO)
-    state = cluster.wait(job, 240)
-    output = (tmp_path / "out").read_text()
-    assert state[0] == "COMPLETED", f"{state}\n{output[-3000:]}\n{cluster.logs()}"
+    steps = [
+        f"srun --exact -N2 -n2 --cpus-per-task=1 {PYTHON} 06_multinode/train.py {SMALL} "
+        f"--output-dir {tmp_path / step} &"
+        for step in ("a", "b")
+    ]
+    sbatch_script(
+        cluster,
+        tmp_path,
+        [*steps, "wait %1 && wait %2"],
+        ["-N2", "--ntasks-per-node=2", "--cpus-per-task=1"],
+        clean_env(),
+        240,
+    )
     summaries = [read_summary(tmp_path / step) for step in ("a", "b")]
     assert [(s["world_size"], s["replicas_identical"]) for s in summaries] == [(2, True)] * 2
     assert summaries[0]["master_port"] != summaries[1]["master_port"]

@@ -202,23 +202,25 @@ def test_mpirun_in_a_slurm_job_meets_on_the_jobs_first_node_from_every_node():
     ] * 2
 
 
+def step_task(step: str = "0", **extra: str) -> dict[str, str]:
+    """Task 0 of a two-task srun step over n1 and n2, one task a node."""
+    return {
+        "SLURM_JOB_ID": "4321",
+        "SLURM_STEP_ID": step,
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+        "SLURM_STEP_NODELIST": "n[1-2]",
+        **extra,
+    }
+
+
 def test_two_srun_steps_of_one_job_get_two_ports():
     """`srun ... &` twice in one allocation: each step its own store (before, both took the job's
     port, and the second step's rank 0 failed with EADDRINUSE)."""
-
-    def task(step: str) -> dict[str, str]:
-        return {
-            "SLURM_JOB_ID": "4321",
-            "SLURM_STEP_ID": step,
-            "SLURM_PROCID": "0",
-            "SLURM_LOCALID": "0",
-            "SLURM_NTASKS": "2",
-            "SLURM_NODEID": "0",
-            "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
-            "SLURM_STEP_NODELIST": "n[1-2]",
-        }
-
-    ports = [launch_info(task(step)).master_port for step in ("0", "1", "2")]
+    ports = [launch_info(step_task(step)).master_port for step in ("0", "1", "2")]
     assert ports[0] == PORT_BASE + 4321 and len(set(ports)) == 3
 
 
@@ -270,33 +272,13 @@ def test_srun_arbitrary_distribution_puts_rank_0_on_the_host_files_first_line(tm
     """`srun -m arbitrary` with SLURM_HOSTFILE: task i on line i, while SLURM_STEP_NODELIST is
     sorted (srun_job.c, hostlist_uniq)."""
     (tmp_path / "hosts").write_text("n2\nn1\n")
-    env = {
-        "SLURM_JOB_ID": "4321",
-        "SLURM_STEP_ID": "0",
-        "SLURM_PROCID": "1",
-        "SLURM_LOCALID": "0",
-        "SLURM_NTASKS": "2",
-        "SLURM_NODEID": "0",
-        "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
-        "SLURM_STEP_NODELIST": "n[1-2]",
-        "SLURM_DISTRIBUTION": "arbitrary",
-        "SLURM_HOSTFILE": str(tmp_path / "hosts"),
-    }
+    env = step_task(SLURM_DISTRIBUTION="arbitrary", SLURM_HOSTFILE=str(tmp_path / "hosts"))
     assert launch_info(env).master_addr == "n2"
     assert launch_info({**env, "SLURM_DISTRIBUTION": "block"}).master_addr == "n1"
 
 
 def test_a_malformed_task_count_names_its_variable():
-    env = {
-        "SLURM_JOB_ID": "4321",
-        "SLURM_STEP_ID": "0",
-        "SLURM_PROCID": "1",
-        "SLURM_LOCALID": "0",
-        "SLURM_NTASKS": "2",
-        "SLURM_NODEID": "0",
-        "SLURM_STEP_TASKS_PER_NODE": "2(3)",
-        "SLURM_STEP_NODELIST": "n[1-2]",
-    }
+    env = step_task(SLURM_STEP_TASKS_PER_NODE="2(3)")
     with pytest.raises(LauncherError, match=r"SLURM_STEP_TASKS_PER_NODE='2\(3\)' is not a task"):
         launch_info(env)
 
