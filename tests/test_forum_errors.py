@@ -1,7 +1,8 @@
 """The failures people paste into forums, each produced for real with the text debugging/README.md
 quotes, and each fix shown to work: a rank killed by a signal (torchrun's exit codes), "address
 already in use", "unrecognized arguments: --local-rank", mp.spawn of a worker defined in
-__main__, and two forward passes before one backward ("modified by an inplace operation").
+__main__, a lambda in a forkserver worker's data set, shuffle beside a sampler, and two forward
+passes before one backward ("modified by an inplace operation").
 
 (torchrun's summary with and without @record, and a
 rank killed with SIGKILL: tests/test_failures.py.)
@@ -569,3 +570,76 @@ def test_ddp_syncs_buffers_without_bumping_their_version_and_forward_sync_buffer
         r"\s+init_sync_buffers = True",
         init,
     )
+
+
+LOADER_SCRIPT = """
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+class Mapped(Dataset):
+    def __init__(self, transform):
+        self.transform = transform
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return self.transform(torch.tensor(float(index)))
+
+
+def double(x):
+    return x * 2
+
+
+def main():
+    transform = {transform}
+    loader = DataLoader(
+        Mapped(transform), batch_size=4, num_workers=1, multiprocessing_context="{context}"
+    )
+    print("batches", [batch.tolist() for batch in loader])
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_local_lambda_in_a_data_set_fails_under_forkserver_and_a_module_function_runs(tmp_path):
+    """The guide's text, for real: a lambda made inside main() in the data set of a loader with a
+    forkserver worker cannot be pickled; the same loader with a module-level function runs, and so
+    does the lambda with fork, which pickles nothing (why a script fails only once ported)."""
+    guide = (REPO / "debugging" / "README.md").read_text()
+    batches = "batches [[0.0, 2.0, 4.0, 6.0], [8.0, 10.0, 12.0, 14.0]]"
+    for name, transform, context in (
+        ("local", "lambda x: x * 2", "forkserver"),
+        ("module", "double", "forkserver"),
+        ("fork", "lambda x: x * 2", "fork"),
+    ):
+        (tmp_path / f"{name}.py").write_text(
+            LOADER_SCRIPT.format(transform=transform, context=context)
+        )
+    failed = run([PYTHON, tmp_path / "local.py"], 120)
+    said = "AttributeError: Can't pickle local object 'main.<locals>.<lambda>'"
+    assert failed.returncode != 0 and said in failed.stderr, failed.stderr[-2000:]
+    assert f"```\n{said}\n```" in guide
+    for name in ("module", "fork"):
+        ran = run([PYTHON, tmp_path / f"{name}.py"], 120)
+        assert ran.returncode == 0 and batches in ran.stdout, (name, ran.output)
+
+
+def test_shuffle_beside_a_sampler_is_refused_and_the_samplers_own_shuffle_is_not():
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    data = list(range(8))
+    sampler = DistributedSampler(data, num_replicas=2, rank=0)
+    with pytest.raises(ValueError) as refused:
+        DataLoader(data, sampler=sampler, shuffle=True)
+    said = f"ValueError: {refused.value}"
+    assert f"```\n{said}\n```" in (REPO / "debugging" / "README.md").read_text()
+    # the fix: no shuffle on the loader; the sampler shuffles (its default), set_epoch reorders
+    orders = []
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        orders.append([b.tolist() for b in DataLoader(data, sampler=sampler, batch_size=4)])
+    assert orders[0] != orders[1] and orders[0][0] != sorted(orders[0][0])
