@@ -284,21 +284,28 @@ def test_preemption_signal_saves_and_exits_with_requeue_code(reference, tmp_path
             assert batches(tmp_path, rank) == batches(reference, rank)
 
 
-@pytest.mark.launchers
-def test_sigterm_to_torchrun_reaches_the_workers_which_save(tmp_path):
-    """`kill -TERM <torchrun pid>`: torchrun passes SIGTERM on to its workers, which save and exit
-    75; torchrun itself exits with 1, so a job script must remember that it sent the signal."""
-    cmd = [
+def torchrun_preempt(output_dir: Path, launcher_args=(), extra_args=()) -> list:
+    """The command that starts preempt.py under torchrun, two workers, as its README does."""
+    return [
         PYTHON,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=2",
-        REPO / PREEMPT,
+        *launcher_args,
+        str(REPO / PREEMPT),
         *ARGS,
+        *extra_args,
         "--output-dir",
-        tmp_path,
+        str(output_dir),
     ]
+
+
+@pytest.mark.launchers
+def test_sigterm_to_torchrun_reaches_the_workers_which_save(tmp_path):
+    """`kill -TERM <torchrun pid>`: torchrun passes SIGTERM on to its workers, which save and exit
+    75; torchrun itself exits with 1, so a job script must remember that it sent the signal."""
+    cmd = torchrun_preempt(tmp_path)
     proc = subprocess.Popen(
         [str(c) for c in cmd],
         cwd=REPO,
@@ -341,19 +348,8 @@ def test_time_limit_signal_with_loader_workers_saves_and_resumes_bitwise(
     workers = ["--num-workers", "2", "--log-every", "1"]
     log = tmp_path / "out.log"
     if target == "torchrun-agent":
-        cmd = [
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-            str(REPO / PREEMPT),
-            *ARGS,
-            *workers,
-            "--output-dir",
-            str(tmp_path),
-        ]
+        signals = "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+        cmd = torchrun_preempt(tmp_path, [signals], workers)
         procs = [
             subprocess.Popen(
                 cmd,
