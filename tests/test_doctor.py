@@ -1,0 +1,280 @@
+"""debugging/doctor.py on scripts with one planted mistake each (tests/doctor_corpus/, the
+mistake's line marked `# planted: KIND`), on correct ports, on the lessons and on the demos.
+
+lint reads code: cheap, no torch. run starts torchrun twice per script (about 10 s each): only
+the cases the README shows run here: no sampler, no set_epoch, a rank-0-only break, a hang,
+the correct port with and without dropout, and each demo a run can see. Not covered: the
+demos whose bug this torch or torchrun no longer has (debugging/two_forwards.py --buffers
+inplace: torch 2.6-2.11; debugging/local_rank_args.py: the old torch.distributed.launch).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import PYTHON, REPO, clean_env, run
+
+DOCTOR = str(REPO / "debugging" / "doctor.py")
+CORPUS = REPO / "tests" / "doctor_corpus"
+FINDING = re.compile(r"^problem: (?P<path>\S+):(?P<line>\d+): .* \[(?P<kind>[a-z0-9-]+)\]$")
+
+
+def doctor(*args, timeout=240, cwd=None):
+    return run([PYTHON, DOCTOR, *map(str, args)], timeout=timeout, env=clean_env(), cwd=cwd or REPO)
+
+
+def findings(output: str) -> set[tuple[str, int, str]]:
+    return {
+        (Path(m["path"]).name, int(m["line"]), m["kind"])
+        for m in map(FINDING.match, output.splitlines())
+        if m
+    }
+
+
+def planted(path: Path) -> set[tuple[str, int, str]]:
+    return {
+        (path.name, number, kind)
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        for kind in re.findall(r"# planted: ([a-z0-9-]+)", line)
+    }
+
+
+def line_of(path: Path, text: str) -> int:
+    lines = path.read_text().splitlines()
+    return next(n for n, line in enumerate(lines, 1) if text in line)
+
+
+# --- lint ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("script", sorted(CORPUS.glob("*.py")), ids=lambda p: p.stem)
+def test_lint_finds_each_planted_mistake_at_its_line_and_nothing_else(script):
+    result = doctor("lint", script)
+    expected = planted(script)
+    assert findings(result.stdout) == expected, result.output
+    last = result.stdout.strip().splitlines()[-1]
+    if expected:
+        assert result.returncode == 1 and last == f"lint: {len(expected)} problems found".replace(
+            "1 problems", "1 problem"
+        )
+    else:
+        assert result.returncode == 0 and last.startswith("lint: the port looks right")
+
+
+def test_the_corpus_plants_at_least_twelve_kinds_of_mistake():
+    kinds = {kind for script in CORPUS.glob("*.py") for _, _, kind in planted(script)}
+    assert len(kinds) >= 12, kinds
+
+
+LESSON_FOLDERS = sorted(REPO.glob("0[0-9]_*")) + [REPO / "benchmark", REPO / "porting"]
+# Not ports: the one-process baseline, and the lesson that shows the no-sampler mistake.
+NOT_PORTS = {"train_single.py", "no_sampler_pitfall.py", "train_plain.py"}
+
+
+@pytest.mark.parametrize("folder", LESSON_FOLDERS, ids=lambda p: p.name)
+def test_lint_finds_nothing_in_the_lessons(folder):
+    scripts = [p for p in sorted(folder.glob("*.py")) if p.name not in NOT_PORTS]
+    assert scripts
+    result = doctor("lint", *scripts)
+    assert result.returncode == 0, result.output
+
+
+def test_lint_names_the_mistakes_the_lessons_show_on_purpose():
+    single = REPO / "01_basic_ddp" / "train_single.py"
+    result = doctor("lint", single)
+    assert result.returncode == 1
+    assert {kind for _, _, kind in findings(result.stdout)} == {
+        "no-process-group",
+        "unsharded-sampler",
+        "every-rank-writes",
+    }
+    pitfall = REPO / "02_sampler_patterns" / "no_sampler_pitfall.py"
+    result = doctor("lint", pitfall)
+    assert findings(result.stdout) == {
+        ("no_sampler_pitfall.py", line_of(pitfall, "plain_loader = DataLoader"), "no-sampler")
+    }
+
+
+def test_lint_flags_the_demos_collectives_on_one_rank():
+    demo = REPO / "debugging" / "demo_bugs.py"
+    result = doctor("lint", demo)
+    assert result.returncode == 1
+    assert findings(result.stdout) == {
+        ("demo_bugs.py", line_of(demo, "dist.all_reduce(loss_sum)"), "collective-in-rank-branch"),
+        (
+            "demo_bugs.py",
+            line_of(demo, "BUG: a collective inside") + 1,
+            "collective-in-rank-branch",
+        ),
+    }
+
+
+def test_lint_refuses_what_is_not_python(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def main(:\n")
+    result = doctor("lint", broken, tmp_path / "missing.py")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {broken}:1: not Python: invalid syntax"
+    ] or result.stderr.startswith("error: "), result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+# --- run ----------------------------------------------------------------------------------------
+
+PORT = CORPUS / "correct_port.py"
+SHORT = ("--steps", "8", "--deadline", "60")  # 6 steps an epoch: 8 reach the second
+
+
+def test_run_passes_a_correct_port_and_explains_its_dropout_losses(tmp_path):
+    with_dropout = doctor(
+        "run", *SHORT, "--", PORT, "--batch-size", "8", "--dropout", "0.5", cwd=tmp_path
+    )
+    assert with_dropout.returncode == 0, with_dropout.output
+    out = with_dropout.stdout
+    assert "ok: the replicas are identical after each of 8 steps" in out
+    assert "ok: the ranks drew disjoint samples" in out
+    assert "ok: each epoch draws a new order" in out
+    assert re.search(r"note: the ranks' mean loss differs .* by up to [\d.]+%.*dropout", out), out
+    assert out.strip().splitlines()[-1] == "run: the port looks right"
+    # the control: without dropout the same port's losses agree to rounding
+    plain = doctor("run", *SHORT, "--", PORT, "--batch-size", "8", cwd=tmp_path)
+    assert plain.returncode == 0, plain.output
+    match = re.search(r"ok: the ranks' mean loss follows .* difference ([\d.e+-]+)", plain.stdout)
+    assert match and float(match[1]) < 1e-5, plain.output
+    assert "dropout" not in plain.stdout
+
+
+def test_run_finds_ranks_reading_the_same_samples(tmp_path):
+    result = doctor(
+        "run", *SHORT, "--", CORPUS / "no_sampler.py", "--batch-size", "8", cwd=tmp_path
+    )
+    assert result.returncode == 1, result.output
+    assert re.search(r"problem: in epoch 1 \d+ samples went to more than one rank", result.stdout)
+    assert result.stdout.strip().splitlines()[-1] == "run: 1 problem found"
+
+
+def test_run_finds_an_epoch_that_repeats_the_first(tmp_path):
+    result = doctor(
+        "run", *SHORT, "--", CORPUS / "no_set_epoch.py", "--batch-size", "8", cwd=tmp_path
+    )
+    assert result.returncode == 1, result.output
+    assert "problem: epoch 2 draws the same order as epoch 1" in result.stdout
+    assert "ok: the ranks drew disjoint samples" in result.stdout
+
+
+def test_run_names_the_rank_0_break_within_the_deadline(tmp_path):
+    script = CORPUS / "rank0_break.py"
+    started = time.monotonic()
+    result = doctor(
+        "run",
+        "--steps",
+        "8",
+        "--deadline",
+        "60",
+        "--",
+        script,
+        "--batch-size",
+        "8",
+        "--dry-run",
+        cwd=tmp_path,
+    )
+    assert time.monotonic() - started < 90
+    assert result.returncode == 1, result.output
+    out = result.stdout
+    assert re.search(
+        r"problem: the ranks stopped agreeing on collectives after step \d+, .*rank 0 called "
+        r"none: it ran to its end; rank 1 called backward\(\)",
+        out,
+    ), out
+    (line,) = [n for _, n, _ in planted(script)]
+    assert ("rank0_break.py", line, "rank-control-flow") in findings(out)
+
+
+def test_run_reports_a_hang_with_each_ranks_place(tmp_path):
+    demo = REPO / "debugging" / "demo_bugs.py"
+    started = time.monotonic()
+    result = doctor(
+        "run",
+        "--steps",
+        "6",
+        "--deadline",
+        "15",
+        "--batch-flag",
+        "none",
+        "--",
+        demo,
+        "--bug",
+        "rank0_barrier",
+        "--timeout-s",
+        "300",
+        cwd=tmp_path,
+    )
+    assert time.monotonic() - started < 120  # the demo's own timeout is 300 s
+    assert result.returncode == 1, result.output
+    out = result.stdout
+    assert "problem: the ranks did not finish 6 steps within 15 s (a hang)" in out
+    barrier = line_of(demo, "BUG: a collective inside") + 1
+    assert (
+        f"rank 0 is at {demo.relative_to(REPO)}:{barrier} (waiting in barrier)"
+        in out.replace(str(demo), str(demo.relative_to(REPO)))
+        or f"demo_bugs.py:{barrier} (waiting in barrier)" in out
+    ), out
+    assert re.search(r"rank 1 is at \S*demo_bugs\.py:\d+ \(waiting in backward\)", out), out
+
+
+@pytest.mark.parametrize(
+    "bug, message",
+    [
+        ("unused_parameter", "RuntimeError: Expected to have finished reduction"),
+        ("freeze_after_wrap", "RuntimeError: Expected to have finished reduction"),
+        ("wrapper_attribute", "AttributeError: 'DistributedDataParallel' object has no attribute"),
+        ("module_prefix", "RuntimeError: Error(s) in loading state_dict"),
+        ("wrap_frozen", "RuntimeError: DistributedDataParallel is not needed"),
+        ("different_models", "RuntimeError: DDP expects same model across all ranks"),
+    ],
+)
+def test_run_names_each_demo_bug_a_run_shows(tmp_path, bug, message):
+    result = doctor(
+        "run",
+        "--steps",
+        "6",
+        "--deadline",
+        "60",
+        "--batch-flag",
+        "none",
+        "--",
+        REPO / "debugging" / "demo_bugs.py",
+        "--bug",
+        bug,
+        "--timeout-s",
+        "30",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.output
+    assert re.search(
+        rf"rank \d failed at \S*demo_bugs\.py:\d+: {re.escape(message)}", result.stdout
+    )
+
+
+def test_run_refuses_bad_usage_and_a_script_that_does_not_start(tmp_path):
+    no_batch = doctor("run", "--", PORT, cwd=tmp_path)
+    assert no_batch.returncode == 2
+    assert no_batch.stderr.strip().splitlines() == [
+        "error: --batch-size is not among the script's arguments: give the batch per rank "
+        "(--batch-size B), or name the script's batch option with --batch-flag"
+    ]
+    refused = doctor(
+        "run", *SHORT, "--", PORT, "--batch-size", "8", "--no-such-option", cwd=tmp_path
+    )
+    assert refused.returncode == 2, refused.output
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "error: the script does not start (its output is above)"
+    )
+    assert "unrecognized arguments: --no-such-option" in refused.stdout
+    missing = doctor("run", "--", tmp_path / "none.py", "--batch-size", "8", cwd=tmp_path)
+    assert missing.returncode == 2 and missing.stderr.startswith("error: ")
