@@ -30,82 +30,48 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 USAGE_EXIT_CODE = 2
 
 # Calls every rank of the group must make, in the same order (torch.distributed's collectives).
-COLLECTIVES = {
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_reduce",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "monitored_barrier",
-    "new_group",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "scatter",
-    "scatter_object_list",
-}
+COLLECTIVES = set(
+    (
+        "all_gather all_gather_into_tensor all_gather_object all_reduce all_to_all "
+        "all_to_all_single barrier broadcast broadcast_object_list gather gather_object "
+        "monitored_barrier new_group reduce reduce_scatter reduce_scatter_tensor scatter "
+        "scatter_object_list "
+    ).split()
+)
 # torch.distributed.checkpoint's save and load are collective too.
 CHECKPOINT_COLLECTIVES = {"save", "load", "async_save", "save_state_dict", "load_state_dict"}
 # Where a rank number comes from: launchers' variables, attribute and function names.
-RANK_VARIABLES = {
-    "RANK",
-    "LOCAL_RANK",
-    "GROUP_RANK",
-    "SLURM_PROCID",
-    "SLURM_LOCALID",
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_LOCAL_RANK",
-    "PMI_RANK",
-    "PMIX_RANK",
-    "PALS_RANKID",
-    "PALS_LOCAL_RANKID",
-}
+RANK_VARIABLES = set(
+    (
+        "RANK LOCAL_RANK GROUP_RANK SLURM_PROCID SLURM_LOCALID OMPI_COMM_WORLD_RANK "
+        "OMPI_COMM_WORLD_LOCAL_RANK PMI_RANK PMIX_RANK PALS_RANKID PALS_LOCAL_RANKID "
+    ).split()
+)
 RANK_NAMES = {"rank", "local_rank", "global_rank", "world_rank", "node_rank"}
-RANK_ATTRIBUTES = RANK_NAMES | {
-    "process_index",
-    "local_process_index",
-    "is_main_process",
-    "is_local_main_process",
-    "is_master",
-    "is_main",
-    "is_global_zero",
-}
+RANK_ATTRIBUTES = RANK_NAMES | set(
+    (
+        "process_index local_process_index is_main_process is_local_main_process is_master "
+        "is_main is_global_zero "
+    ).split()
+)
 RANK_FUNCTIONS = {"get_rank", "get_local_rank", "get_node_local_rank", "is_main_process"}
 # Samplers that hand every rank the whole data set.
-UNSHARDED_SAMPLERS = {
-    "RandomSampler",
-    "SequentialSampler",
-    "SubsetRandomSampler",
-    "WeightedRandomSampler",
-}
+UNSHARDED_SAMPLERS = set(
+    ("RandomSampler SequentialSampler SubsetRandomSampler WeightedRandomSampler ").split()
+)
 WRITE_METHODS = {"write_text", "write_bytes", "savefig", "save_pretrained", "to_csv"}
 # Loader arguments a worker process must unpickle under forkserver or spawn.
 WORKER_ARGUMENTS = {"transform", "target_transform", "transforms", "collate_fn", "worker_init_fn"}
 # Where a ported script's results may differ from one process's, and why.
 RANDOM_LAYERS = ("Dropout",)
 BATCH_STATISTICS_LAYERS = ("BatchNorm", "InstanceNorm")
-ADAPTIVE_OPTIMIZERS = (
-    "Adadelta",
-    "Adagrad",
-    "Adam",
-    "AdamW",
-    "Adamax",
-    "NAdam",
-    "RAdam",
-    "RMSprop",
-)
+ADAPTIVE_OPTIMIZERS = tuple("Adadelta Adagrad Adam AdamW Adamax NAdam RAdam RMSprop".split())
 
 
 @dataclass(frozen=True)
@@ -805,15 +771,7 @@ class _Walk:
     def statements(self, body, context: _Context, function=None):
         for index, statement in enumerate(body):
             rest = body[index + 1 :]
-            inner = _Context(
-                context.loops,
-                context.guard,
-                context.guard_loops,
-                context.write_guard,
-                (*context.rests, rest),
-                context.loop_rests,
-            )
-            self.statement(statement, inner, function)
+            self.statement(statement, replace(context, rests=(*context.rests, rest)), function)
             if (
                 isinstance(statement, ast.If)
                 and self.linter.rank_valued(statement.test)
@@ -821,14 +779,7 @@ class _Walk:
                 and isinstance(statement.body[-1], (ast.Return, ast.Continue))
             ):
                 # `if rank != 0: return`: what follows runs on the other ranks only
-                context = _Context(
-                    context.loops,
-                    context.guard,
-                    context.guard_loops,
-                    True,
-                    context.rests,
-                    context.loop_rests,
-                )
+                context = replace(context, write_guard=True)
 
     def statement(self, node, context: _Context, function):
         linter, source = self.linter, self.source
@@ -854,20 +805,15 @@ class _Walk:
             if isinstance(sub, ast.Call):
                 self.call(sub, context, function)
         if isinstance(node, ast.If) and linter.rank_valued(node.test):
-            branch = _Context(
-                context.loops, node, len(context.loops), True, context.rests, context.loop_rests
-            )
+            branch = replace(context, guard=node, guard_loops=len(context.loops), write_guard=True)
             self.statements(node.body, branch, function)
             self.statements(node.orelse, branch, function)
             return
         if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
-            looped = _Context(
-                (*context.loops, node),
-                context.guard,
-                context.guard_loops,
-                context.write_guard,
-                context.rests,
-                (*context.loop_rests, len(context.rests)),
+            looped = replace(
+                context,
+                loops=(*context.loops, node),
+                loop_rests=(*context.loop_rests, len(context.rests)),
             )
             self.statements(node.body, looped, function)
             self.statements(node.orelse, context, function)

@@ -2,8 +2,9 @@
 mistake's line marked `# planted: KIND`), on correct ports, on the lessons and on the demos.
 
 lint reads code: cheap, no torch. run starts torchrun twice per script (about 10 s each): only
-the cases the README shows run here: no sampler, no set_epoch, a rank-0-only break, a hang,
-the correct port with and without dropout, and each demo a run can see. Not covered: the
+the cases the README shows run by default: no sampler, no set_epoch, a rank-0-only break, the
+correct port with and without dropout. The hang and each demo a run can see are in the
+launchers tier. Not covered: the
 demos whose bug this torch or torchrun no longer has (debugging/two_forwards.py --buffers
 inplace: torch 2.6-2.11; debugging/local_rank_args.py: the old torch.distributed.launch).
 """
@@ -195,6 +196,7 @@ def test_run_names_the_rank_0_break_within_the_deadline(tmp_path):
     assert ("rank0_break.py", line, "rank-control-flow") in findings(out)
 
 
+@pytest.mark.launchers  # a hang under torchrun, stopped at the deadline
 def test_run_reports_a_hang_with_each_ranks_place(tmp_path):
     demo = REPO / "debugging" / "demo_bugs.py"
     started = time.monotonic()
@@ -227,6 +229,7 @@ def test_run_reports_a_hang_with_each_ranks_place(tmp_path):
     assert re.search(r"rank 1 is at \S*demo_bugs\.py:\d+ \(waiting in backward\)", out), out
 
 
+@pytest.mark.launchers  # failures under torchrun
 @pytest.mark.parametrize(
     "bug, message",
     [
