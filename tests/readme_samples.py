@@ -127,6 +127,17 @@ SAMPLES = {
         (f"{UNEVEN} join", f"{UNEVEN} drop_last"),
         "runs/uneven_inputs",
     ),
+    # the doctor on the worked port's two scripts, before and after
+    "porting-lint-plain": Sample(
+        "porting/README.md",
+        "Before the port:",
+        ("python debugging/doctor.py lint porting/train_plain.py",),
+    ),
+    "porting-lint-port": Sample(
+        "porting/README.md",
+        "After the port:",
+        ("python debugging/doctor.py lint porting/train_ddp.py",),
+    ),
     # 05: the text before the sample names the flags of both runs
     "05-resume": Sample(
         "05_checkpointing/README.md",

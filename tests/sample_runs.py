@@ -188,6 +188,17 @@ SYNCBN_SHORT = (
     "torchrun --standalone --nproc_per_node=2 04_syncbn/train.py --batch-norm compare "
     "--batch-size 4 --max-steps 3"
 )
+
+
+def as_written(command: str, timeout: float = 60) -> Callable:
+    """A README command as written, from the repository root, that writes no files."""
+
+    def ran(out: Path) -> list[Result]:
+        return [run(command_argv(command), timeout)]
+
+    return the_readmes(ran, command)
+
+
 RUNS: dict[str, Callable[[Path], list[Result]]] = {
     "01": readme_command(SAMPLES["01"].commands[0]),
     "02-viewer": readme_command(SAMPLES["02-viewer"].commands[0]),
@@ -205,6 +216,8 @@ RUNS: dict[str, Callable[[Path], list[Result]]] = {
             90,
         )
     ],
+    "porting-lint-plain": as_written(SAMPLES["porting-lint-plain"].commands[0]),
+    "porting-lint-port": as_written(SAMPLES["porting-lint-port"].commands[0]),
     "03": readme_command(GRAD_ACCUM_SHORT),
     "04": readme_command(SYNCBN_SHORT),
     "05-resume": the_readmes(stopped_and_resumed, CHECKPOINTING),

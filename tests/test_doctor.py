@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, clean_env, run
+from tests.helpers import PYTHON, REPO, clean_env, command_argv, run
 
 DOCTOR = str(REPO / "debugging" / "doctor.py")
 CORPUS = REPO / "tests" / "doctor_corpus"
@@ -281,3 +281,44 @@ def test_run_refuses_bad_usage_and_a_script_that_does_not_start(tmp_path):
     assert "unrecognized arguments: --no-such-option" in refused.stdout
     missing = doctor("run", "--", tmp_path / "none.py", "--batch-size", "8", cwd=tmp_path)
     assert missing.returncode == 2 and missing.stderr.startswith("error: ")
+
+
+# --- the worked port (porting/README.md) --------------------------------------------------------
+
+PORT_RUN = (
+    "python debugging/doctor.py run -- porting/train_ddp.py --data-dir data/digits --batch-size 64"
+)
+
+
+def test_lint_before_and_after_the_worked_port(sample_run):
+    """The README's two lint commands: the plain script's four traps, the port clean (the lines
+    themselves: tests/test_readme_facts.py)."""
+    before = sample_run("porting-lint-plain")
+    assert before.returncodes == (1,)
+    assert {kind for _, _, kind in findings(before.stdout)} == {
+        "no-process-group",
+        "worker-pickles-local-function",
+        "no-sampler",
+        "every-rank-writes",
+    }
+    after = sample_run("porting-lint-port")
+    assert after.returncodes == (0,) and not findings(after.stdout)
+
+
+def test_run_passes_the_worked_port(tmp_path):
+    """The README's run of the port: identical replicas, disjoint samples, a new order in the
+    second epoch, and the loss difference put down to dropout; the port looks right."""
+    for folder in ("debugging", "porting"):
+        (tmp_path / folder).symlink_to(REPO / folder)
+    made = run(
+        [PYTHON, REPO / "porting" / "make_digits_folder.py", "data/digits"], 120, cwd=tmp_path
+    )
+    assert made.returncode == 0, made.output
+    result = run(command_argv(PORT_RUN), 240, env=clean_env(), cwd=tmp_path)
+    assert result.returncode == 0, result.output
+    out = result.stdout
+    assert "ok: the replicas are identical after each of 20 steps" in out
+    assert "ok: the ranks drew disjoint samples" in out
+    assert "ok: each epoch draws a new order" in out
+    assert re.search(r"note: the ranks' mean loss differs .* by up to \d+(\.\d+)?%.*dropout", out)
+    assert out.strip().splitlines()[-1] == "run: the port looks right"

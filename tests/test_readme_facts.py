@@ -885,6 +885,14 @@ def test_03s_and_04s_samples_have_the_lines_of_a_shorter_run(sample_run, name):
     assert not problems, readme_samples.drift_message(name, problems)
 
 
+def test_the_porting_samples_are_what_the_doctor_prints(sample_run):
+    """porting/README.md: the doctor's lint of the plain script and of its port, each sample line
+    for line (the exit codes: tests/test_doctor.py)."""
+    for name in ("porting-lint-plain", "porting-lint-port"):
+        assert_printed(name, sample_run(name))
+        assert len(readme_samples.sample_lines(name)) == len(sample_run(name).stdout.splitlines())
+
+
 def test_02s_samples_are_what_its_commands_print(sample_run):
     """02's seven samples, each against the README's command (02-uneven's two paragraphs against
     its two runs), and the shard sample's plan against prepare_shards.py's manifest."""
