@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-# make `common` importable
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# make `common` importable: after this file's folder, so a common/ copied beside it comes first
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +123,10 @@ def train(cfg):
         if step == cfg.max_steps:
             break
 
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), Path(cfg.output_dir) / "model.pt")
+
+    # --- end-of-run record: summary.json; a copy may delete this block whole ---
     elapsed = time.perf_counter() - start_time
     summary = dict(
         world_size=1,
@@ -141,9 +145,8 @@ def train(cfg):
         eval_samples=eval_count,
         wall_time_s=elapsed,
     )
-    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), Path(cfg.output_dir) / "model.pt")
     write_summary(cfg.output_dir, **summary)
+    # --- end of the end-of-run record ---
 
 
 def main():

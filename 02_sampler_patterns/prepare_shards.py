@@ -11,7 +11,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
+# make `common` importable: after this file's folder, so a common/ copied beside it comes first
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 import torch
 

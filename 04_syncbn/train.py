@@ -18,8 +18,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-# make `common` importable
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# make `common` importable: after this file's folder, so a common/ copied beside it comes first
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
@@ -227,15 +227,16 @@ def fit(cfg, launch, device, mode):
         if step == cfg.max_steps:
             break
 
-    elapsed = time.perf_counter() - start_time
-    # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
-    checksums = [None] * launch.world_size
-    dist.all_gather_object(checksums, parameter_checksum(model))
     # Plain file I/O on one rank; model.module drops DDP's "module." prefix.
     if launch.rank == 0:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         # with running statistics
         torch.save(model.module.state_dict(), Path(cfg.output_dir) / f"model_{mode}.pt")
+
+    elapsed = time.perf_counter() - start_time
+    # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
+    checksums = [None] * launch.world_size
+    dist.all_gather_object(checksums, parameter_checksum(model))
     # The DDP model, which holds the process group, is released when this function returns.
     return dict(
         norm_layer=norm_layers[0],

@@ -16,7 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
+# make `common` importable: after this file's folder, so a common/ copied beside it comes first
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present

@@ -21,8 +21,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-# make `common` importable
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# make `common` importable: after this file's folder, so a common/ copied beside it comes first
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
@@ -247,6 +247,12 @@ def train(cfg, launch):
         if step == cfg.max_steps:
             break
 
+    # Plain file I/O on one rank; model.module drops DDP's "module." prefix.
+    if launch.rank == 0:
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        torch.save(model.module.state_dict(), Path(cfg.output_dir) / "model.pt")
+
+    # --- end-of-run record: summary.json; a copy may delete this block whole ---
     elapsed = time.perf_counter() - start_time
     # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
     checksums = [None] * launch.world_size
@@ -274,11 +280,10 @@ def train(cfg, launch):
         master_addr=launch.master_addr,
         master_port=launch.master_port,
     )
-    # Plain file I/O on one rank; model.module drops DDP's "module." prefix.
     if launch.rank == 0:
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        torch.save(model.module.state_dict(), Path(cfg.output_dir) / "model.pt")
         write_summary(cfg.output_dir, **summary)
+    # --- end of the end-of-run record ---
+
     # Release the DDP model first: it holds the process group, which would otherwise outlive
     # destroy_process_group() and keep gloo's threads running into interpreter shutdown.
     del model

@@ -21,7 +21,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `common` importable
+# make `common` importable: after this file's folder, so a common/ copied beside it comes first
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
@@ -367,6 +368,8 @@ def train(cfg, launch):
             + " MiB",
             flush=True,
         )
+
+    # --- end-of-run record: summary.json; a copy may delete this block whole ---
     elapsed = time.perf_counter() - start_time
     # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
     checksums = [None] * launch.world_size
@@ -402,6 +405,8 @@ def train(cfg, launch):
     )
     if launch.rank == 0:
         write_summary(cfg.output_dir, **summary)
+    # --- end of the end-of-run record ---
+
     # Release the DDP model first: it holds the process group, which would otherwise outlive
     # destroy_process_group() and keep gloo's threads running into interpreter shutdown.
     del model

@@ -7,7 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# run as a file: make `common` importable, after this file's own folder (sys.path[0])
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from common.data import DOWNLOADABLE, build_datasets
 from common.errors import exit_on_bad_input

@@ -1126,6 +1126,9 @@ class Recorder:
             self.note(e="stopped", n=self.steps)
             sys.stdout.flush()
             sys.stderr.flush()
+            # Stop here, on every rank after the same step: the script's own code after this
+            # (the next batch, a collective in a finally, an atexit) would wait for ranks that
+            # have stopped.
             os._exit(0)
 
 

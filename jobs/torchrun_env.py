@@ -15,7 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# make `common` importable: after this file's folder, so a common/ copied beside it comes first
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from common.errors import exit_on_bad_input  # noqa: E402
 from common.launcher import free_port, launch_info  # noqa: E402
 

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-# make `common` importable
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# make `common` importable: after this file's folder, so a common/ copied beside it comes first
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from common.data import DIGITS_TEST_FRACTION, digits_arrays
 

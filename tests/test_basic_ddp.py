@@ -3,8 +3,10 @@ and the single-process baseline is the same training."""
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,6 +22,7 @@ from common.config import TrainConfig, parse_config
 from common.data import digits
 from common.models import build_model
 from tests.launcher_tools import need_tools
+from tests.markdown import markdown_section
 from tests.helpers import (
     PYTHON,
     REPO,
@@ -153,6 +156,27 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(ddp_two_ranks, tmp_pat
     warm_ranks(SCRIPT, "--batch-size", "16", *STEPS, "--output-dir", tmp_path / "small", nproc=1)
     small = load_params(tmp_path / "small" / "model.pt")
     assert max((small[k] - one[k]).abs().max().item() for k in one) > 1e-3
+
+
+def test_the_global_batch_equivalence_needs_sgd_and_no_dropout():
+    """README.md, "What DDP does": 2 ranks x batch 16 equal 1 process x batch 32 within
+    assert_same_params's tolerance with SGD (the control), not with dropout (each rank draws its
+    own masks, so even the first step's loss differs), nor with Adam or RMSprop (they divide by
+    running gradient sizes, which blows rounding differences up into whole steps). In one 2-rank
+    run: tests/global_batch_worker.py."""
+    rtol = inspect.signature(assert_same_params).parameters["rtol"].default
+    result = warm_ranks("tests/global_batch_worker.py", "--rtol", str(rtol), timeout=180)
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    cases = json.loads(line.split(" ", 1)[1])
+    sgd = cases["sgd"]
+    assert sgd["outside"] == 0 and sgd["relative_difference"] < rtol, sgd
+    assert sgd["first_loss_difference"] < 1e-6, sgd
+    dropout = cases["sgd_dropout"]
+    assert dropout["outside"] > 0 and dropout["relative_difference"] > 1e-2, dropout
+    assert dropout["first_loss_difference"] > 1e-4, dropout
+    for adaptive in ("adam", "rmsprop"):
+        assert cases[adaptive]["outside"] > 0, (adaptive, cases[adaptive])
+        assert cases[adaptive]["relative_difference"] > rtol, (adaptive, cases[adaptive])
 
 
 @pytest.mark.launchers
@@ -444,16 +468,12 @@ def test_01_copied_out_trains_another_model_on_other_data(tmp_path):
     """The port sections: train.py and common/ copied side by side into an empty folder, 01's
     README patch applied (torchvision's ResNet-18 on FakeData), and 2 ranks under torchrun, with
     nothing of this repository on the path. They train the new model on the new data, and the
-    replicas end identical."""
+    replicas end identical. The options the patch leaves without effect are refused."""
     need_tools("patch")
     project = tmp_path / "project"
-    project.mkdir()
-    shutil.copy(REPO / "01_basic_ddp" / "train.py", project / "train.py")
-    shutil.copytree(
-        REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__")
-    )
+    copy_01_beside_common(project)
     # the README's patch (tests/port_01.diff; tests/test_readme_facts.py holds the two equal)
-    subprocess.run(["patch", "train.py"], stdin=PORT_PATCH.open(), cwd=project, check=True)
+    subprocess.run(["patch", "-p0"], stdin=PORT_PATCH.open(), cwd=project, check=True)
     # train.py's own sys.path entry is tmp_path, which holds no `common`: the copy is used
     run(
         [
@@ -482,3 +502,111 @@ def test_01_copied_out_trains_another_model_on_other_data(tmp_path):
     assert summary["eval_samples"] == 100  # FakeData's test set, not the digits'
     weights = torch.load(project / "out" / "model.pt", weights_only=True)
     assert "layer4.1.conv2.weight" in weights  # ResNet-18
+    # the patch took them out of the copy's config: refused, not silently ignored
+    for option, value in (("--dataset", "cifar10"), ("--model", "resnet50")):
+        refused = run(
+            [PYTHON, "train.py", option, value],
+            timeout=60,
+            env=clean_env(PYTHONPATH=""),
+            cwd=project,
+        )
+        assert refused.returncode == 2, refused.output[-2000:]
+        assert f"unrecognized arguments: {option} {value}" in refused.stderr, refused.stderr
+
+
+def copy_01_beside_common(folder: Path) -> None:
+    """README.md's port step 1: 01's train.py and the common/ folder, side by side in `folder`."""
+    folder.mkdir(parents=True)
+    shutil.copy(REPO / "01_basic_ddp" / "train.py", folder / "train.py")
+    shutil.copytree(
+        REPO / "common", folder / "common", ignore=shutil.ignore_patterns("__pycache__")
+    )
+
+
+def drop_the_end_of_run_record(script: Path) -> None:
+    """README.md's port step 3, literally: delete the lines from the first marker it names to the
+    second, both included."""
+    section = markdown_section((REPO / "README.md").read_text(), "## Port your own script")
+    [step] = re.findall(r"^3\. \*\*Drop\*\*.*?(?=\n\n|\n\d\. )", section, re.M | re.S)
+    first, last = re.findall(r"`(# ---[^`]*)`", step)
+    lines = script.read_text().splitlines(keepends=True)
+    [start] = [n for n, line in enumerate(lines) if line.strip().startswith(first)]
+    [end] = [n for n, line in enumerate(lines) if line.strip().startswith(last)]
+    assert start < end
+    script.write_text("".join(lines[:start] + lines[end + 1 :]))
+
+
+def test_01_ported_into_a_project_with_its_own_common_package(tmp_path):
+    """README.md's port steps, done literally in a project that has a package named `common` of
+    its own (without config.py): train.py and this repository's common/ copied side by side into a
+    subfolder (step 1), the end-of-run record deleted between the two lines step 3 names (step 3),
+    and 2 ranks under torchrun, started from the project folder. The common/ beside train.py is the
+    one imported, and the copy ends with model.pt written and no summary.json."""
+    project = tmp_path / "project"
+    (project / "common").mkdir(parents=True)
+    (project / "common" / "__init__.py").write_text("")
+    (project / "common" / "util.py").write_text("def project_helper():\n    return 1\n")
+    copy_01_beside_common(project / "ddp")
+    drop_the_end_of_run_record(project / "ddp" / "train.py")
+    ported = (project / "ddp" / "train.py").read_text()
+    assert "all_gather_object(" not in ported and "write_summary(cfg" not in ported
+    run(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "ddp/train.py",
+            "--epochs",
+            "1",
+            "--max-steps",
+            "3",
+            "--output-dir",
+            "out",
+        ],
+        timeout=180,
+        env=clean_env(PYTHONPATH=""),
+        cwd=project,
+        check=True,
+    )
+    weights = torch.load(project / "out" / "model.pt", weights_only=True)
+    assert weights["classifier.3.weight"].shape == (10, 128)  # 01's small CNN, 10 digits
+    assert not (project / "out" / "summary.json").exists()
+
+
+def test_01_trains_on_an_imagefolder_tree_unpatched(tmp_path):
+    """README.md's port section and 01's README: an ImageFolder tree (train/<class>/,
+    val/<class>/) needs no patch; `--dataset imagefolder --data-dir DIR` trains 01 on it, with as
+    many classes as the tree has folders and every val image evaluated once."""
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(0)
+    for split, per_class in (("train", 8), ("val", 3)):
+        for label in ("cat", "dog", "fox"):
+            folder = tmp_path / "tree" / split / label
+            folder.mkdir(parents=True)
+            for n in range(per_class):
+                pixels = torch.randint(0, 256, (16, 16, 3), dtype=torch.uint8, generator=generator)
+                Image.fromarray(pixels.numpy()).save(folder / f"{n}.png")
+    out = tmp_path / "out"
+    warm_ranks(
+        SCRIPT,
+        "--dataset",
+        "imagefolder",
+        "--data-dir",
+        tmp_path / "tree",
+        "--image-size",
+        "16",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "2",
+        "--output-dir",
+        out,
+        timeout=180,
+    )
+    summary = read_summary(out)
+    assert (summary["world_size"], summary["steps"], summary["eval_samples"]) == (2, 2, 9)
+    assert summary["replicas_identical"]
+    assert load_params(out / "model.pt")["classifier.3.weight"].shape == (3, 128)  # 3 folders
