@@ -322,3 +322,32 @@ def test_run_passes_the_worked_port(tmp_path):
     assert "ok: each epoch draws a new order" in out
     assert re.search(r"note: the ranks' mean loss differs .* by up to \d+(\.\d+)?%.*dropout", out)
     assert out.strip().splitlines()[-1] == "run: the port looks right"
+
+
+# --- the guide's commands (debugging/README.md) -------------------------------------------------
+
+GUIDE_LINT = "python debugging/doctor.py lint my_train.py my_utils.py"
+GUIDE_RUN = "python debugging/doctor.py run --nproc 2 --steps 20 -- my_train.py --batch-size 32"
+UTILS = """import torch
+import torch.distributed as dist
+
+
+def save(model, path):
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), path)
+"""
+
+
+def test_the_guides_doctor_commands(tmp_path):
+    """The guide's two commands on a correct script and a module of its own: both clean (the
+    script ends after 6 steps, before the 20 asked for)."""
+    (tmp_path / "debugging").symlink_to(REPO / "debugging")
+    (tmp_path / "my_train.py").write_text(PORT.read_text())
+    (tmp_path / "my_utils.py").write_text(UTILS)
+    linted = run(command_argv(GUIDE_LINT), 60, env=clean_env(), cwd=tmp_path)
+    assert linted.returncode == 0, linted.output
+    assert linted.stdout.strip() == "lint: the port looks right (2 files read)"
+    ran = run(command_argv(GUIDE_RUN), 240, env=clean_env(), cwd=tmp_path)
+    assert ran.returncode == 0, ran.output
+    assert "ok: the replicas are identical after each of 6 steps" in ran.stdout
+    assert ran.stdout.strip().splitlines()[-1] == "run: the port looks right"

@@ -1,8 +1,11 @@
 """The failures people paste into forums, each produced for real with the text debugging/README.md
 quotes, and each fix shown to work: a rank killed by a signal (torchrun's exit codes), "address
 already in use", "unrecognized arguments: --local-rank", mp.spawn of a worker defined in
-__main__, a lambda in a forkserver worker's data set, shuffle beside a sampler, and two forward
-passes before one backward ("modified by an inplace operation").
+__main__, a lambda in a forkserver worker's data set, shuffle beside a sampler, two forward
+passes before one backward ("modified by an inplace operation"), torch.compile with DDP (graphs
+per bucket, graph breaks, recompiles), EMA weights under DDP, loader workers' host memory, "No
+backend type associated with device type cpu", the exit without destroy_process_group() and
+init_process_group(device_id=...) on a CPU.
 
 (torchrun's summary with and without @record, and a
 rank killed with SIGKILL: tests/test_failures.py.)
@@ -18,6 +21,7 @@ import shlex
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +31,7 @@ from tests.helpers import (
     clean_env,
     free_port,
     kill_group,
+    load_script,
     needs_torch,
     read_summary,
     command_argv,
@@ -643,3 +648,394 @@ def test_shuffle_beside_a_sampler_is_refused_and_the_samplers_own_shuffle_is_not
         sampler.set_epoch(epoch)
         orders.append([b.tolist() for b in DataLoader(data, sampler=sampler, batch_size=4)])
     assert orders[0] != orders[1] and orders[0][0] != sorted(orders[0][0])
+
+
+# --- torch.compile with DDP: graphs per bucket, graph breaks in DDP's forward, recompiles
+# (debugging/README.md, "torch.compile with DDP")
+
+COMPILE_MODULE = "torchrun --standalone --nproc_per_node=2 debugging/compile_ddp.py"
+COMPILE_WRAPPER = (
+    "TORCH_LOGS=graph_breaks,recompiles torchrun --standalone --nproc_per_node=2 "
+    "debugging/compile_ddp.py --compile wrapper --last-batch 3"
+)
+# torch's logs that the guide's commands show, and DDPOptimizer's own count of buckets; read from
+# TORCH_LOGS when torch is imported, so these runs start under the real torchrun (compiled runs on
+# ranks forked from a warm process also hit an internal assert of autograd's threads now and then).
+LOGS = "graph_breaks,recompiles,torch._dynamo.backends.distributed"
+NO_DDP_OPTIMIZER = """
+import runpy, sys
+import torch._dynamo
+torch._dynamo.config.optimize_ddp = False
+sys.argv[0] = "debugging/compile_ddp.py"
+runpy.run_path("debugging/compile_ddp.py", run_name="__main__")
+"""
+
+
+def test_compiled_ddp_gets_one_graph_per_bucket_and_one_graph_without_ddp_optimizer(tmp_path):
+    """The module compiled in place, then wrapped: the backend gets one graph per bucket
+    (DDPOptimizer's own log counts four), none breaks, a last batch of another size compiles each
+    again (one recompile), and the state_dict keys stay the module's. With DDPOptimizer switched
+    off (set from outside, by a test): one graph (the control)."""
+    result = run(
+        command_argv(COMPILE_MODULE) + ["--last-batch", "3", "--output-dir", str(tmp_path / "on")],
+        240,
+        env=clean_env(TORCH_LOGS=LOGS),
+        check=True,
+    )
+    out = result.output
+    assert "DDPOptimizer used bucket cap 1048576 and created 4 buckets." in out, out[-3000:]
+    assert "Graph break" not in out
+    assert (
+        len(re.findall(r"Recompiling function forward in \S+/debugging/compile_ddp\.py", out)) == 2
+    )
+    summary = read_summary(tmp_path / "on")
+    assert summary["graphs_per_step"] == [4, 0, 0, 4] and summary["replicas_identical"]
+    assert summary["state_dict_key"] == "module.layers.0.weight"
+    assert "step 1 (batch 8): 4 graph(s) compiled" in result.stdout
+    (tmp_path / "no_ddp_optimizer.py").write_text(NO_DDP_OPTIMIZER)
+    command = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    off = tmp_path / "no_ddp_optimizer.py", "--output-dir", str(tmp_path / "off")
+    run([*command, *off], 240, check=True)
+    assert read_summary(tmp_path / "off")["graphs_per_step"] == [1, 0, 0]
+
+
+def test_compiling_the_ddp_wrapper_breaks_the_graph_in_ddps_forward(tmp_path):
+    """The guide's command: compiling the DDP wrapper breaks the graph in DDP's own forward; a
+    last batch of another size recompiles DDP's frames and every bucket's graph. (The module
+    compiled before the wrap breaks no graph: the test above.)"""
+    result = run(command_argv(COMPILE_WRAPPER) + ["--output-dir", str(tmp_path)], 240)
+    out = result.output
+    assert result.returncode == 0, out[-3000:]
+    assert re.search(r"Graph break in user code at \S+/torch/nn/parallel/distributed\.py:\d+", out)
+    said = "Dynamo does not know how to trace method `set_runtime_stats_and_log` of class `Logger`"
+    assert said in out, out[-3000:]
+    assert re.search(r"Recompiling function forward in \S+/debugging/compile_ddp\.py:\d+", out)
+    assert "tensor 'x' size mismatch at index 0. expected 8, actual 3" in out
+    assert read_summary(tmp_path)["graphs_per_step"] == [4, 0, 0, 4]
+
+
+@pytest.mark.torch_text
+def test_ddp_optimizer_is_on_by_default_and_splits_at_ddps_buckets():
+    """Read from the installed torch (2.14.1): optimize_ddp defaults to True ("ddp_optimizer"),
+    and DDPOptimizer's graph breaks name the switch; a bucket cap below DDP's first bucket
+    (1 MiB) is refused."""
+    import torch._dynamo
+    from torch._dynamo.backends import distributed as ddp_optimizer
+    from torch._dynamo.utils import get_optimize_ddp_mode
+
+    assert torch._dynamo.config.optimize_ddp is True and get_optimize_ddp_mode() == "ddp_optimizer"
+    source = inspect.getsource(ddp_optimizer)
+    assert "Set `torch._dynamo.config.optimize_ddp = False` to disable." in source
+    assert "First bucket should be smaller/equal to other buckets" in source
+    assert torch.distributed._DEFAULT_FIRST_BUCKET_BYTES == 2**20
+    import importlib.util
+
+    config = Path(importlib.util.find_spec("torch._dynamo.config").origin).read_text()
+    assert "There will no comm/compute overlap." in " ".join(
+        line.lstrip("# ") for line in config.splitlines()
+    )
+    guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
+    assert "`torch._dynamo.config.optimize_ddp = False`" in guide
+
+
+def test_torch_compile_returns_a_module_whose_keys_start_with_orig_mod_and_compile_keeps_them():
+    """The guide: torch.compile(model) returns a new module, whose state_dict keys gain
+    `_orig_mod.`; model.compile() compiles in place and keeps them (nothing is compiled until a
+    forward: no compiler runs here)."""
+    import torch
+    from torch import nn
+
+    assert list(torch.compile(nn.Linear(2, 2)).state_dict()) == [
+        "_orig_mod.weight",
+        "_orig_mod.bias",
+    ]
+    in_place = nn.Linear(2, 2)
+    in_place.compile()
+    assert list(in_place.state_dict()) == ["weight", "bias"]
+
+
+# --- EMA weights under DDP (debugging/README.md, "EMA weights under DDP")
+
+EMA_OF_MODULE = "torchrun --standalone --nproc_per_node=2 debugging/ema_ddp.py"
+EMA_OF_WRAPPER = "torchrun --standalone --nproc_per_node=2 debugging/ema_ddp.py --ema-of wrapper"
+
+
+def test_an_ema_of_the_module_is_the_same_on_every_rank_without_a_collective(tmp_path):
+    """Under the real torchrun: each rank's EMA parameters are bitwise those of every other rank
+    (SHA-256 of their bytes), with no collective in the update; BatchNorm's buffers are each
+    rank's own (each ran its last forward on its own batch), so rank 0's are saved. The saved
+    file loads into the plain model."""
+    result = run(command_argv(EMA_OF_MODULE) + ["--output-dir", str(tmp_path)], 180, check=True)
+    assert (
+        "EMA evaluated on rank 0: loss" in result.stdout
+        and "done: EMA of the module" in result.stdout
+    )
+    summary = read_summary(tmp_path)
+    assert summary["replicas_identical"] and summary["ema_parameters_identical"]
+    assert summary["ema_buffers_identical"] is False
+    assert not any(key.startswith("module.") for key in summary["ema_keys"])
+    demo = load_script("debugging/ema_ddp.py", "ema_ddp")
+    assert "dist." not in inspect.getsource(demo.update_ema)  # no collective in the update
+    import torch
+
+    plain = demo.build_model()
+    plain.load_state_dict(torch.load(tmp_path / "ema.pt", weights_only=True))  # strict: all keys
+
+
+def test_an_ema_copied_from_the_ddp_wrapper_waits_for_the_other_ranks_on_rank_0(tmp_path):
+    """The mistake: the copy of the DDP model is a DDP model, whose forward first broadcasts
+    rank 0's BatchNorm buffers. Evaluated on rank 0 alone, it waits there until the timeout; the
+    traceback ends in DDP's buffer sync. What the script does: warm ranks."""
+    result = warm_command(EMA_OF_WRAPPER, "--output-dir", str(tmp_path))
+    assert result.returncode != 0 and "done:" not in result.stdout
+    err = result.stderr
+    assert "self._sync_buffers()" in err, err[-3000:]
+    assert "eval_loss = F.cross_entropy(ema(x), (x.sum(dim=1) > 0).long()).item()" in err, err[
+        -3000:
+    ]
+    assert "in _sync_buffers" in err and "_broadcast_coalesced" in err, err[-3000:]
+    assert re.search(
+        r"RuntimeError: .*(Timed out waiting 10000ms for send operation to complete"
+        r"|Application timeout caused pair closure"
+        r"|Connection closed by peer)",
+        err,
+    ), err[-3000:]
+
+
+def test_averaged_model_copies_first_then_averages_and_prefixes_its_keys():
+    """The guide on torch.optim.swa_utils: AveragedModel with get_ema_multi_avg_fn copies the
+    weights at its first update and averages from the second; it copies the buffers unless
+    use_buffers=True; its own state_dict adds `module.` and `n_averaged`."""
+    import torch
+    from torch import nn
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    expected = None
+    for step in range(3):
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        model(torch.randn(4, 3))  # updates BatchNorm's running statistics
+        ema.update_parameters(model)
+        weight = model[0].weight.detach()
+        expected = weight.clone() if expected is None else expected.lerp(weight, 0.1)
+        assert torch.allclose(ema.module[0].weight, expected)
+        assert torch.equal(ema.module[1].running_mean, model[1].running_mean)
+    keys = list(ema.state_dict())
+    assert keys[0] == "n_averaged" and all(k.startswith("module.") for k in keys[1:])
+    averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    averaged.update_parameters(model)
+    model(torch.randn(4, 3) + 5)
+    averaged.update_parameters(model)
+    assert not torch.equal(averaged.module[1].running_mean, model[1].running_mean)
+
+
+# --- host memory: ranks x (1 + workers) processes, and the data set each holds
+# (debugging/README.md, "Host memory")
+
+LOADER_MEMORY = "torchrun --standalone --nproc_per_node=2 debugging/loader_memory.py"
+LOADER_MEMORY_NO_PRELOAD = (
+    "torchrun --standalone --nproc_per_node=2 debugging/loader_memory.py "
+    "--forms none --no-preload-torch"
+)
+
+
+def test_each_loader_worker_holds_its_own_copy_of_a_python_data_set_and_of_torch(tmp_path):
+    """Under the real torchrun (2 ranks x 2 workers), one run: a list of Python floats costs each
+    worker a copy of its own, and so does an np.memmap kept in the data set (pickled into the
+    worker); a tensor is shared with the rank (one copy per rank), a file each process maps
+    itself by the whole job. Ratios of one run, in copies of each form's own size. Then workers
+    of a forkserver that did not import torch first: each imports it and holds several times the
+    private memory of the first run's (the control)."""
+    run(command_argv(LOADER_MEMORY) + ["--output-dir", str(tmp_path / "forms")], 300, check=True)
+    forms = read_summary(tmp_path / "forms")["forms"]
+    for form in ("list", "memmap_pickled"):  # a copy in every worker
+        assert forms[form]["worker_extra_mb"] >= 0.9 * forms[form]["data_mb"], forms[form]
+    for form in ("tensor", "memmap"):  # shared: a share of one copy per worker
+        assert forms[form]["worker_extra_mb"] <= 0.5 * forms[form]["data_mb"], forms[form]
+    copies = {form: row["copies"] for form, row in forms.items() if form != "none"}
+    assert copies["list"] >= 0.9 * 2 * (1 + 2), copies  # ranks x (1 + workers)
+    assert copies["memmap"] < copies["tensor"] < copies["memmap_pickled"] < copies["list"], copies
+    assert copies["list"] >= 4 * copies["memmap"], copies
+    no_preload = tmp_path / "no_preload"
+    run(command_argv(LOADER_MEMORY_NO_PRELOAD) + ["--output-dir", str(no_preload)], 300, check=True)
+    own = read_summary(no_preload)["forms"]["none"]["worker_private_mb"]
+    assert own >= 5 * forms["none"]["worker_private_mb"], (own, forms["none"])
+
+
+FORK_READS = """
+import numpy as np, torch
+from torch.utils.data import DataLoader, Dataset
+
+def private_mb():
+    rows = [line.split() for line in open("/proc/self/smaps_rollup")]
+    return sum(int(r[1]) for r in rows if r[0] in ("Private_Clean:", "Private_Dirty:")) / 1024
+
+class Numbers(Dataset):
+    def __init__(self, form):
+        self.values = [float(i) for i in range(2_000_000)] if form == "list" else np.arange(2e6)
+    def __len__(self):
+        return 1
+    def __getitem__(self, index):
+        before = private_mb()
+        total = sum(self.values) if isinstance(self.values, list) else self.values.sum()
+        return torch.tensor([before, private_mb(), float(total)])
+
+for form in ("list", "array"):
+    loader = DataLoader(Numbers(form), num_workers=1, multiprocessing_context="fork")
+    before, after, _ = next(iter(loader))[0].tolist()
+    print(form, before, after, flush=True)
+"""
+
+
+def test_a_forked_worker_copies_a_python_list_as_it_reads_it():
+    """fork shares the parent's pages until written; reading a Python object writes its reference
+    count, so a worker that reads a list of 2,000,000 floats (about 46 MiB of float objects) ends
+    up with its own copy of their pages; reading a NumPy array of the same numbers writes nothing
+    (the control). No process group here: fork from a rank with gloo's threads can hang."""
+    result = run([PYTHON, "-c", FORK_READS], 120, check=True)
+    grown = {
+        form: float(after) - float(before)
+        for form, before, after in (line.split() for line in result.stdout.splitlines())
+    }
+    assert grown["list"] >= 40 and abs(grown["array"]) < 5, grown
+
+
+KILLED_WORKER = """
+import os, signal, torch
+from torch.utils.data import DataLoader, Dataset
+
+class Numbers(Dataset):
+    def __len__(self):
+        return 8
+    def __getitem__(self, index):
+        if index == 5:
+            os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer does
+        return torch.tensor(index)
+
+for batch in DataLoader(Numbers(), batch_size=2, num_workers=2, multiprocessing_context="fork"):
+    print(batch.tolist(), flush=True)
+"""
+
+
+def test_a_loader_worker_killed_by_a_signal_is_reported_as_exited_unexpectedly():
+    result = run([PYTHON, "-c", KILLED_WORKER], 120)
+    assert result.returncode == 1
+    assert re.search(
+        r"RuntimeError: DataLoader worker \(pid\(s\) \d+\) exited unexpectedly", result.stderr
+    ), result.stderr[-2000:]
+    guide = (REPO / "debugging" / "README.md").read_text()
+    assert "RuntimeError: DataLoader worker (pid(s) 12345) exited unexpectedly" in guide
+
+
+@pytest.mark.torch_text
+def test_the_loader_and_forkserver_texts_the_guide_quotes_are_torchs_and_pythons():
+    """The signal message of torch's SIGCHLD handler (libtorch_python.so); the persistent_workers
+    docstring; the forkserver's preload switch."""
+    import multiprocessing
+    from pathlib import Path as _Path
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    library = _Path(torch.__file__).parent / "lib" / "libtorch_python.so"
+    assert b"DataLoader worker (pid {}) is killed by signal: {}. " in library.read_bytes()
+    doc = " ".join(DataLoader.__doc__.split())
+    assert (
+        "persistent_workers (bool, optional): If ``True``, the data loader will not shut down "
+        "the worker processes after a dataset has been consumed once." in doc
+    )
+    assert callable(multiprocessing.get_context("forkserver").set_forkserver_preload)
+
+
+# --- a CPU tensor in a group whose only backend is for CUDA
+# (debugging/README.md, "No backend type associated with device type cpu")
+
+ONE_RANK_ALL_REDUCE = """
+import sys, torch, torch.distributed as dist
+dist.init_process_group(sys.argv[1], init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+total = torch.ones(2)
+dist.all_reduce(total)
+print("all_reduce of a CPU tensor:", total.tolist(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_cpu_tensor_in_a_group_without_a_cpu_backend_has_no_backend_and_cpu_gloo_fixes_it():
+    """A group whose only backend serves cuda ("cuda:gloo" here; "nccl" on a GPU machine) and a CPU
+    tensor: torch's own error, for real on a CPU. The fix: a backend for each device type (the
+    guide's "cpu:gloo,cuda:nccl"; "cpu:gloo,cuda:gloo" here, as no GPU runs NCCL)."""
+    broken = run([PYTHON, "-c", ONE_RANK_ALL_REDUCE, "cuda:gloo"], 120)
+    said = "RuntimeError: No backend type associated with device type cpu"
+    assert broken.returncode == 1 and said in broken.stderr, broken.stderr[-2000:]
+    assert f"```\n{said}\n```" in (REPO / "debugging" / "README.md").read_text()
+    fixed = run([PYTHON, "-c", ONE_RANK_ALL_REDUCE, "cpu:gloo,cuda:gloo"], 120, check=True)
+    assert "all_reduce of a CPU tensor: [1.0, 1.0]" in fixed.stdout
+
+
+@pytest.mark.torch_text
+def test_nccl_alone_serves_cuda_and_no_backend_means_the_accelerators_since_2_6(monkeypatch):
+    """Read from, and run in, the installed torch (2.14.1): "nccl" maps cuda only; with no backend
+    given, BackendConfig takes the detected accelerator's backend alone (the accelerator faked as
+    cuda here); the docstring dates that to 2.6, while its note still says both are created."""
+    import torch
+    import torch.distributed.distributed_c10d as c10d
+
+    assert c10d.Backend.backend_capability["nccl"] == ["cuda"]
+    monkeypatch.setattr(
+        torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda")
+    )
+    monkeypatch.setattr(c10d.Backend, "_ensure_backend_registered", lambda backend: None)
+    assert c10d.BackendConfig(c10d.Backend.UNDEFINED).get_device_backend_map() == {"cuda": "nccl"}
+    doc = " ".join(c10d.init_process_group.__doc__.split())
+    assert "Since 2.6, if ``backend`` is not provided, c10d will use a backend registered" in doc
+    assert (
+        "Currently when no backend is specified, both ``gloo`` and ``nccl`` backends will be "
+        "created." in doc
+    )
+
+
+# --- destroy_process_group() at exit (debugging/README.md, "destroy_process_group() was not
+# called before program exit")
+
+NO_DESTROY = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+total = torch.ones(1)
+dist.all_reduce(total)
+print("ends without destroy_process_group()", flush=True)
+"""
+
+
+def test_gloo_says_nothing_when_destroy_process_group_is_not_called():
+    """The warning is ProcessGroupNCCL's (tests/test_nccl_docs.py): a gloo run that ends without
+    destroy_process_group() exits 0 and prints nothing of the kind."""
+    result = run([PYTHON, "-c", NO_DESTROY], 120, check=True)
+    assert "ends without destroy_process_group()" in result.stdout
+    assert "destroy_process_group" not in result.stderr and "leak" not in result.stderr, (
+        result.stderr
+    )
+
+
+# --- init_process_group(device_id=...) (debugging/README.md, "barrier(): using the device under
+# current context")
+
+DEVICE_ID = """
+import sys, torch, torch.distributed as dist
+kwargs = {"device_id": torch.device("cpu")} if sys.argv[1] == "cpu" else {}
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1, **kwargs)
+dist.barrier()
+print("barrier passed", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_device_id_is_refused_for_the_cpu_and_a_cpu_run_leaves_it_out():
+    refused = run([PYTHON, "-c", DEVICE_ID, "cpu"], 120)
+    said = "ValueError: init_process_group device_id parameter must be an accelerator with an index"
+    assert refused.returncode == 1 and said in refused.stderr, refused.stderr[-2000:]
+    assert f"`{said}`" in " ".join((REPO / "debugging" / "README.md").read_text().split())
+    plain = run([PYTHON, "-c", DEVICE_ID, "none"], 120, check=True)
+    assert "barrier passed" in plain.stdout and "barrier():" not in plain.stderr

@@ -479,3 +479,158 @@ def test_barrier_without_device_ids_uses_the_current_device_as_the_guide_says():
     assert "get_rank() %" not in code and "rank %" not in code
     warning = "barrier(): using the device under current context"
     assert warning in code and warning in GUIDE.read_text()
+
+
+# --- the heartbeat monitor (debugging/README.md, "ProcessGroupNCCL's watchdog got stuck")
+
+HEARTBEAT_MESSAGES = [
+    "ProcessGroupNCCL's watchdog got stuck for ",
+    " seconds without making progress in monitoring enqueued collectives. ",
+    "you can either increase the timeout (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC) to a larger value or "
+    "disable the heartbeat monitor (TORCH_NCCL_ENABLE_MONITORING=0).",
+    "Terminating the process after attempting to dump debug info, due to ",
+    "ProcessGroupNCCL watchdog hang",
+    "ProcessGroupNCCL monitor thread is disabled, but would have terminated the process",
+]
+# The first line torch 2.3 and 2.4 logged (their wheels' libtorch_cuda.so); gone in 2.5.
+OLD_HEARTBEAT = "Heartbeat monitor timed out!"
+HEARTBEAT_CONSTRUCTOR = "_ZN4c10d16ProcessGroupNCCL16HeartbeatMonitorC2EPS0_"
+
+
+def cvar_defaults(library: Path, function: str) -> dict[str, int]:
+    """The defaults `function` passes to getCvarInt/getCvarBool, by variable: in its machine code,
+    each `mov $N,%esi` (the default) before the `lea` of a TORCH_NCCL_* variable's name. Read with
+    binutils (nm for the function's address, objdump to disassemble it)."""
+    import shutil
+    import subprocess
+
+    if not (shutil.which("nm") and shutil.which("objdump")):
+        pytest.skip("binutils (nm, objdump) not installed: they read the library's machine code")
+    symbols = subprocess.run(
+        ["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True, check=True
+    ).stdout
+    [address] = re.findall(rf"^([0-9a-f]+) T {re.escape(function)}$", symbols, re.M)
+    start = int(address, 16)
+    code = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", f"--start-address={start}"]
+        + [f"--stop-address={start + 0x200}", str(library)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    defaults, value = {}, None
+    for line in code.splitlines():
+        if move := re.search(r"\smov\s+\$0x([0-9a-f]+),%esi$", line):
+            value = int(move[1], 16)
+        elif name := re.search(r"<_ZN4c10dL\d+(TORCH_NCCL_\w+)E>", line):
+            defaults[name[1]] = value
+    return defaults
+
+
+def test_heartbeat_monitor_messages_and_defaults_are_the_installed_librarys():
+    """torch 2.14.1's libtorch_cuda.so: the heartbeat monitor's messages the guide quotes (the
+    wording of 2.3 and 2.4 is not there), and the defaults its constructor passes: 480 s before it
+    aborts, monitoring on, 15 s for the flight-recorder dump."""
+    found = found_in_library("libtorch_cuda.so", HEARTBEAT_MESSAGES + [OLD_HEARTBEAT])
+    assert [m for m in HEARTBEAT_MESSAGES if not found[m]] == [] and not found[OLD_HEARTBEAT]
+    defaults = cvar_defaults(TORCH_LIB / "libtorch_cuda.so", HEARTBEAT_CONSTRUCTOR)
+    assert {
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": 480,
+        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": 15000,
+        "TORCH_NCCL_ENABLE_MONITORING": 1,
+    }.items() <= defaults.items(), defaults
+    guide = " ".join(GUIDE.read_text().split())
+    for claim in (
+        "ProcessGroupNCCL's watchdog got stuck for 480 seconds without making progress in "
+        "monitoring enqueued collectives.",
+        "`TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC` (480 s in torch 2.14.1",
+        "`TORCH_NCCL_ENABLE_MONITORING=0`",
+        f"`{OLD_HEARTBEAT}",
+    ):
+        assert claim in guide, claim
+
+
+# --- P2P over PCIe (debugging/README.md, "The first all-reduce hangs")
+
+
+def test_the_nccl_lines_and_variables_the_guide_names_for_p2p_are_nccls():
+    """The bundled libnccl.so.2: NCCL_DEBUG=INFO's channel lines for the P2P and shared-memory
+    transports, and the variables the guide names. The control: a wording NCCL does not print."""
+    texts = [
+        "Channel %02d/%01d : %d[%d] -> %d[%d] via P2P/%s%s%s",
+        "Channel %02d : %d[%d] -> %d[%d] via SHM/direct",
+        "NCCL_P2P_DISABLE",
+        "NCCL_P2P_LEVEL",
+    ]
+    found = found_in(nccl_library(), [*texts, "via PCIe/P2P"])
+    assert found == {**dict.fromkeys(texts, True), "via PCIe/P2P": False}
+    guide = " ".join(GUIDE.read_text().split())
+    for claim in ("`via P2P/…`", "`via SHM/direct`", "`NCCL_P2P_DISABLE=1`", "`NCCL_P2P_LEVEL`"):
+        assert claim in guide, claim
+
+
+# --- destroy_process_group() at exit (debugging/README.md)
+
+NOT_DESTROYED = (
+    "WARNING: destroy_process_group() was not called before program exit, which can leak "
+    "resources. For more info, please see https://pytorch.org/docs/stable/distributed.html#shutdown"
+)
+# torch 2.3 to 2.5's wording (their wheels); 2.6 shortened it.
+NOT_DESTROYED_BEFORE_2_6 = "WARNING: process group has NOT been destroyed before"
+
+
+def test_the_exit_warning_is_nccls_alone():
+    """In torch 2.14.1 the warning is in the NCCL backend's library only (ProcessGroupNCCL's
+    destructor): gloo, in libtorch_cpu.so, has no such text (a gloo run prints none:
+    tests/test_forum_errors.py). The longer wording of 2.3 to 2.5 is gone."""
+    cuda = found_in_library("libtorch_cuda.so", [NOT_DESTROYED, NOT_DESTROYED_BEFORE_2_6])
+    assert cuda == {NOT_DESTROYED: True, NOT_DESTROYED_BEFORE_2_6: False}
+    assert found_in_library("libtorch_cpu.so", [NOT_DESTROYED]) == {NOT_DESTROYED: False}
+    guide = " ".join(GUIDE.read_text().split())
+    assert f"{NOT_DESTROYED} (function operator())" in guide
+    assert f"`{NOT_DESTROYED_BEFORE_2_6} ...`" in guide
+
+
+# --- barrier() and init_process_group(device_id=...) (debugging/README.md)
+
+BARRIER_WARNING = (
+    "barrier(): using the device under current context. You can specify `device_id` in "
+    "`init_process_group` to mute this warning."
+)
+
+
+def test_barrier_warns_on_rank_0_unless_device_ids_or_device_id_name_the_device():
+    """torch 2.14.1's barrier(): device_ids first, then the device bound by
+    init_process_group(device_id=...), then the CPU; only otherwise the current device, with the
+    warning, from the group's rank 0 only. init_process_group's docstring: device_id forms the
+    NCCL communicator at once. NCCL's own guess, where nothing named a device, in its library."""
+    import inspect
+
+    import torch.distributed.distributed_c10d as c10d
+
+    code = inspect.getsource(c10d.barrier).split('"""')[-1]
+    order = [
+        code.index("if isinstance(device_ids, list):"),
+        code.index('elif getattr(group, "bound_device_id", None) is not None:'),
+        code.index('elif device.type == "cpu"'),
+        code.index("if group.rank() == 0:"),
+    ]
+    assert order == sorted(order)
+    call = code[code.index("warnings.warn(", order[-1]) : code.index("stacklevel", order[-1])]
+    assert "".join(re.findall(r'"([^"]*)"', call)) == BARRIER_WARNING, call
+    assert not re.search(r"\w+Warning\b", call)  # no category given: a UserWarning
+    doc = " ".join(c10d.init_process_group.__doc__.split())
+    assert "the communicator is immediately formed (calling ``ncclCommInit*`` immediately" in doc
+    assert "sub-groups will use ``ncclCommSplit`` when possible" in doc
+    guessing = [
+        "Guessing device ID based on global rank. ",
+        "This can cause a hang if rank to GPU mapping is heterogeneous. ",
+        "You can specify device_id in init_process_group()",
+    ]
+    assert all(found_in_library("libtorch_cuda.so", guessing).values())
+    guide = " ".join(GUIDE.read_text().split())
+    assert f"UserWarning: {BARRIER_WARNING}" in guide
+    assert (
+        "`Guessing device ID based on global rank. This can cause a hang if rank to GPU "
+        "mapping is heterogeneous. You can specify device_id in init_process_group()`" in guide
+    )
