@@ -430,6 +430,7 @@ class Linter:
             if isinstance(source.parent.get(call), ast.Assign)
             for t in source.parent[call].targets
         }
+        self.ddp_models = self._ddp_models()
         for source in self.sources:
             _Walk(self, source).statements(source.tree.body, _Context())
         self._check_writes()
@@ -437,6 +438,31 @@ class Linter:
         self._check_seed(named)
         self._check_devices(named, starts_group)
         return sorted(self.findings, key=lambda f: (f.path, f.line, f.kind))
+
+    def _ddp_models(self) -> set[str]:
+        """Names that hold a DDP model: the wrap's target, and copies of it (copy.deepcopy)."""
+        names = set(self.wrapped)
+
+        def holds_ddp(node) -> bool:
+            if isinstance(node, ast.Name):
+                return node.id in names
+            if isinstance(node, ast.IfExp):
+                return holds_ddp(node.body) or holds_ddp(node.orelse)
+            if isinstance(node, ast.Call) and _call_name(node) == "deepcopy":
+                return any(holds_ddp(a) for a in node.args)
+            return False
+
+        changed = True
+        while changed:
+            changed = False
+            for source in self.sources:
+                for node in ast.walk(source.tree):
+                    if isinstance(node, ast.Assign) and holds_ddp(node.value):
+                        for target in node.targets:
+                            if isinstance(target, ast.Name) and target.id not in names:
+                                names.add(target.id)
+                                changed = True
+        return names
 
     def _check_writes(self):
         """Writes every rank reaches: not under a branch on the rank, and not in a function
@@ -837,7 +863,16 @@ class _Walk:
             k.arg == "group" for k in call.keywords
         )
         if context.guard is not None and not on_subgroup:
-            if linter._is_collective(source, call):
+            if isinstance(call.func, ast.Name) and call.func.id in linter.ddp_models:
+                linter.add(
+                    source,
+                    call,
+                    "ddp-forward-in-rank-branch",
+                    f"a forward of the DDP model {call.func.id} inside a branch on the rank (line "
+                    f"{context.guard.lineno}): DDP's forward can broadcast rank 0's buffers, a "
+                    "collective the other ranks never make; call its .module",
+                )
+            elif linter._is_collective(source, call):
                 linter.add(
                     source,
                     call,
@@ -1342,7 +1377,8 @@ def _divergence(run: Run, script: str) -> list[str]:
         lines += [
             str(f)
             for f in Linter([script]).run()
-            if f.kind in ("rank-control-flow", "collective-in-rank-branch")
+            if f.kind
+            in ("rank-control-flow", "collective-in-rank-branch", "ddp-forward-in-rank-branch")
         ]
     return lines
 

@@ -4,9 +4,10 @@ mistake's line marked `# planted: KIND`), on correct ports, on the lessons and o
 lint reads code: cheap, no torch. run starts torchrun twice per script (about 10 s each): only
 the cases the README shows run by default: no sampler, no set_epoch, a rank-0-only break, the
 correct port with and without dropout. The hang and each demo a run can see are in the
-launchers tier. Not covered: the
-demos whose bug this torch or torchrun no longer has (debugging/two_forwards.py --buffers
-inplace: torch 2.6-2.11; debugging/local_rank_args.py: the old torch.distributed.launch).
+launchers tier. Not covered: the demos whose bug this torch or torchrun no longer has
+(debugging/two_forwards.py --buffers inplace: torch 2.6-2.11; debugging/local_rank_args.py: the
+old torch.distributed.launch), and those of cost rather than correctness (compile_ddp.py's
+graphs, loader_memory.py's memory).
 """
 
 from __future__ import annotations
@@ -111,6 +112,18 @@ def test_lint_flags_the_demos_collectives_on_one_rank():
             line_of(demo, "BUG: a collective inside") + 1,
             "collective-in-rank-branch",
         ),
+    }
+
+
+def test_lint_flags_the_ema_demos_copy_of_the_wrapper_evaluated_on_rank_0():
+    demo = REPO / "debugging" / "ema_ddp.py"
+    result = doctor("lint", demo)
+    assert findings(result.stdout) == {
+        (
+            "ema_ddp.py",
+            line_of(demo, "eval_loss = F.cross_entropy(ema(x)"),
+            "ddp-forward-in-rank-branch",
+        )
     }
 
 
