@@ -404,7 +404,8 @@ class Linter:
                         source,
                         backward,
                         "no-process-group",
-                        "training without dist.init_process_group(): each process trains alone",
+                        "training without a process group (init_process_group): each process "
+                        "trains alone",
                     )
         elif "destroy_process_group" not in named:
             source, call = named["init_process_group"][0]

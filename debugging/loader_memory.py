@@ -134,12 +134,13 @@ def measure(form: str, cfg, path: Path, rank: int) -> dict:
     )
     batches = iter(loader)  # the workers live until the iterator is done or deleted
     pids = [int(next(batches)[0, 0]) for _ in range(cfg.num_workers)]
-    dist.barrier()  # every worker of every rank has read the data and is still alive
+    # every worker of every rank has read the data and is still alive (gloo: no device)
+    dist.barrier(device_ids=None)
     processes = [("rank", memory_mb())] + [("worker", memory_mb(pid)) for pid in pids]
     result = dict(data_mb=data.size_bytes() / 2**20, rank=rank, processes=processes, before=before)
     del batches, loader, data  # the workers exit
     gc.collect()
-    dist.barrier()
+    dist.barrier(device_ids=None)
     return result
 
 
@@ -158,7 +159,7 @@ def run(cfg, launch):
     if launch.rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_numbers(path, cfg.items)
-    dist.barrier()
+    dist.barrier(device_ids=None)
     # "none" first: the workers' memory with an empty data set is what the others are held to
     forms = [form for form in FORMS if form == "none" or form in cfg.forms.split(",")]
     results = {}
