@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -972,17 +974,10 @@ def lint(paths: list[str]) -> int:
 
 
 def _user_site(frame) -> str:
-    """file:line of the innermost frame of the user's code (not torch's, not this file's)."""
-    here = os.path.abspath(__file__)
+    """file:line of the innermost frame of the user's code (not a library's, not this file's)."""
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if (
-            os.path.abspath(filename) != here
-            and f"{os.sep}torch{os.sep}" not in filename
-            and not filename.startswith("<")
-            and f"{os.sep}lib{os.sep}python" not in filename
-        ):
-            return f"{filename}:{frame.f_lineno}"
+        if _is_user_file(frame.f_code.co_filename):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
 
@@ -1311,13 +1306,13 @@ def _is_doctor(filename: str) -> bool:
     return os.path.abspath(filename) == os.path.abspath(__file__)
 
 
+@functools.cache
 def _is_user_file(filename: str) -> bool:
-    import sysconfig
-
+    """Not the standard library's, an installed package's (torch), this file's, or generated."""
     path = os.path.abspath(filename)
     return not (
         filename.startswith("<")
-        or path == os.path.abspath(__file__)
+        or _is_doctor(filename)
         or path.startswith(os.path.abspath(sysconfig.get_paths()["stdlib"]))
         or "site-packages" in path
         or "dist-packages" in path
