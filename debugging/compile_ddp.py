@@ -134,8 +134,12 @@ def train(cfg, launch):
             f"at step 1, state_dict keys like {key}",
             flush=True,
         )
-    # Release the DDP model (it holds the process group) before destroying the group.
-    del model
+    # Release the DDP model (it holds the process group) before destroying the group, and the
+    # compiler's caches too: their guards keep the model, and so the group, alive past
+    # destroy_process_group(), and gloo's threads can then abort the exit ("terminate called
+    # without an active exception", debugging/README.md).
+    del model, optimizer, loss
+    torch.compiler.reset()
     dist.destroy_process_group()
 
 

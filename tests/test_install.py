@@ -40,6 +40,8 @@ TORCH_PACKAGES = {"torch", "torchvision"}
 # Python sources of the torch wheels of each release
 # from 2.0.1 on, read for the definition (or argument).
 NEWER_THAN_2_0 = {
+    "torch.compiler": ("2.1", "absent from the 2.0.1 wheel; in the 2.1 docs"),
+    "torch.compiler.reset": ("2.1", "in the torch.compiler API list of the 2.1 docs"),
     ".compile": ("2.1", "nn.Module.compile: defined in nn/modules/module.py of 2.1.2, not 2.0.1"),
     ".register_post_accumulate_grad_hook": (
         "2.1",
