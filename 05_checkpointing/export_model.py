@@ -23,7 +23,8 @@ import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 import checkpoint as ckpt  # 05_checkpointing/checkpoint.py
-from common.errors import ConfigError, DataError, exit_on_bad_input
+from common.errors import ConfigError, DataError
+from common.launcher import exit_on_bad_input
 from common.models import build_model
 
 

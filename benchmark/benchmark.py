@@ -42,7 +42,8 @@ from pathlib import Path
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from common.config import field, load_config
-from common.errors import ConfigError, exit_on_bad_input
+from common.errors import ConfigError
+from common.launcher import exit_on_bad_input
 
 REPO = Path(__file__).resolve().parents[1]
 

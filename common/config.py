@@ -12,7 +12,8 @@ from typing import Any, Sequence, TypeVar, get_type_hints
 
 import yaml
 
-from common.errors import ConfigError, exit_on_bad_input
+from common.errors import ConfigError
+from common.launcher import exit_on_bad_input
 
 C = TypeVar("C")
 DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "imagefolder", "fake")
@@ -26,6 +27,36 @@ def field(
     return dataclasses.field(
         default=default, metadata={"help": help, "choices": choices, "min": min}
     )
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Settings shared by the training examples; an example subclasses it to add its own."""
+
+    dataset: str = field("digits", "data set", choices=DATASETS)
+    data_dir: str = field("data", "folder holding downloaded data sets (not used by digits)")
+    download: bool = field(
+        False, "download the data set if missing (rank 0 downloads, the others wait)"
+    )
+    model: str = field("small_cnn", "network", choices=MODELS)
+    image_size: int = field(0, "resize images to this size (0: the data set's own size)", min=0)
+    epochs: int = field(12, "passes over the training set", min=1)
+    max_steps: int = field(0, "stop after this many optimizer steps in total (0: no limit)", min=0)
+    batch_size: int = field(
+        32, "samples per rank per step (local batch); global = local x world size", min=1
+    )
+    lr: float = field(0.1, "learning rate", min=0.0)
+    momentum: float = field(0.9, "SGD momentum", min=0.0)
+    weight_decay: float = field(0.0, "SGD weight decay", min=0.0)
+    seed: int = field(
+        0,
+        "init and shuffle seed (same on every rank); augmentation, loader workers: seed + rank",
+        min=0,
+    )
+    num_workers: int = field(0, "DataLoader worker processes per rank", min=0)
+    timeout_s: float = field(60.0, "seconds a collective may wait for the other ranks", min=1.0)
+    output_dir: str = field("runs/latest", "where summary.json and model.pt go")
+    log_every: int = field(10, "print a progress line every N steps", min=1)
 
 
 def _check_type(key: str, value: Any, kind: type) -> Any:
@@ -64,14 +95,16 @@ def load_config(cls: type[C], argv: Sequence[str] | None = None) -> C:
 
 def parse_config(cls: type[C], argv: Sequence[str] | None = None) -> C:
     """load_config without the exit: raises ConfigError."""
-    fields, kinds = {f.name: f for f in dataclasses.fields(cls)}, get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kinds = get_type_hints(cls)
     parser = _Parser(
         description=cls.__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--config", help="YAML file of defaults (flags override it)")
     for name, f in fields.items():
         flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
-        kind, help_text = kinds[name], f"{f.metadata.get('help', '')} (default: {f.default})"
+        kind = kinds[name]
+        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
         if kind is bool:  # --flag / --no-flag
             how = dict(action=argparse.BooleanOptionalAction)
         else:  # a string as typed, anything else by YAML's rules
@@ -83,15 +116,14 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None) -> C:
     parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
     args = vars(parser.parse_args(argv))
     # the local rank is read from LOCAL_RANK (launcher.py)
-    config, _ = args.pop("config"), args.pop("local_rank")
+    config = args.pop("config")
+    args.pop("local_rank")
     values = _read_yaml(Path(config), fields, kinds) if config else {}
     cfg = cls(**{**values, **args})  # flags override the YAML file
     for name, f in fields.items():
-        value, choices, minimum = (
-            getattr(cfg, name),
-            f.metadata.get("choices"),
-            f.metadata.get("min"),
-        )
+        value = getattr(cfg, name)
+        choices = f.metadata.get("choices")
+        minimum = f.metadata.get("min")
         if choices and value not in choices:
             raise ConfigError(
                 f"config key '{name}' must be one of {', '.join(map(str, choices))}, got {value!r}"
@@ -119,33 +151,3 @@ def _read_yaml(path: Path, fields, kinds) -> dict[str, Any]:
             f"unknown config key '{unknown[0]}' in {path} (valid keys: {', '.join(fields)})"
         )
     return {key: _check_type(key, value, kinds[key]) for key, value in raw.items()}
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    """Settings shared by the training examples; an example subclasses it to add its own."""
-
-    dataset: str = field("digits", "data set", choices=DATASETS)
-    data_dir: str = field("data", "folder holding downloaded data sets (not used by digits)")
-    download: bool = field(
-        False, "download the data set if missing (rank 0 downloads, the others wait)"
-    )
-    model: str = field("small_cnn", "network", choices=MODELS)
-    image_size: int = field(0, "resize images to this size (0: the data set's own size)", min=0)
-    epochs: int = field(12, "passes over the training set", min=1)
-    max_steps: int = field(0, "stop after this many optimizer steps in total (0: no limit)", min=0)
-    batch_size: int = field(
-        32, "samples per rank per step (local batch); global = local x world size", min=1
-    )
-    lr: float = field(0.1, "learning rate", min=0.0)
-    momentum: float = field(0.9, "SGD momentum", min=0.0)
-    weight_decay: float = field(0.0, "SGD weight decay", min=0.0)
-    seed: int = field(
-        0,
-        "init and shuffle seed (same on every rank); augmentation, loader workers: seed + rank",
-        min=0,
-    )
-    num_workers: int = field(0, "DataLoader worker processes per rank", min=0)
-    timeout_s: float = field(60.0, "seconds a collective may wait for the other ranks", min=1.0)
-    output_dir: str = field("runs/latest", "where summary.json and model.pt go")
-    log_every: int = field(10, "print a progress line every N steps", min=1)

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from common.errors import DataError, exit_on_bad_input
+from common.errors import DataError
+from common.launcher import exit_on_bad_input
 
 DOWNLOADABLE = ("cifar10", "mnist", "fashion_mnist")
 FAKE_TRAIN_SIZE, FAKE_TEST_SIZE = 2048, 512

@@ -11,18 +11,24 @@ a guess. launch_info(env) is the rule on a plain dict; this module imports no to
 import os
 import re
 import socket
+import sys
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import product
 from pathlib import Path
 from typing import Mapping
 
-from common.errors import LauncherError, exit_on_bad_input
+from common.errors import ConfigError, DataError, LauncherError, UsageError
 
 # torchrun's --master-port default across nodes (one node without it: a free port)
 DEFAULT_PORT = 29500
 # below the ephemeral range (32768+); the stride (PBS subjobs, srun steps) coprime to the span
 PORT_BASE, PORT_SPAN, STRIDE = 15000, 15000, 7537
 LOOPBACK = "127.0.0.1"
+BAD_INPUT_EXIT_CODE = 2
+# silent ranks exit later: a launcher stops all ranks once one exits, the reporting one too
+SILENT_RANK_DELAY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -36,21 +42,41 @@ class Dialect:  # where one launcher puts the four numbers; `marker`: a variable
 
 
 TORCHRUN = Dialect(
-    "torchrun", "TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"
+    launcher="torchrun",
+    marker="TORCHELASTIC_RUN_ID",
+    rank="RANK",
+    local_rank="LOCAL_RANK",
+    world_size="WORLD_SIZE",
+    local_world_size="LOCAL_WORLD_SIZE",
 )
 BY_HAND = replace(TORCHRUN, launcher="env", marker="")
 MPI_LAUNCHERS = (  # Hydra is also Intel MPI's (named intel-mpi where I_MPI_ROOT is set)
     Dialect(
-        "openmpi", *(f"OMPI_COMM_WORLD_{n}" for n in "SIZE RANK LOCAL_RANK SIZE LOCAL_SIZE".split())
+        launcher="openmpi",
+        marker="OMPI_COMM_WORLD_SIZE",
+        rank="OMPI_COMM_WORLD_RANK",
+        local_rank="OMPI_COMM_WORLD_LOCAL_RANK",
+        world_size="OMPI_COMM_WORLD_SIZE",
+        local_world_size="OMPI_COMM_WORLD_LOCAL_SIZE",
     ),
     Dialect(
-        "mpich", "MPI_LOCALNRANKS", "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE", "MPI_LOCALNRANKS"
+        launcher="mpich",
+        marker="MPI_LOCALNRANKS",
+        rank="PMI_RANK",
+        local_rank="MPI_LOCALRANKID",
+        world_size="PMI_SIZE",
+        local_world_size="MPI_LOCALNRANKS",
     ),
 )
 MPI_NAMES = ("openmpi", "mpich", "intel-mpi", "pals")
-# PMI_SIZE and PMI_LOCAL_SIZE: Cray PMI's, which PALS sets up for every rank it starts
 PALS = Dialect(
-    "pals", "PALS_LOCAL_RANKID", "PALS_RANKID", "PALS_LOCAL_RANKID", "PMI_SIZE", "PMI_LOCAL_SIZE"
+    launcher="pals",
+    marker="PALS_LOCAL_RANKID",
+    rank="PALS_RANKID",
+    local_rank="PALS_LOCAL_RANKID",
+    # Cray PMI's, which PALS sets up for every rank it starts
+    world_size="PMI_SIZE",
+    local_world_size="PMI_LOCAL_SIZE",
 )
 FOREIGN_RANKS = ("PMI_RANK", "PALS_RANKID", "PMIX_RANK")  # set, yet no rule matched: refused
 _SLURM_SPECIAL_STEP_MIN = 0xFFFFFFFA  # batch, extern, interactive, pending: not srun steps
@@ -107,7 +133,8 @@ def _expand_ranges(spec: str, hostlist: str) -> list[str]:
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", rng.strip())
         if not m or int(m.group(2) or m.group(1)) < int(m.group(1)):
             raise LauncherError(f"bad range {rng!r} in host list {hostlist!r}")
-        lo, hi = m.group(1), m.group(2) or m.group(1)
+        lo = m.group(1)
+        hi = m.group(2) or lo
         out += [str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1)]  # keep zero padding
     return out
 
@@ -116,7 +143,9 @@ def _slurm_tasks_on_node(env: Mapping[str, str]) -> int | None:
     """This node's count in SLURM_STEP_TASKS_PER_NODE ('2(x3),1': 2 tasks on 3 nodes, then 1)."""
     step = bool(env.get("SLURM_STEP_TASKS_PER_NODE"))
     name = "SLURM_STEP_TASKS_PER_NODE" if step else "SLURM_TASKS_PER_NODE"
-    spec, node_index, counts = env.get(name) or "", _int(env, "SLURM_NODEID"), []
+    spec = env.get(name) or ""
+    node_index = _int(env, "SLURM_NODEID")
+    counts = []
     if not spec:
         return None
     for item in spec.split(","):
@@ -201,12 +230,7 @@ def detect_launcher(
     exits with code 2. uses_gpu=False: a CPU run, whose ranks are not checked against the GPUs."""
     import torch
 
-    # torch 2.14.1's bug, worked around here, before every script's process group: imported after
-    # it, torch.distributed.nn.functional (DDP imports it) binds the group as a default argument,
-    # keeping it and gloo's threads past destroy_process_group(), where one can abort the finished
-    # run ("terminate called without an active exception"; debugging/README.md).
-    import torch.distributed.nn  # noqa: F401
-
+    import_distributed_nn_before_the_process_group()
     gpus = torch.cuda.device_count() if uses_gpu and torch.cuda.is_available() else 0
     with exit_on_bad_input():
         info = launch_info(os.environ, rank, world_size, gpus)
@@ -214,6 +238,14 @@ def detect_launcher(
         # torch up to 2.7 refuses port 0 in a tcp:// URL ("port number missing"): ask the OS
         info = replace(info, master_port=free_port())
     return info
+
+
+def import_distributed_nn_before_the_process_group() -> None:
+    """A workaround for torch 2.14.1, called before every script's process group: imported after
+    it, torch.distributed.nn.functional (DDP imports it) binds the group as a default argument,
+    keeping it and gloo's threads past destroy_process_group(), where one can abort the finished
+    run ("terminate called without an active exception"; debugging/README.md)."""
+    import torch.distributed.nn  # noqa: F401
 
 
 def choose_backend(device) -> str:
@@ -247,7 +279,9 @@ def launch_info(
     scheduler, job = _scheduler(env)
     spawned = rank is not None or world_size is not None  # mp.spawn: every rank on one node
     found = Ranks("mp.spawn", rank, rank, world_size, world_size) if spawned else launched_by(env)
-    name, rank, local_rank = found.launcher, found.rank, found.local_rank
+    name = found.launcher
+    rank = found.rank
+    local_rank = found.local_rank
     world = 1 if found.world_size is None else found.world_size
     local_world = found.local_world_size
     if world < 1:
@@ -291,7 +325,8 @@ def launch_info(
                 "MASTER_PORT) to every rank"
             )
     alone = name == "single" and not env.get("MASTER_PORT")
-    port, addr = 0 if alone else master_port(env, name), master_address(env, name)
+    port = 0 if alone else master_port(env, name)
+    addr = master_address(env, name)
     return LaunchInfo(name, rank, local_rank, world, local_world, addr, port, scheduler, job, gpu)
 
 
@@ -357,3 +392,25 @@ def _by_hand(env: Mapping[str, str]) -> Ranks:
     local_rank = job.local_rank if found.local_rank is None else found.local_rank
     local_world = job.local_world_size if found.local_world_size is None else found.local_world_size
     return replace(found, local_rank=local_rank, local_world_size=local_world)
+
+
+@contextmanager
+def exit_on_bad_input():
+    """Turn a UsageError into an `error:` line and exit code 2. A config error is the same on
+    every rank, so global rank 0 says it; a data error (a folder missing on one node) is said by
+    each node's local rank 0; a launcher error is this rank's own view of its launch, so every
+    rank that finds one says it (a rank that found nothing to say would exit silently). It lives
+    here because who says it is the launcher's rule (launched_by)."""
+    try:
+        yield
+    except UsageError as exc:
+        try:
+            ranks = launched_by(os.environ)
+        except UsageError:
+            ranks = Ranks("unknown", None, None, None, None)
+        reporter = {ConfigError: ranks.rank, DataError: ranks.local_rank}.get(type(exc), 0)
+        if reporter in (None, 0):
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(SILENT_RANK_DELAY_S)
+        sys.exit(BAD_INPUT_EXIT_CODE)

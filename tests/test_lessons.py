@@ -375,31 +375,6 @@ def test_no_python_line_is_over_100_columns():
     assert long == []
 
 
-COMMON = sorted((REPO / "common").glob("*.py"))
-
-
-def test_common_has_one_concern_per_file_and_no_import_cycle():
-    imports = {
-        p.stem: set(
-            re.findall(r"^from common\.(\w+) import|^import common\.(\w+)", p.read_text(), re.M)
-        )
-        for p in COMMON
-    }
-    graph = {name: {a or b for a, b in deps} for name, deps in imports.items()}
-    # Configuration validation imports neither data nor launcher code.
-    assert graph["config"] <= {"errors"}
-    # No cycle: repeatedly remove modules that import nothing left.
-    remaining = dict(graph)
-    while remaining:
-        leaves = [m for m, deps in remaining.items() if not (deps & remaining.keys())]
-        assert leaves, f"import cycle among {sorted(remaining)}"
-        for m in leaves:
-            del remaining[m]
-    # No module writes another module's globals (e.g. `common.dist.JOINED = ...`).
-    for path in COMMON:
-        assert not re.search(r"^\s*common\.\w+\.\w+\s*=", path.read_text(), re.M), path
-
-
 def code_lines(path: Path) -> int:
     """Lines that are neither blank, nor comments, nor docstrings."""
     source = path.read_text()
