@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import importlib.metadata as metadata
 import importlib.util
-import io
 import itertools
 import json
 import os
@@ -18,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tokenize
 import uuid
 from pathlib import Path
 
@@ -499,40 +497,6 @@ def load_script(path: str | Path, name: str):
     return module
 
 
-def without_comments(source: str) -> str:
-    """Python source without its comments: lines that are only a comment are dropped, trailing
-    comments cut off."""
-    lines = source.splitlines()
-    comment_only = set()
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            row, column = token.start
-            if not lines[row - 1][:column].strip():
-                comment_only.add(row)
-            lines[row - 1] = lines[row - 1][:column].rstrip()
-    return "".join(f"{line}\n" for row, line in enumerate(lines, 1) if row not in comment_only)
-
-
-def code_lines_without_messages(source: str) -> list[str]:
-    """Python source's lines with each print(...) call folded into the one line `print(...)`: the
-    code, whatever its messages say. Comparisons of a lesson with 01 use these, so that rewording
-    a message of 01 fails only the README sample that shows it (tests/readme_samples.py)."""
-    lines = source.splitlines()
-    calls = [
-        node
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Name)
-        and node.func.id == "print"
-    ]
-    # from the last call up, so that folding one leaves the line numbers above it as they were
-    for call in sorted(calls, key=lambda call: call.lineno, reverse=True):
-        head = lines[call.lineno - 1][: call.col_offset]
-        tail = lines[call.end_lineno - 1][call.end_col_offset :]
-        lines[call.lineno - 1 : call.end_lineno] = [f"{head}print(...){tail}"]
-    return lines
-
-
 def read_summary(output_dir: Path) -> dict:
     return json.loads((Path(output_dir) / "summary.json").read_text())
 
@@ -613,3 +577,86 @@ def summary_fields(script: str | Path) -> set[str]:
     if "replica_checksums" in fields:
         fields.add("replicas_identical")
     return fields
+
+
+READY_ONCE = "Expected to mark a variable ready only once"
+
+
+# optdigits.tes, UCI's description
+UCI_TEST_CLASS_COUNTS = [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
+
+
+def assert_same_params(a, b, rtol=1e-5):
+    import torch
+
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=1e-7, msg=name)
+
+
+# --- what a behaviour test and the README check of the same text share
+
+
+def node_of(local_world_size: int, local_rank: int, mask: str | None = None) -> dict[str, str]:
+    """torchrun's variables for one rank of a one-node
+    job, with an optional CUDA_VISIBLE_DEVICES."""
+    env = {
+        "TORCHELASTIC_RUN_ID": "x",
+        "RANK": str(local_rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(local_world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+    }
+    return env if mask is None else {**env, "CUDA_VISIBLE_DEVICES": mask}
+
+
+# The end of torch's line for a rendezvous that timed out (debugging/README.md quotes it:
+# tests/test_readme_text.py)
+RENDEZVOUS_TIMED_OUT = "waiting for clients. 1/2 clients joined."
+
+
+NEVER_CHECKED_IN = "rank(s) {ranks} of {world} never checked in"
+
+
+# comm_check's two errors, as the README's table of errors quotes them with its own values
+# (tests/test_readme_text.py)
+UNREACHABLE = "error: rank {rank} on {host} cannot reach rank 0's store at {addr} within {s} s"
+
+
+ROW = re.compile(
+    r"\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)"
+    r"\s+([\d.]+)\s+([\d.]+)\s+(True|False)"
+)
+
+
+# The two lines the README quotes (tests/test_readme_text.py)
+TEACHER_ERRORS = (
+    "error: --teacher is required: a model.pt saved by 01_basic_ddp/train.py",
+    "error: teacher: no file runs/teacher/model.pt (train one with 01 first)",
+)
+
+
+FIXED_CELL = """
+import torch.multiprocessing as mp
+from ddp_worker import worker
+
+mp.spawn(worker, args=(2, {port}), nprocs=2)
+"""
+
+
+# The fix: the worker in a file of its own (in a
+# notebook: a %%writefile ddp_worker.py cell), imported.
+WORKER_FILE = """
+import torch
+import torch.distributed as dist
+
+
+def worker(rank, world_size, port):
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    print(f"rank {rank}: all_reduce gives {total.item():.0f}", flush=True)
+    dist.destroy_process_group()
+"""

@@ -4,11 +4,13 @@ unless REQUIRE_REAL_LAUNCHERS=1 (CI), then fail."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import clean_env
+from tests.helpers import clean_env, read_env, run
 
 REQUIRED = os.environ.get("REQUIRE_REAL_LAUNCHERS") == "1"
 
@@ -40,3 +42,59 @@ def openmpi_env(**extra: str) -> dict[str, str]:
         OMPI_MCA_btl_tcp_if_include="lo",
         **extra,
     )
+
+
+PBS_JOBS = ["pbs_mpiexec.pbs", "pbs_torchrun.pbs"]
+
+
+SLURM_JOBS = ["slurm_srun.sbatch", "slurm_torchrun.sbatch"]
+
+
+SITE_JOBS = {"derecho": PBS_JOBS, "polaris": PBS_JOBS, "perlmutter": SLURM_JOBS}
+
+
+def source_site(
+    site: str, tmp_path: Path, module_exports: dict[str, str] | None = None, **extra: str
+) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """Source jobs/sites/<site>.sh as the job files do (set -euo pipefail); return the variables it
+    exported, the placement variables it set, and the module/conda calls. `module_exports`: what
+    `module load` exports, as a site's module does (then a shell function, not the stub)."""
+    module = ""
+    if module_exports:
+        exports = " ".join(f"export {k}={shlex.quote(v)};" for k, v in module_exports.items())
+        module = f'module() {{ echo "module $*" >> {tmp_path}/calls; {exports} }}; '
+    script = module + (
+        f"set -euo pipefail; env -0 > {tmp_path}/before; source jobs/sites/{site}.sh; env -0 "
+        f"> {tmp_path}/after; "
+        "for v in NRANKS_PER_NODE MPIEXEC_BIND GPUS_PER_NODE; do [[ -v $v ]] && printf "
+        "'%s=%s\\n' $v \"${!v}\"; done; true"
+    )
+    result = run(["bash", "-c", script], 30, env=site_env(tmp_path, **extra), check=True)
+
+    before, after = read_env(tmp_path / "before"), read_env(tmp_path / "after")
+    exported = {k: v for k, v in after.items() if before.get(k) != v and k not in ("_", "SHLVL")}
+    placement = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
+    calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
+    return exported, placement, calls
+
+
+def stub_bin(tmp_path: Path) -> Path:
+    """`module` and `conda` that record their arguments (no Lmod or conda here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in ("module", "conda"):
+        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> "{tmp_path}/calls"\n')
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def site_env(tmp_path: Path, with_module: bool = True, **extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in clean_env().items()
+        if not k.startswith(("NCCL_", "FI_")) and k not in ("LD_LIBRARY_PATH", "SITE")
+    }
+    env.update(extra)
+    if with_module:
+        env["PATH"] = f"{stub_bin(tmp_path)}:{env['PATH']}"
+    return env

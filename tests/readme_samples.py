@@ -5,7 +5,7 @@
     python tests/readme_samples.py --write 01  # only 01's
 
 A sample is the plain ``` block after a marker in a README: lines its README commands print.
-One test per README (tests/test_readme_facts.py) compares each of its samples with the run it
+One test per README (tests/test_readme_text.py) compares each of its samples with the run it
 shows (tests/sample_runs.py), and its message names this script when they drift. Each line of a
 sample must be a line the run printed: `...` stands for any text, a line that is only `...` marks
 lines left out, and a sample's mask says what may differ from run to run (01 and 05: decimals, which

@@ -1,7 +1,7 @@
 """The runs whose output the READMEs' samples show, each run once per test session.
 
 Two tests read each run: a behaviour test asserts what it did (numbers, files, exit codes), and the
-README's sample check in tests/test_readme_facts.py compares the sample with its output. Whichever
+README's sample check in tests/test_readme_text.py compares the sample with its output. Whichever
 asks first runs it (the `sample_run` fixture, tests/conftest.py): under a lock, in a folder every
 pytest-xdist worker of the session shares, it leaves the run's output, exit codes and output
 folder; the other test reads them. So a reworded README sample fails the one prose test, and no

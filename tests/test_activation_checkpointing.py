@@ -12,25 +12,21 @@ a checkpoint, a block checkpointed twice (needs static_graph), and the peak-memo
 from __future__ import annotations
 
 import copy
-import inspect
 import os
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import checkpoint
 
 from common.config import parse_config
 from common.errors import ConfigError
 from common.launcher import LaunchInfo
 from common.models import build_model
 from tests.helpers import (
+    READY_ONCE,
     free_port,
     load_model,
     load_script,
@@ -45,9 +41,6 @@ train_script = load_script("benchmark/train.py", "benchmark_train")
 SCRIPT = "benchmark/train.py"
 RUN = ["--epochs", "1", "--max-steps", "6", "--batch-size", "16", "--log-every", "1000"]
 MIB = 2**20
-READY_ONCE = "Expected to mark a variable ready only once"
-
-
 VARIANTS = {  # name: flags; "none" is the run without checkpointing, "lr" the negative control
     "none": [],
     "non_reentrant": ["--activation-checkpointing", "non_reentrant"],
@@ -225,23 +218,6 @@ def test_batchnorm_in_a_checkpointed_block_updates_its_statistics_twice(variant)
     torch.testing.assert_close(model.bn1.running_mean, plain.bn1.running_mean)  # outside: the same
 
 
-@pytest.mark.torch_text
-def test_reentrant_needs_an_input_that_requires_grad_and_is_torchs_fallback():
-    """Why the first layers run outside any checkpoint: under the reentrant variant a
-    block whose inputs need no gradient (the images) gives its parameters none. torch
-    2.14.1 still falls back to it, with a warning, when use_reentrant is not passed."""
-    layer, images = nn.Linear(4, 4), torch.randn(2, 4)
-    assert checkpoint(layer, images, use_reentrant=False).requires_grad
-    with pytest.warns(
-        UserWarning, match="None of the inputs have requires_grad=True. Gradients will be None"
-    ):
-        # no path back to layer.weight
-        assert not checkpoint(layer, images, use_reentrant=True).requires_grad
-    with pytest.warns(UserWarning, match="use_reentrant parameter should be passed explicitly"):
-        with pytest.warns(UserWarning, match="None of the inputs have requires_grad"):
-            assert not checkpoint(layer, images).requires_grad
-
-
 def test_more_settings_that_work_in_one_process(tmp_path):
     """In this process as a world of one, benchmark/train.py ends where the plain
     run without checkpointing ends with: non_reentrant + find_unused_parameters,
@@ -278,60 +254,6 @@ def test_more_settings_that_work_in_one_process(tmp_path):
         assert (
             relative_difference(load_model(tmp_path / name), load_model(tmp_path / "none")) < 1e-5
         ), name
-
-
-class SharedTwice(nn.Module):
-    """One layer run twice in a forward, each time in its own
-    checkpoint (use_reentrant None: no checkpoint)."""
-
-    def __init__(self, use_reentrant):
-        super().__init__()
-        self.first, self.shared, self.use_reentrant = (
-            nn.Linear(4, 4),
-            nn.Linear(4, 4),
-            use_reentrant,
-        )
-
-    def forward(self, x):
-        x = self.first(x)
-        for _ in range(2):
-            x = (
-                self.shared(x)
-                if self.use_reentrant is None
-                else checkpoint(self.shared, x, use_reentrant=self.use_reentrant)
-            )
-        return x
-
-
-@pytest.mark.torch_text
-@pytest.mark.parametrize(
-    "use_reentrant,static_graph,fails",
-    [(True, False, True), (True, True, False), (False, False, False)],
-)
-def test_a_block_checkpointed_twice_needs_static_graph_when_reentrant(
-    one_rank_group, use_reentrant, static_graph, fails
-):
-    """Each reentrant checkpoint runs its own backward, so the shared
-    weights are marked ready twice; static_graph=True lets DDP
-    expect it, and the non-reentrant variant has one backward."""
-    torch.manual_seed(0)
-    model = DDP(SharedTwice(use_reentrant), static_graph=static_graph)
-    inputs = torch.randn(2, 4)
-    if fails:
-        with pytest.raises(RuntimeError, match=READY_ONCE) as error:
-            model(inputs).sum().backward()
-        # torch's message names this cause, and others (debugging/README.md quotes it)
-        assert "2) Reused parameters in multiple reentrant backward passes" in str(error.value)
-        assert "1) Use of a module parameter outside the `forward` function" in str(error.value)
-        return
-    for _ in range(2):  # static_graph: DDP learns the graph in the first iteration
-        model.zero_grad()
-        model(inputs).sum().backward()
-    plain = SharedTwice(use_reentrant=None)
-    plain.load_state_dict(model.module.state_dict())
-    plain(inputs).sum().backward()
-    for a, b in zip(plain.parameters(), model.module.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7)
 
 
 def proc_status_bytes(key: str) -> int:
@@ -383,42 +305,3 @@ def test_the_benchmark_sweeps_both_variants():
             == variant
         )
     assert "peak_memory_mib" in bench.SWEEP_COLUMNS and "peak_memory_mib" in bench.SCALING_COLUMNS
-
-
-@pytest.mark.torch_text
-def test_the_why_is_read_from_torch_source():
-    """benchmark/README.md's "Why", read from torch 2.14.1: the reentrant checkpoint runs
-    the block under no_grad and calls torch.autograd.backward itself in backward; the
-    non-reentrant one works through saved-tensor hooks; DDP walks the graph after
-    forward (prepare_for_backward on the outputs) only with find_unused_parameters and
-    without static_graph; and DDP's docstring says what the README quotes."""
-    reentrant = inspect.getsource(torch.utils.checkpoint.CheckpointFunction)
-    assert "with torch.no_grad():" in reentrant and "torch.autograd.backward(" in reentrant
-    checkpoint_source = Path(torch.utils.checkpoint.__file__).read_text()
-    assert (
-        "class _checkpoint_internal_hook(torch.autograd.graph.saved_tensors_hooks):"
-        in checkpoint_source
-    )
-    assert "class _checkpoint_hook(_checkpoint_internal_hook):" in checkpoint_source
-    # the non-reentrant forward
-    assert "    with _checkpoint_hook(new_frame), forward_context:" in checkpoint_source
-    ddp_source = Path(inspect.getsourcefile(DDP)).read_text()
-    assert (
-        "            if self.find_unused_parameters and not self.static_graph:\n"
-        "                # Do not need to populate this for static graph.\n"
-        "                self.reducer.prepare_for_backward(list(_find_tensors(output)))"
-    ) in ddp_source
-    doc = " ".join(inspect.getdoc(DDP).split())
-    for quoted in (
-        "If the checkpoint is done with use_reentrant=False (recommended), DDP will work as "
-        "expected "
-        "without any limitations.",
-        "DDP will work as expected when there are no unused parameters in the model and each "
-        "layer is "
-        "checkpointed at most once (make sure you are not passing "
-        "`find_unused_parameters=True` to DDP)",
-        "1) Reentrant backwards. 2) Activation checkpointing multiple times. 3) Activation "
-        "checkpointing "
-        "when model has unused parameters.",
-    ):
-        assert quoted in doc, quoted

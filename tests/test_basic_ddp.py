@@ -24,6 +24,7 @@ from common.models import build_model
 from tests.launcher_tools import need_tools
 from tests.markdown import markdown_section
 from tests.helpers import (
+    assert_same_params,
     PYTHON,
     REPO,
     clean_env,
@@ -40,7 +41,6 @@ from tests.helpers import (
 
 SCRIPT = "01_basic_ddp/train.py"
 PORT_PATCH = REPO / "tests" / "port_01.diff"  # 01's README, "Your own model and data"
-QUICK_START = "torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py"
 SPAWN = "python 01_basic_ddp/train_spawn.py --nprocs 2"
 SINGLE = "python 01_basic_ddp/train_single.py"
 
@@ -56,12 +56,6 @@ def checksum(state_dict):
     for tensor in state_dict.values():
         digest.update(tensor.float().numpy().tobytes())
     return digest.hexdigest()
-
-
-def assert_same_params(a, b, rtol=1e-5):
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=1e-7, msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +111,7 @@ def test_output_has_the_lines_and_summary_fields_the_readme_lists(quick_start):
         "replica_checksums",
     ):
         assert key in summary, key
-    # the printed lines: tests/test_readme_facts.py, 01's sample
+    # the printed lines: tests/test_readme_text.py, 01's sample
     assert sorted(p.name for p in out.iterdir()) == ["model.pt", "summary.json"]
 
 
@@ -303,35 +297,6 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, env, message):
     assert "Traceback" not in result.output
 
 
-def test_a_hanging_launch_fails_within_its_timeout(tmp_path):
-    """tests/helpers.run kills the whole process group of a hung command and fails the test."""
-    pid_file = tmp_path / "grandchild.pid"
-    hang = (
-        "import subprocess, sys, time; p = subprocess.Popen(['sleep', '120']); "
-        "open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(120)"
-    )
-    started = time.monotonic()
-    with pytest.raises(pytest.fail.Exception, match="timed out after 3s"):
-        run([PYTHON, "-c", hang, pid_file], timeout=3)
-    assert time.monotonic() - started < 15
-    # The grandchild was killed with the group (gone, or a
-    # zombie waiting to be reaped). SIGKILL is delivered
-    # asynchronously: on a busy machine the process may
-    # still be running for a moment after kill() returns.
-    status = Path(f"/proc/{pid_file.read_text()}/status")
-
-    def killed() -> bool:
-        try:
-            return "State:\tZ" in status.read_text()
-        except FileNotFoundError:  # gone (reaped)
-            return True
-
-    deadline = time.monotonic() + 10
-    while not killed() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert killed()
-
-
 @pytest.mark.launchers
 @pytest.mark.parametrize("flavour", ["openmpi", "mpich"])
 def test_runs_unchanged_under_mpiexec(tmp_path, flavour):
@@ -391,14 +356,6 @@ def test_evaluation_is_exact_every_test_image_once(quick_start):
     # What the strided Subset avoids: a DistributedSampler
     # pads 359 to 360 on 2 ranks, one image counted twice.
     assert sum(len(DistributedSampler(data.test, num_replicas=2, rank=r)) for r in range(2)) == 360
-
-
-def test_without_set_epoch_every_epoch_repeats_epoch_0s_order():
-    sampler = DistributedSampler(range(100), num_replicas=2, rank=0, shuffle=True, seed=0)
-    first, again = list(sampler), list(sampler)
-    assert first == again  # no set_epoch: the next epoch reads the same order
-    sampler.set_epoch(1)
-    assert list(sampler) != first  # control: set_epoch reshuffles
 
 
 def config_class(script: str, name: str):
@@ -472,7 +429,7 @@ def test_01_copied_out_trains_another_model_on_other_data(tmp_path):
     need_tools("patch")
     project = tmp_path / "project"
     copy_01_beside_common(project)
-    # the README's patch (tests/port_01.diff; tests/test_readme_facts.py holds the two equal)
+    # the README's patch (tests/port_01.diff; tests/test_readme_text.py holds the two equal)
     subprocess.run(["patch", "-p0"], stdin=PORT_PATCH.open(), cwd=project, check=True)
     # train.py's own sys.path entry is tmp_path, which holds no `common`: the copy is used
     run(

@@ -11,7 +11,6 @@ batch each rank loads; tests/inject SIGKILLs a worker at a chosen step.
 
 from __future__ import annotations
 
-import ast
 import math
 import os
 import random
@@ -40,7 +39,6 @@ from tests.helpers import (
     read_summary,
     command_argv,
     run,
-    summary_fields,
     torchrun,
     warm_command,
     warm_ranks,
@@ -48,7 +46,6 @@ from tests.helpers import (
 
 SCRIPT = "05_checkpointing/train.py"
 PREEMPT = "05_checkpointing/preempt.py"  # train.py plus stopping on a signal or a deadline
-RUN_IT = "torchrun --standalone --nproc_per_node=2 05_checkpointing/train.py --save-every-steps 20"
 EXPORT = "python 05_checkpointing/export_model.py runs/latest/checkpoints model.pt"
 # 2 epochs of 45 steps (digits, 2 ranks x 16), a checkpoint every 10 steps and at each epoch's end.
 ARGS = ("--epochs", "2", "--batch-size", "16", "--save-every-steps", "10", "--log-every", "100")
@@ -934,21 +931,7 @@ def test_dcp_save_on_two_ranks_loads_on_one(tmp_path):
 
 
 # --- what the README says of the runs above, the lesson's source and the installed torch
-# (its sample: tests/test_readme_facts.py) ---------------------------------------------
-
-
-def _summary_fields(script: str) -> set[str]:
-    """The fields of the script's summary.json (tests/helpers.py)."""
-    return summary_fields(script)
-
-
-def test_summary_json_is_01s_plus_resumed_from_step(reference):
-    """summary.json is 01's plus resumed_from_step."""
-    summary = read_summary(reference)
-    assert _summary_fields(SCRIPT) - _summary_fields("01_basic_ddp/train.py") == {
-        "resumed_from_step"
-    }
-    assert _summary_fields("01_basic_ddp/train.py") <= _summary_fields(SCRIPT) <= summary.keys()
+# (its sample: tests/test_readme_text.py) ---------------------------------------------
 
 
 def _plain_values(value, where="state") -> list[str]:
@@ -1067,77 +1050,6 @@ def test_a_dataloader_draws_a_seed_from_the_global_rng_unless_given_its_generato
 
     assert global_state_moves()  # the default: every iter() draws from the global RNG
     assert not global_state_moves(generator=torch.Generator())  # what train.py does
-
-
-def test_lesson_source_does_what_the_readme_says():
-    source = (REPO / SCRIPT).read_text()
-    # Each rank's own seed comes after the model is built and wrapped, as in 01.
-    assert source.index("model = DDP(model") < source.index(
-        "torch.manual_seed(cfg.seed + launch.rank)"
-    )
-    assert "generator.manual_seed(cfg.seed + launch.rank + epoch * launch.world_size)" in source
-
-    # Besides 01's collectives: gather_object + barrier per save, and rank 0's choice of
-    # checkpoint broadcast at start-up; preempt.py adds one all-reduce per step (the stop flag)
-    # and a barrier after the REQUEUE note.
-    def collectives(path):
-        return Counter(
-            re.findall(
-                r"\bdist\.(all_reduce|gather_object|barrier|broadcast_object_list|all_gather"
-                r"\w*|broadcast)\(",
-                (REPO / path).read_text(),
-            )
-        )
-
-    assert collectives(SCRIPT) - collectives("01_basic_ddp/train.py") == Counter(
-        gather_object=1, barrier=1, broadcast_object_list=1
-    )
-    assert collectives(PREEMPT) - collectives(SCRIPT) == Counter(all_reduce=1, barrier=1)
-    assert not collectives(SCRIPT) - collectives(PREEMPT)
-    lesson = ast.parse((REPO / PREEMPT).read_text())
-    per_step = next(
-        n for n in ast.walk(lesson) if isinstance(n, ast.FunctionDef) and n.name == "requested"
-    )
-    assert "dist.all_reduce(flag, op=dist.ReduceOp.MAX)" in ast.unparse(per_step)
-
-
-def test_preempt_py_is_train_py_plus_preemption():
-    """`diff 05_checkpointing/train.py 05_checkpointing/preempt.py` shows everything preempt.py
-    adds (its README's count: tests/test_readme_facts.py); nothing of train.py is left out."""
-    from tests.test_lessons import diff_lines
-
-    changed = diff_lines(REPO / SCRIPT, REPO / PREEMPT)
-    # Of train.py's code it changes only these lines (its own docstring aside): train() returns
-    # the exit code, every step asks whether to stop, and a stop saves too.
-    docstring_end = (REPO / SCRIPT).read_text().index('"""', 3)
-    docstring = set((REPO / SCRIPT).read_text()[: docstring_end + 3].splitlines())
-    removed = {line[1:] for line in changed if line.startswith("-")} - docstring
-    assert {line.strip() for line in removed} == {
-        "def train(cfg, launch):",
-        "return",
-        "images_seen = 0",
-        "if periodic or epoch_done or step == cfg.max_steps:",
-        "train(cfg, launch)",
-        "main()",
-    }
-
-
-@pytest.mark.torch_text
-def test_requeue_code_and_torch_facts_the_readme_names():
-    assert ckpt.REQUEUE_EXIT_CODE == os.EX_TEMPFAIL == 75 and 128 + signal.SIGTERM == 143
-    torch_dir = Path(torch.__file__).parent
-    # torch 2.14: without map_location, tensors go back to the device they were saved from.
-    assert "moved to the device they were saved from" in " ".join(torch.load.__doc__.split())
-    # torch 2.14: the variable that keeps restarted workers off the old rendezvous store.
-    rendezvous = (torch_dir / "distributed/elastic/rendezvous/dynamic_rendezvous.py").read_text()
-    assert 'os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")' in rendezvous
-    # torchrun forwards only the signals it is told to
-    # handle; SIGUSR1 is not among the default ones.
-    run_py = (torch_dir / "distributed/run.py").read_text()
-    assert '"--signals-to-handle"' in run_py and 'default="SIGTERM,SIGINT,SIGHUP,SIGQUIT"' in run_py
-    import torch.distributed.checkpoint as dcp
-
-    assert callable(dcp.async_save)
 
 
 def test_checkpoint_py_is_file_io_only_and_a_failed_write_leaves_only_a_tmp_file(tmp_path):

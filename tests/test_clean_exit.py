@@ -76,10 +76,3 @@ def test_control_os_exit_loses_both(tmp_path):
     result = run_copy(copied_lesson(tmp_path, ending="    os._exit(0)\n"), probe)
     assert result.returncode == 0, result.output[-4000:]
     assert written(probe) == {"metrics.0": "", "metrics.1": ""}
-
-
-@pytest.mark.parametrize("ending", ["", "    os._exit(0)\n"])
-def test_the_copy_is_01_plus_the_copiers_lines(tmp_path, ending):
-    copy = copied_lesson(tmp_path, ending).read_text()
-    original = (REPO / "01_basic_ddp" / "train.py").read_text()
-    assert copy.replace(COPIER_LINES, "").replace(ending, "", 1 if ending else 0) == original

@@ -9,17 +9,13 @@ go). What nn.SyncBatchNorm communicates cannot run without a GPU: it is read fro
 
 from __future__ import annotations
 
-import ast
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
 from tests.helpers import skip_below_torch, warm_ranks
 
 WORKER = "tests/ddp_facts_worker.py"
-SYNCBN_FUNCTION = Path(torch.__file__).parent / "nn" / "modules" / "_functions.py"
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +69,13 @@ def test_collectives_in_a_different_order_silently_mix_tensors_of_the_same_shape
     assert [f["order"]["swapped_on_rank_1"] for f in facts] == [[21.0, 12.0], [12.0, 21.0]]
 
 
-@pytest.mark.torch_text
+def test_a_skipped_all_reduce_of_equal_shapes_silently_sums_the_wrong_tensors(facts):
+    """debugging/README.md: the mismatched-collective demo aborts because the shapes differ; with
+    equal shapes gloo sums rank 0's loss (1) with rank 1's count (20) and raises nothing."""
+    assert facts[0]["equal_shapes_mismatch"] == {"loss": 1.0 + 20.0, "count": 10.0 + 0.0}
+    assert facts[1]["equal_shapes_mismatch"] == {"count": 20.0 + 1.0, "extra": 0.0 + 10.0}
+
+
 def test_nn_syncbatchnorm_refuses_cpu_tensors(facts):
     assert (
         facts[0]["syncbn_cpu"]
@@ -82,14 +84,6 @@ def test_nn_syncbatchnorm_refuses_cpu_tensors(facts):
     )
 
 
-def test_a_skipped_all_reduce_of_equal_shapes_silently_sums_the_wrong_tensors(facts):
-    """debugging/README.md: the mismatched-collective demo aborts because the shapes differ; with
-    equal shapes gloo sums rank 0's loss (1) with rank 1's count (20) and raises nothing."""
-    assert facts[0]["equal_shapes_mismatch"] == {"loss": 1.0 + 20.0, "count": 10.0 + 0.0}
-    assert facts[1]["equal_shapes_mismatch"] == {"count": 20.0 + 1.0, "extra": 0.0 + 10.0}
-
-
-@pytest.mark.torch_text
 def test_static_graph_with_no_sync_accumulation_fails(facts):
     """03's README: PyTorch issue 143580, still open in torch 2.14.1. The first backward
     inside no_sync() of a DDP(static_graph=True) model trips an internal assert. If
@@ -98,84 +92,3 @@ def test_static_graph_with_no_sync_accumulation_fails(facts):
         assert rank["static_graph_no_sync"].startswith(
             "RuntimeError: expect_autograd_hooks_ INTERNAL ASSERT FAILED"
         )
-
-
-def syncbn_method(name: str) -> ast.FunctionDef:
-    """A method of the autograd Function behind nn.SyncBatchNorm, from torch's source file."""
-    tree = ast.parse(SYNCBN_FUNCTION.read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SyncBatchNorm")
-    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name)
-
-
-def collectives(function: ast.FunctionDef) -> set[str]:
-    """The torch.distributed functions a method calls (as
-    `dist.x(...)` or `torch.distributed.x(...)`)."""
-    found = set()
-    for node in ast.walk(function):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            owner = ast.unparse(node.func.value)
-            if owner in ("dist", "torch.distributed"):
-                found.add(node.func.attr)
-    return found
-
-
-def concatenated(function: ast.FunctionDef) -> list[list[str]]:
-    """The names in each `torch.cat([a, b, ...])` of a method: what goes into one message."""
-    return [
-        [ast.unparse(e) for e in node.args[0].elts]
-        for node in ast.walk(function)
-        if isinstance(node, ast.Call)
-        and ast.unparse(node.func) == "torch.cat"
-        and node.args
-        and isinstance(node.args[0], ast.List)
-    ]
-
-
-@pytest.mark.torch_text
-def test_nn_syncbatchnorm_all_gathers_mean_invstd_count_and_all_reduces_gradient_sums():
-    """04's README: nn.SyncBatchNorm's forward all-gathers each rank's per-channel mean,
-    inverse standard deviation and count (all_gather on gloo, all_gather_single
-    otherwise) and all-reduces nothing; its backward all-reduces the two per-channel
-    gradient sums. (CpuSyncBatchNorm all-reduces sums instead.)"""
-    forward, backward = syncbn_method("forward"), syncbn_method("backward")
-    assert collectives(forward) == {"all_gather", "all_gather_single"}
-    assert ["mean", "invstd", "count"] in concatenated(forward)
-    assert "batch_norm_gather_stats_with_counts" in ast.unparse(forward)
-    assert collectives(backward) == {"all_reduce"}
-    assert ["sum_dy", "sum_dy_xmu"] in concatenated(backward)
-    # Which all-gather: all_gather where the group's
-    # backend is gloo, all_gather_single on any other.
-    (branch,) = [
-        n for n in ast.walk(forward) if isinstance(n, ast.If) and "'gloo'" in ast.unparse(n.test)
-    ]
-    assert "!=" in ast.unparse(branch.test)
-    assert collectives(ast.Module(body=branch.body)) == {"all_gather_single"}
-    assert collectives(ast.Module(body=branch.orelse)) == {"all_gather"}
-
-
-@pytest.mark.torch_text
-def test_the_differentiable_all_reduce_is_deprecated_with_the_warning_04_silences():
-    """04_syncbn/cpu_sync_batchnorm.py: torch 2.14 marks torch.distributed.nn.functional.all_reduce
-    deprecated (in favour of a private module); the lesson filters exactly that warning."""
-    import inspect
-    import re
-    import warnings
-
-    import torch.distributed.nn.functional as dist_nn
-
-    assert "_deprecated(" in inspect.getsource(dist_nn.all_reduce)
-    lesson = (
-        Path(__file__).resolve().parents[1] / "04_syncbn" / "cpu_sync_batchnorm.py"
-    ).read_text()
-    (pattern,) = re.findall(r'message=r"([^"]+)"', lesson)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            # no process group: the warning comes first, then the error
-            dist_nn.all_reduce(torch.ones(1))
-        except (RuntimeError, ValueError):
-            pass
-    messages = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
-    assert (
-        messages and re.match(pattern, messages[0]) and "_functional_collectives" in messages[0]
-    ), messages

@@ -6,7 +6,6 @@ calls a collective (a static check that also finds the demo's deliberate bugs).
 from __future__ import annotations
 
 import ast
-import inspect
 import json
 import re
 import subprocess
@@ -18,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler
 
 from tests.helpers import (
     PYTHON,
@@ -28,7 +26,6 @@ from tests.helpers import (
     load_script,
     pinned_torch_only,
     read_summary,
-    command_argv,
     root_cause,
     run,
     torchrun,
@@ -48,89 +45,6 @@ def test_demo_runs_clean_without_a_bug(tmp_path):
     assert steps == ["1", "2", "3", "4"], result.stdout
     summary = read_summary(tmp_path)
     assert summary["world_size"] == 2 and summary["replicas_identical"]
-
-
-@pytest.mark.torch_text
-def test_demo_mismatched_collective_gloo_aborts_on_the_size_mismatch(tmp_path):
-    """Without debugging aids: rank 1's all-reduce of 2 doubles meets rank 0's of 1 float, and gloo
-    aborts the receiving process (SIGABRT) with its own message."""
-    result = torchrun(
-        DEMO,
-        "--bug",
-        "mismatched_collective",
-        "--output-dir",
-        str(tmp_path),
-        check=False,
-        timeout=120,
-    )
-    out = result.output
-    assert result.returncode != 0
-    assert (
-        "Received data size doesn't match expected size. Is there a distributed collective mismatch"
-        in out
-    ), out[-3000:]
-    # The receiving process aborts (SIGABRT). torchrun's
-    # summary usually says so, but an abort can leave
-    # that rank's error file half written, and torchrun
-    # then fails reading it: check the abort itself.
-    assert "terminate called after throwing an instance of 'gloo::EnforceNotMet'" in out, out[
-        -3000:
-    ]
-    # torchrun names that rank's exit code -6 (its log
-    # line and its summary), unless it failed reading the
-    # half-written error file, which it then says.
-    assert re.search(r"exitcode(: |  : )-6\b", out) or "Failed to parse reply file" in out, out[
-        -3000:
-    ]
-
-
-@pytest.mark.torch_text
-def test_demo_mismatched_collective_named_by_debug_detail(tmp_path):
-    # TORCH_SHOW_CPP_STACKTRACES adds the C++ stack to the
-    # error c10d raises (addr2line off: symbolizing is slow).
-    env = clean_env(
-        TORCH_DISTRIBUTED_DEBUG="DETAIL",
-        TORCH_SHOW_CPP_STACKTRACES="1",
-        TORCH_DISABLE_ADDR2LINE="1",
-    )
-    result = torchrun(
-        DEMO,
-        "--bug",
-        "mismatched_collective",
-        "--output-dir",
-        str(tmp_path),
-        env=env,
-        check=False,
-        timeout=120,
-    )
-    out = result.output
-    assert result.returncode != 0
-    # The skipped all-reduce (shape [1], on rank 0 only) meets rank 1's next one (shape [2]) at the
-    # same sequence number; the check runs on both ranks, either may report first.
-    pattern = (
-        r"Detected mismatch between collectives on ranks\. Rank (\d) is running collective: "
-        r"CollectiveFingerPrint\(SequenceNumber=(\d+), OpType=ALLREDUCE, TensorShape=\[(\d)\], "
-        r"TensorDtypes=(\w+).*?"
-        r"but Rank (\d) is running collective: CollectiveFingerPrint\(SequenceNumber=\2, "
-        r"OpType=ALLREDUCE, TensorShape=\[(\d)\], TensorDtypes=(\w+)"
-    )
-    m = re.search(pattern, out)
-    assert m, out[-3000:]
-    # rank 0's loss (one float), rank 1's counts (two doubles)
-    assert {int(m[1]): (m[3], m[4]), int(m[5]): (m[6], m[7])} == {
-        0: ("1", "Float"),
-        1: ("2", "Double"),
-    }
-    assert re.search(r"^\[rank\d\]: RuntimeError: Detected mismatch between collectives", out, re.M)
-    # @record put the exception into torchrun's summary.
-    assert "Detected mismatch between collectives on ranks" in root_cause(out)
-    assert re.search(
-        r"^\[rank\d\]: Exception raised from \w+ at \S+/c10d/ProcessGroupWrapper\.cpp:\d+ "
-        r"\(most recent "
-        r"call first\):$",
-        out,
-        re.M,
-    ), out[-3000:]
 
 
 @pytest.mark.launchers
@@ -335,58 +249,6 @@ def test_unused_parameter_fails_at_the_next_forward_and_each_fix_runs(one_rank_g
     assert _error_within_three_steps(DDP(demo.TwoHeads(), static_graph=True)) is None
 
 
-@pytest.mark.torch_text
-@pytest.mark.parametrize("level", ["INFO", "DETAIL"])
-def test_torch_distributed_debug_adds_the_parameter_names_to_the_indices(
-    one_rank_group, monkeypatch, level
-):
-    previous = dist.get_debug_level()
-    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", level)
-    dist.set_debug_level_from_env()
-    try:
-        _, _, message = _error_within_three_steps(DDP(demo.TwoHeads()))
-    finally:
-        dist.set_debug_level(previous)
-    assert (
-        "Parameters which did not receive grad for rank 0: aux_head.bias, aux_head.weight"
-        in message
-    )
-    assert "Parameter indices which did not receive grad for rank 0: 4 5" in message
-
-
-@pytest.mark.torch_text
-def test_the_torch_documentation_the_guide_cites():
-    """Read from the installed torch (2.14.1): find_unused_parameters walks the
-    graph from forward's outputs, after every forward (in _post_forward);
-    torch.load puts tensors back on the device they were saved from."""
-    ddp_docs = " ".join(DDP.__doc__.split())
-    assert (
-        "find_unused_parameters (bool): Traverse the autograd graph from all tensors "
-        "contained in the return "
-        "value of the wrapped module's ``forward`` function. Parameters that don't receive "
-        "gradients as part "
-        "of this graph are preemptively marked as being ready to be reduced."
-    ) in ddp_docs
-    assert re.search(
-        r"if self\.find_unused_parameters and not self\.static_graph:\n(\s+#.*\n)*"
-        r"\s+self\.reducer\.prepare_for_backward\(list\(_find_tensors\(output\)\)\)",
-        inspect.getsource(DDP._post_forward),
-    )
-    load_docs = " ".join(torch.load.__doc__.split())
-    assert (
-        "They are first deserialized on the CPU and are then moved to the device they were "
-        "saved from." in load_docs
-    )
-    assert (
-        "storages can be dynamically remapped to an alternative set of devices using the "
-        ":attr:`map_location`" in load_docs
-    )
-
-
-def test_demo_bugs_default_process_group_timeout_is_10_s():
-    assert demo.DemoConfig().timeout_s == 10.0  # the README's "process-group timeout 10 s"
-
-
 THREADS_LEFT_AFTER_DESTROY = """
 import gc, json, os, sys
 from pathlib import Path
@@ -459,47 +321,6 @@ def test_what_keeps_gloos_threads_past_destroy_process_group():
     assert left == started, "an unreleased DDP model no longer keeps the group"
 
 
-def test_every_gpu_example_sets_its_device_right_before_the_process_group():
-    """debugging/README.md, "GPU 0 memory on every process"; gloo-only scripts use no GPU."""
-    checked = 0
-    for path in sorted(
-        p for pattern in ("0*/*.py", "benchmark/*.py", "debugging/*.py") for p in REPO.glob(pattern)
-    ):
-        lines = path.read_text().splitlines()
-        for number, line in enumerate(lines):
-            gloo_only = lines[number + 1 : number + 2] == ['        "gloo",']
-            if "dist.init_process_group(" in line and not gloo_only:
-                assert any(
-                    "torch.cuda.set_device(device)" in earlier
-                    for earlier in lines[number - 3 : number]
-                ), f"{path.relative_to(REPO)}:{number + 1}"
-                checked += 1
-    assert checked >= 15
-
-
-def test_sampler_seeds_must_match_across_ranks_and_set_epoch_reshuffles():
-    """debugging/README.md, "Duplicated or missing samples"."""
-    n, world = 12, 2
-
-    def shards(seeds):
-        return [
-            list(DistributedSampler(range(n), num_replicas=world, rank=rank, seed=seed))
-            for rank, seed in enumerate(seeds)
-        ]
-
-    same = shards([0, 0])
-    # one seed: disjoint shards, every sample once
-    assert sorted(same[0] + same[1]) == list(range(n))
-    different = shards([0, 1])
-    assert set(different[0]) & set(different[1])  # per-rank seeds: the shards overlap ...
-    assert len(set(different[0] + different[1])) < n  # ... and some samples are missed
-    sampler = DistributedSampler(range(n), num_replicas=world, rank=0, seed=0)
-    first = list(sampler)
-    assert list(sampler) == first  # no set_epoch: the same order every epoch
-    sampler.set_epoch(1)
-    assert list(sampler) != first
-
-
 def test_dropout_draws_from_the_per_rank_seed():
     """debugging/README.md: after torch.manual_seed(seed + rank)
     dropout draws different masks on different ranks."""
@@ -526,126 +347,6 @@ def test_rank_signal_needs_no_torch_and_no_process_group():
 
 
 # --- static check: rank-0-only blocks call no collective ----------------------------------------
-
-_DIST_COLLECTIVES = {
-    "all_reduce",
-    "all_gather",
-    "all_gather_object",
-    "all_gather_into_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "monitored_barrier",
-    "broadcast",
-    "broadcast_object_list",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "gather",
-    "gather_object",
-    "scatter",
-    "scatter_object_list",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-    "new_group",
-}
-
-
-def communicating_functions(paths: list[Path]) -> set[str]:
-    """Functions that communicate: whose docstring says so ("Collective: ..."), or that call a
-    torch.distributed collective or another such function (followed to a fixed point)."""
-    functions = [
-        node
-        for path in paths
-        for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-    ]
-    names = {f.name for f in functions if (ast.get_docstring(f) or "").startswith("Collective")}
-    while True:
-        more = {f.name for f in functions if _collective_calls(f.body, names)} - names
-        if not more:
-            return names
-        names |= more
-
-
-def _rank_test(test: ast.expr) -> bool:
-    text = ast.unparse(test)
-    return "is_main" in text or bool(
-        re.search(r"rank\b\)?\s*(==|!=|>|<|>=|<=)\s*\d|\d\s*(==|!=)\s*\S*rank", text)
-    )
-
-
-def _collective_calls(nodes: list[ast.stmt], collectives: set[str]) -> list[str]:
-    calls = []
-    for stmt in nodes:
-        for node in ast.walk(stmt):
-            if isinstance(node, ast.Call):
-                f = node.func
-                name = (
-                    f.attr
-                    if isinstance(f, ast.Attribute)
-                    else f.id
-                    if isinstance(f, ast.Name)
-                    else ""
-                )
-                owner = ast.unparse(f.value) if isinstance(f, ast.Attribute) else ""
-                if (
-                    name in _DIST_COLLECTIVES and owner in ("dist", "torch.distributed")
-                ) or name in collectives:
-                    calls.append(name)
-    return calls
-
-
-def rank_only_collectives(path: Path) -> list[str]:
-    """`file:line: calls` for collectives inside rank-dependent `if` blocks that the other branch
-    does not match call for call (an if/else that calls the same collectives on both sides is fine).
-    Collectives: torch.distributed's, and the functions of common/ and of the file itself that
-    communicate (communicating_functions)."""
-    collectives = communicating_functions(sorted((REPO / "common").glob("*.py")) + [path])
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.If) and _rank_test(node.test):
-            body = _collective_calls(node.body, collectives)
-            other = _collective_calls(node.orelse, collectives)
-            if body != other:
-                name = path.relative_to(REPO) if path.is_relative_to(REPO) else path
-                found.append(f"{name}:{node.lineno}: {body or other}")
-    return found
-
-
-def test_no_rank0_only_block_calls_a_collective():
-    files = sorted(REPO.glob("0*/*.py")) + sorted((REPO / "common").glob("*.py"))
-    assert files
-    problems = [p for f in files for p in rank_only_collectives(f)]
-    assert problems == [], "collectives inside rank-only blocks:\n" + "\n".join(problems)
-
-
-def test_common_does_no_communication():
-    """Every collective is called where a reader sees it, in the script: a helper of common/ that
-    communicated would be called like plain code (and moved under `if rank == 0:`)."""
-    assert communicating_functions(sorted((REPO / "common").glob("*.py"))) == set()
-
-
-def test_static_check_finds_the_deliberate_bugs_of_the_demo(tmp_path):
-    # The same check flags the deliberate bugs, so it would flag one in an example too.
-    problems = rank_only_collectives(REPO / DEMO)
-    assert any("['barrier']" in p for p in problems), problems  # --bug rank0_barrier
-    assert any("['all_reduce']" in p for p in problems), problems  # --bug mismatched_collective
-    # A script's own collective helper (docstring "Collective: ...") counts too.
-    script = tmp_path / "probe.py"
-    script.write_text(
-        'def helper():\n    """Collective: sums."""\n\n\nif rank == 0:\n    helper()\n'
-    )
-    assert rank_only_collectives(script) == [f"{script}:5: ['helper']"]
-    # So does a helper that communicates without saying so, through another helper.
-    script.write_text(
-        "import torch.distributed as dist\n\n\ndef inner(t):\n    dist.all_reduce(t)\n\n\n"
-        "def outer(t):\n    inner(t)\n\n\nif rank == 0:\n    outer(t)\n"
-    )
-    assert rank_only_collectives(script) == [f"{script}:12: ['outer']"]
-    assert communicating_functions([script]) == {"inner", "outer"}
 
 
 def evaluation_problems(source: str) -> list[str]:
@@ -712,7 +413,7 @@ WRAPPER_ATTRIBUTE_FIX = (
 
 def test_wrapper_in_place_of_the_model_errors_under_torchrun(sample_run):
     """The guide's commands: each error from rank 0 and in torchrun's Root Cause (as the guide
-    quotes them: tests/test_readme_facts.py). demo_bugs.py's one README command under the real
+    quotes them: tests/test_readme_text.py). demo_bugs.py's one README command under the real
     torchrun in the default run."""
     prefix = sample_run("guide-module-prefix")
     assert prefix.returncodes == (1,)
@@ -775,99 +476,27 @@ def test_ddp_buckets_hold_one_copy_of_the_gradients():
         assert figures[f"wrap view={view}"] == pytest.approx(size, rel=0.01), figures
     assert figures["backward view=False"] == pytest.approx(size, rel=0.01), figures
     assert abs(figures["backward view=True"]) < 0.01 * size, figures
-    # (the guide's figure is this size: tests/test_readme_facts.py)
+    # (the guide's figure is this size: tests/test_readme_text.py)
 
 
 # --- frozen models and layers: DDP refusing a frozen model, freezing after the wrap
 
-WRAP_FROZEN_FIX = (
-    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug wrap_frozen "
-    "--fix no_wrap"
-)
-FREEZE_AFTER_WRAP_ONE_STEP = (
-    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug freeze_after_wrap "
-    "--steps 1"
-)
-FREEZE_FIRST = (
-    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug freeze_after_wrap "
-    "--fix freeze_first"
-)
-FREEZE_REWRAP = (
-    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug freeze_after_wrap "
-    "--fix rewrap"
-)
-FREEZE_FIND_UNUSED = (
-    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug freeze_after_wrap "
-    "--fix find_unused"
-)
-
-
-@pytest.mark.torch_text
-def test_frozen_models_and_layers_errors_and_fixes(tmp_path, sample_run):
-    """The guide's commands: DDP refuses a frozen model, in the words the guide quotes, and the
-    unwrapped teacher runs; a part of the model frozen after the wrap passes step 1 (with
-    unaveraged gradients: replicas differ after one step) and fails at step 2's forward as
-    quoted; freezing first, wrapping again and find_unused_parameters each run, and train alike."""
-
-    refused = sample_run("guide-wrap-frozen")  # as the guide quotes it: tests/test_readme_facts.py
-    assert refused.returncodes == (1,), refused.output[-3000:]
-    assert "DistributedDataParallel is not needed" in root_cause(refused.output)
-    assert "step 1 mean loss" not in refused.output  # raised by the wrap, before any step
-    # the runs that end well: their claim is what the script does, so their ranks start warm
-    fixed = warm_command(WRAP_FROZEN_FIX, "--output-dir", str(tmp_path / "no_wrap"))
-    assert fixed.returncode == 0 and "done: no bug" in fixed.stdout, fixed.output[-3000:]
-    assert read_summary(tmp_path / "no_wrap")["replicas_identical"]
-
-    frozen = sample_run("guide-freeze-after-wrap")
-    assert frozen.returncodes == (1,), frozen.output[-3000:]
-    # the first step runs; the second step's forward raises
-    assert "step 1 mean loss" in frozen.output and "step 2 mean loss" not in frozen.output
-    assert re.search(r"^\[rank\d\]:\s+logits = model\(x, use_aux=use_aux\)$", frozen.output, re.M)
-    assert "Expected to have finished reduction" in root_cause(frozen.output)
-    one_step = warm_command(FREEZE_AFTER_WRAP_ONE_STEP, "--output-dir", str(tmp_path / "one_step"))
-    assert one_step.returncode == 0, one_step.output[-3000:]
-    assert read_summary(tmp_path / "one_step")["replicas_identical"] is False
-
-    checksums = {}
-    for command, name in (
-        (FREEZE_FIRST, "freeze_first"),
-        (FREEZE_REWRAP, "rewrap"),
-        (FREEZE_FIND_UNUSED, "find_unused"),
-    ):
-        fixed = warm_command(command, "--output-dir", str(tmp_path / name))
-        assert fixed.returncode == 0 and "done: no bug" in fixed.stdout, fixed.output[-3000:]
-        summary = read_summary(tmp_path / name)
-        assert summary["replicas_identical"], summary
-        checksums[name] = summary["replica_checksums"][0]
-    # the three fixes train alike
-    assert len(set(checksums.values())) == 1, checksums
-
-
 # --- different models on different ranks
 
-DIFFERENT_MODELS_FIX = (
-    "torchrun --standalone --nproc_per_node=2 debugging/demo_bugs.py --bug different_models "
-    "--fix data_set_size"
-)
 
-
-@pytest.mark.torch_text
-def test_different_models_error_and_fix(tmp_path, sample_run):
-    """The guide's commands: ranks that built different models (an auxiliary head on rank 0 only)
-    are refused at the wrap, before any step, in the words the guide quotes (each rank names its
-    own count first); the model decided from the data set runs on both ranks alike."""
-    refused = sample_run("guide-different-models")  # as the guide quotes it: test_readme_facts.py
-    assert refused.returncodes == (1,), refused.output[-3000:]
-    assert re.search(
-        r"Rank 0 has 6 params, while rank 1 has inconsistent 4 params|"
-        r"Rank 1 has 4 params, while rank 0 has inconsistent 6 params",
-        refused.output,
+@pytest.mark.parametrize("level", ["INFO", "DETAIL"])
+def test_torch_distributed_debug_adds_the_parameter_names_to_the_indices(
+    one_rank_group, monkeypatch, level
+):
+    previous = dist.get_debug_level()
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", level)
+    dist.set_debug_level_from_env()
+    try:
+        _, _, message = _error_within_three_steps(DDP(demo.TwoHeads()))
+    finally:
+        dist.set_debug_level(previous)
+    assert (
+        "Parameters which did not receive grad for rank 0: aux_head.bias, aux_head.weight"
+        in message
     )
-    assert "DDP expects same model across all ranks" in root_cause(refused.output)
-    assert "step 1 mean loss" not in refused.output  # raised by the wrap, before any step
-    fixed = run(
-        command_argv(DIFFERENT_MODELS_FIX) + ["--output-dir", str(tmp_path / "fix")],
-        timeout=120,
-    )
-    assert fixed.returncode == 0 and "done: no bug" in fixed.stdout, fixed.output[-3000:]
-    assert read_summary(tmp_path / "fix")["replicas_identical"]
+    assert "Parameter indices which did not receive grad for rank 0: 4 5" in message

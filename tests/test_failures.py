@@ -8,13 +8,13 @@ imports at start-up because the tests put tests/inject on the PYTHONPATH (real r
 
 from __future__ import annotations
 
-import ast
 import re
 import time
 
 import pytest
 
 from tests.helpers import (
+    RENDEZVOUS_TIMED_OUT,
     PYTHON,
     REPO,
     clean_env,
@@ -134,47 +134,6 @@ def test_rank_raising_mid_training_ends_job_fast_and_torchrun_names_it(script, t
     assert "train.py" not in own, own
 
 
-@pytest.mark.torch_text
-def test_without_record_the_summary_has_no_traceback(tmp_path):
-    """Negative control for @record: the same failure in a copy of 01 without the decorator leaves
-    torchrun's summary with `error_file: <N/A>` and no exception."""
-    source = (REPO / SCRIPTS[0]).read_text()
-    assert source.count("@record") == 1
-    copy = tmp_path / "train_without_record.py"
-    copy.write_text(
-        source.replace("@record", "", 1).replace(
-            "Path(__file__).resolve().parents[1]", repr(str(REPO))
-        )
-    )
-    result = torchrun(
-        copy,
-        *FAST,
-        "--output-dir",
-        str(tmp_path / "out"),
-        env=_fail_env("raise"),
-        check=False,
-        timeout=180,
-    )
-    assert result.returncode == 1
-    # torchrun's closing summary: every failed rank's entry. Rank 1's may be listed under
-    # "Failures" rather than "Root Cause": without error files torchrun stamps each failure with
-    # the second it saw it, and a tie goes to the one it saw first, or to the lower rank where one
-    # poll saw both (rank 0, which lost its peer, aborting at once: seen in CI).
-    summary = result.output.split("ChildFailedError:")[-1]
-    assert "Root Cause" in summary and "injected failure" not in summary, summary
-    assert "error_file: <N/A>" in summary and "error_file: /" not in summary, summary
-    # torchrun's stand-in for the missing traceback (debugging/README.md quotes it); for a rank
-    # that aborted while shutting down (raised_exit()), the signal's.
-    entry = re.search(raised_exit(1) + r".*\n\s+error_file: <N/A>\n\s+traceback : (.*)", summary)
-    assert entry, summary
-    assert_exit_explained(entry, result.output)
-    assert entry[3] == (
-        "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
-        if entry[1] == "1"
-        else f"Signal 6 (SIGABRT) received by PID {entry[2]}"
-    ), summary
-
-
 @pytest.mark.launchers
 @needs_torch("2.12", "torchrun names the signal on its exitcode line from torch 2.12")
 @pytest.mark.parametrize("script", FAILURE_SCRIPTS)
@@ -240,11 +199,6 @@ def test_hung_rank_ends_the_job_at_the_timeout(tmp_path):
     assert_exit_explained(entry, out)
     assert "Timed out waiting 5000ms" in root, root
     assert "loss.backward()" in root, root  # the call in the script where rank 0 waited
-
-
-# The end of torch's line for a rendezvous that timed out (debugging/README.md quotes it:
-# tests/test_readme_facts.py)
-RENDEZVOUS_TIMED_OUT = "waiting for clients. 1/2 clients joined."
 
 
 @pytest.mark.launchers
@@ -313,24 +267,6 @@ def test_rank_raising_under_mpiexec_ends_the_job(tmp_path, flavour):
     import torch.distributed as dist
 
     assert 'excepthook_prefix = f"[rank{get_rank()}]"' in inspect.getsource(dist.init_process_group)
-
-
-def try_statements(path) -> list[int]:
-    """Lines of the `try` statements in a Python file."""
-    return [
-        node.lineno for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Try)
-    ]
-
-
-def test_training_scripts_catch_no_exception():
-    """What a failing run shows is torch's and the launcher's:
-    no lesson's train.py catches an exception."""
-    assert "01_basic_ddp/train.py" in SCRIPTS and len(SCRIPTS) >= 5
-    assert {script: try_statements(REPO / script) for script in SCRIPTS} == {
-        script: [] for script in SCRIPTS
-    }
-    # the check finds a try where there is one
-    assert try_statements(REPO / "05_checkpointing" / "checkpoint.py")
 
 
 # Bad input: (id, extra args, extra environment, words the
@@ -459,3 +395,43 @@ def test_node_specific_bad_input_is_said_by_each_nodes_first_rank(tmp_path):
         assert data.returncode == config.returncode == 2
         said[rank] = ("does not exist" in data.stderr, "'lr'" in config.stderr)
     assert said == {0: (True, True), 2: (True, False), 3: (False, False)}
+
+
+def test_without_record_the_summary_has_no_traceback(tmp_path):
+    """Negative control for @record: the same failure in a copy of 01 without the decorator leaves
+    torchrun's summary with `error_file: <N/A>` and no exception."""
+    source = (REPO / SCRIPTS[0]).read_text()
+    assert source.count("@record") == 1
+    copy = tmp_path / "train_without_record.py"
+    copy.write_text(
+        source.replace("@record", "", 1).replace(
+            "Path(__file__).resolve().parents[1]", repr(str(REPO))
+        )
+    )
+    result = torchrun(
+        copy,
+        *FAST,
+        "--output-dir",
+        str(tmp_path / "out"),
+        env=_fail_env("raise"),
+        check=False,
+        timeout=180,
+    )
+    assert result.returncode == 1
+    # torchrun's closing summary: every failed rank's entry. Rank 1's may be listed under
+    # "Failures" rather than "Root Cause": without error files torchrun stamps each failure with
+    # the second it saw it, and a tie goes to the one it saw first, or to the lower rank where one
+    # poll saw both (rank 0, which lost its peer, aborting at once: seen in CI).
+    summary = result.output.split("ChildFailedError:")[-1]
+    assert "Root Cause" in summary and "injected failure" not in summary, summary
+    assert "error_file: <N/A>" in summary and "error_file: /" not in summary, summary
+    # torchrun's stand-in for the missing traceback (debugging/README.md quotes it); for a rank
+    # that aborted while shutting down (raised_exit()), the signal's.
+    entry = re.search(raised_exit(1) + r".*\n\s+error_file: <N/A>\n\s+traceback : (.*)", summary)
+    assert entry, summary
+    assert_exit_explained(entry, result.output)
+    assert entry[3] == (
+        "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+        if entry[1] == "1"
+        else f"Signal 6 (SIGABRT) received by PID {entry[2]}"
+    ), summary

@@ -14,18 +14,18 @@ rank killed with SIGKILL: tests/test_failures.py.)
 from __future__ import annotations
 
 import inspect
-import json
 import random
 import re
 import shlex
 import socket
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.helpers import (
+    FIXED_CELL,
+    WORKER_FILE,
     PYTHON,
     REPO,
     clean_env,
@@ -49,73 +49,6 @@ SHORT = ("--max-steps", "1", "--epochs", "1", "--batch-size", "16")
 
 # --- torchrun's summary: exit codes of ranks killed
 # by a signal ----------------------------------------
-
-RANK_ABORT = "torchrun --standalone --nproc_per_node=2 debugging/rank_signal.py --how abort"
-
-
-@pytest.mark.torch_text
-def test_rank_aborted_is_exitcode_minus_6_sigabrt():
-    result = run(command_argv(RANK_ABORT), timeout=120)
-    out = result.output
-    assert result.returncode != 0
-    assert "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in out
-    # torchrun's own traceback (the same every time), then its summary: one entry per failed rank.
-    assert "in launch_agent\n" in out and "raise ChildFailedError(" in out
-    assert re.search(
-        r"debugging/rank_signal\.py FAILED\n-+\nFailures:\n\[\d\]:\n(.*\n){6}-+\n"
-        r"Root Cause \(first observed failure\):\n\[\d\]:\n",
-        out,
-    ), out[-3000:]
-    root = root_cause(out)
-    m = re.search(
-        r"rank      : 1 \(local_rank: 1\)\n  exitcode  : -6 \(pid: (\d+)\)  \(SIGABRT\)\n"
-        r"  error_file: <N/A>\n  traceback : Signal 6 \(SIGABRT\) received by PID (\d+)",
-        root,
-    )
-    assert m and m[1] == m[2], root
-    # The rank that was only waiting was stopped by
-    # torchrun: listed under Failures, not as the cause.
-    failures = out.split("Root Cause")[0].split("Failures:")[-1]
-    assert re.search(
-        r"rank      : 0 \(local_rank: 0\)\n  exitcode  : -15 \(pid: \d+\)  \(SIGTERM\)", failures
-    )
-
-
-@pytest.mark.torch_text
-def test_torchrun_summary_times_are_whole_seconds_and_root_cause_is_the_earliest(tmp_path):
-    """debugging/README.md: a rank killed by a signal writes no error file, so
-    its time is when torchrun collected it (whole seconds); Root Cause is the
-    failure with the earliest time, even an error file's earlier second."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-
-    start = int(time.time())
-    killed = ProcessFailure(
-        local_rank=1, pid=12145, exitcode=-7, error_file=str(tmp_path / "none.json")
-    )
-    assert start <= killed.timestamp <= time.time() and isinstance(killed.timestamp, int)
-    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d:\d\d:\d\d", killed.timestamp_isoformat())
-    assert (killed.error_file, killed.message) == (
-        "<N/A>",
-        "Signal 7 (SIGBUS) received by PID 12145",
-    )
-    # A survivor whose error file (written by @record)
-    # says it raised a second earlier is named Root Cause.
-    error_file = tmp_path / "error.json"
-    error_file.write_text(
-        json.dumps(
-            {
-                "message": {
-                    "message": "RuntimeError: Connection reset by peer",
-                    "extraInfo": {"py_callstack": "...", "timestamp": str(start - 1)},
-                }
-            }
-        )
-    )
-    survivor = ProcessFailure(local_rank=0, pid=12144, exitcode=1, error_file=str(error_file))
-    assert ChildFailedError("x.py", {1: killed, 0: survivor}).get_first_failure()[0] == 0
-    survivor.timestamp = killed.timestamp + 1  # control: the later failure is not the root cause
-    assert ChildFailedError("x.py", {1: killed, 0: survivor}).get_first_failure()[0] == 1
-
 
 DATALOADER = """
 import torch
@@ -347,47 +280,6 @@ def test_the_examples_accept_and_ignore_local_rank():
     # test_two_forwards_through_ddp_work_since_torch_2_12.)
 
 
-@pytest.mark.torch_text
-def test_launch_appends_local_rank_unless_use_env_and_the_spelling_changed_in_2_0():
-    """Read from the installed torch (2.14.1): torch.distributed.launch
-    appends --local-rank=N unless --use-env (torchrun's use_env is
-    always true); torch 2.0 changed the spelling from --local_rank."""
-    import torch.distributed.launch as launch_module
-    import torch.distributed.run as run_module
-
-    config_from_args = inspect.getsource(run_module.config_from_args)
-    assert re.search(
-        r'if not use_env:\n\s+cmd_args\.append\(f"--local-rank=\{macros\.local_rank\}"\)',
-        config_from_args,
-    )
-    assert 'if not hasattr(args, "use_env"):\n        return True' in inspect.getsource(
-        run_module.get_use_env
-    )
-    docs = " ".join(launch_module.__doc__.split())
-    assert (
-        "From PyTorch 2.0.0 onwards, the dashed ``--local-rank`` is preferred over the "
-        "previously used "
-        "underscored ``--local_rank``"
-    ) in docs
-
-
-@pytest.mark.torch_text
-def test_only_torchrun_across_nodes_defaults_to_port_29500():
-    """Read from the installed torch (2.14.1), run(): --standalone, and a
-    one-node torchrun given no --master-port or rendezvous endpoint, listen
-    on a free port (localhost:0); otherwise the static rendezvous uses
-    --master-port, 29500 unless given."""
-    import torch.distributed.run as run_module
-
-    source = inspect.getsource(run_module.run)
-    standalone = source.index("if args.standalone:")
-    one_node = source.index("if max_nodes == 1:")
-    assert source.count('args.rdzv_endpoint = "localhost:0"') == 2
-    assert standalone < source.index('args.rdzv_endpoint = "localhost:0"') < one_node
-    assert "args.master_port is None" in source[standalone:one_node]
-    assert "if args.master_port is None:\n        args.master_port = 29500" in source
-
-
 # --- mp.spawn with a worker defined in __main__ (a
 # notebook, python -c, the REPL) ------------------------
 
@@ -398,30 +290,6 @@ def worker(rank):
     print(f"worker {rank}", flush=True)
 
 mp.spawn(worker, nprocs=1)
-"""
-
-# The fix: the worker in a file of its own (in a
-# notebook: a %%writefile ddp_worker.py cell), imported.
-WORKER_FILE = """
-import torch
-import torch.distributed as dist
-
-
-def worker(rank, world_size, port):
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
-    total = torch.tensor([rank + 1.0])
-    dist.all_reduce(total)
-    print(f"rank {rank}: all_reduce gives {total.item():.0f}", flush=True)
-    dist.destroy_process_group()
-"""
-
-FIXED_CELL = """
-import torch.multiprocessing as mp
-from ddp_worker import worker
-
-mp.spawn(worker, args=(2, {port}), nprocs=2)
 """
 
 
@@ -555,26 +423,6 @@ def test_two_forwards_through_ddp_work_since_torch_2_12(tmp_path):
     summary = read_summary(tmp_path)
     assert summary["replicas_identical"]
     assert tuple(int(v) for v in summary["torch_version"].split(".")[:2]) >= (2, 12)
-
-
-@pytest.mark.torch_text
-def test_ddp_syncs_buffers_without_bumping_their_version_and_forward_sync_buffers_keeps_init_sync():
-    """Read from the installed torch (2.14.1): DDP's buffer sync in forward keeps
-    the buffers' version counters (the 2.12 fix, pytorch/pytorch#175851);
-    broadcast_buffers=False also skips the sync at construction,
-    forward_sync_buffers=False does not (torch's own FutureWarning says so)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    assert "_unsafe_preserve_version_counter(" in inspect.getsource(DDP._sync_buffers)
-    init = inspect.getsource(DDP.__init__)
-    assert '"instead. IMPORTANT: unlike `broadcast_buffers=False`, "' in init
-    assert '"`forward_sync_buffers=False` still syncs buffers at "' in init
-    assert re.search(
-        r"if forward_sync_buffers is not None:\n\s+self\.forward_sync_buffers = "
-        r"forward_sync_buffers\n"
-        r"\s+init_sync_buffers = True",
-        init,
-    )
 
 
 LOADER_SCRIPT = """
@@ -712,30 +560,6 @@ def test_compiling_the_ddp_wrapper_breaks_the_graph_in_ddps_forward(tmp_path):
     assert re.search(r"Recompiling function forward in \S+/debugging/compile_ddp\.py:\d+", out)
     assert "tensor 'x' size mismatch at index 0. expected 8, actual 3" in out
     assert read_summary(tmp_path)["graphs_per_step"] == [4, 0, 0, 4]
-
-
-@pytest.mark.torch_text
-def test_ddp_optimizer_is_on_by_default_and_splits_at_ddps_buckets():
-    """Read from the installed torch (2.14.1): optimize_ddp defaults to True ("ddp_optimizer"),
-    and DDPOptimizer's graph breaks name the switch; a bucket cap below DDP's first bucket
-    (1 MiB) is refused."""
-    import torch._dynamo
-    from torch._dynamo.backends import distributed as ddp_optimizer
-    from torch._dynamo.utils import get_optimize_ddp_mode
-
-    assert torch._dynamo.config.optimize_ddp is True and get_optimize_ddp_mode() == "ddp_optimizer"
-    source = inspect.getsource(ddp_optimizer)
-    assert "Set `torch._dynamo.config.optimize_ddp = False` to disable." in source
-    assert "First bucket should be smaller/equal to other buckets" in source
-    assert torch.distributed._DEFAULT_FIRST_BUCKET_BYTES == 2**20
-    import importlib.util
-
-    config = Path(importlib.util.find_spec("torch._dynamo.config").origin).read_text()
-    assert "There will no comm/compute overlap." in " ".join(
-        line.lstrip("# ") for line in config.splitlines()
-    )
-    guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
-    assert "`torch._dynamo.config.optimize_ddp = False`" in guide
 
 
 def test_torch_compile_returns_a_module_whose_keys_start_with_orig_mod_and_compile_keeps_them():
@@ -930,26 +754,6 @@ def test_a_loader_worker_killed_by_a_signal_is_reported_as_exited_unexpectedly()
     assert "RuntimeError: DataLoader worker (pid(s) 12345) exited unexpectedly" in guide
 
 
-@pytest.mark.torch_text
-def test_the_loader_and_forkserver_texts_the_guide_quotes_are_torchs_and_pythons():
-    """The signal message of torch's SIGCHLD handler (libtorch_python.so); the persistent_workers
-    docstring; the forkserver's preload switch."""
-    import multiprocessing
-    from pathlib import Path as _Path
-
-    import torch
-    from torch.utils.data import DataLoader
-
-    library = _Path(torch.__file__).parent / "lib" / "libtorch_python.so"
-    assert b"DataLoader worker (pid {}) is killed by signal: {}. " in library.read_bytes()
-    doc = " ".join(DataLoader.__doc__.split())
-    assert (
-        "persistent_workers (bool, optional): If ``True``, the data loader will not shut down "
-        "the worker processes after a dataset has been consumed once." in doc
-    )
-    assert callable(multiprocessing.get_context("forkserver").set_forkserver_preload)
-
-
 # --- a CPU tensor in a group whose only backend is for CUDA
 # (debugging/README.md, "No backend type associated with device type cpu")
 
@@ -975,28 +779,6 @@ def test_a_cpu_tensor_in_a_group_without_a_cpu_backend_has_no_backend_and_cpu_gl
     assert "all_reduce of a CPU tensor: [1.0, 1.0]" in fixed.stdout
 
 
-@pytest.mark.torch_text
-def test_nccl_alone_serves_cuda_and_no_backend_means_the_accelerators_since_2_6(monkeypatch):
-    """Read from, and run in, the installed torch (2.14.1): "nccl" maps cuda only; with no backend
-    given, BackendConfig takes the detected accelerator's backend alone (the accelerator faked as
-    cuda here); the docstring dates that to 2.6, while its note still says both are created."""
-    import torch
-    import torch.distributed.distributed_c10d as c10d
-
-    assert c10d.Backend.backend_capability["nccl"] == ["cuda"]
-    monkeypatch.setattr(
-        torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda")
-    )
-    monkeypatch.setattr(c10d.Backend, "_ensure_backend_registered", lambda backend: None)
-    assert c10d.BackendConfig(c10d.Backend.UNDEFINED).get_device_backend_map() == {"cuda": "nccl"}
-    doc = " ".join(c10d.init_process_group.__doc__.split())
-    assert "Since 2.6, if ``backend`` is not provided, c10d will use a backend registered" in doc
-    assert (
-        "Currently when no backend is specified, both ``gloo`` and ``nccl`` backends will be "
-        "created." in doc
-    )
-
-
 # --- destroy_process_group() at exit (debugging/README.md, "destroy_process_group() was not
 # called before program exit")
 
@@ -1010,7 +792,7 @@ print("ends without destroy_process_group()", flush=True)
 
 
 def test_gloo_says_nothing_when_destroy_process_group_is_not_called():
-    """The warning is ProcessGroupNCCL's (tests/test_nccl_docs.py): a gloo run that ends without
+    """The warning is ProcessGroupNCCL's (tests/test_torch_text.py): a gloo run that ends without
     destroy_process_group() exits 0 and prints nothing of the kind."""
     result = run([PYTHON, "-c", NO_DESTROY], 120, check=True)
     assert "ends without destroy_process_group()" in result.stdout

@@ -10,7 +10,6 @@ counting DDP communication hook.
 
 from __future__ import annotations
 
-import inspect
 import json
 import re
 
@@ -315,18 +314,6 @@ def test_accum_steps_1_is_01s_loop(runs, tmp_path):
     )
     basic, accum_1 = load_model(tmp_path), load_model(out["no_accum"])
     assert basic.keys() == accum_1.keys() and all(torch.equal(basic[k], accum_1[k]) for k in basic)
-
-
-def test_the_readmes_warm_up_is_torchs_linear_lr_stepped_after_the_optimizer():
-    """The README names torch's LinearLR, whose step() torch wants after optimizer.step()
-    (it warns otherwise; torch 2.14.1, torch/optim/lr_scheduler.py)."""
-    parameters = inspect.signature(torch.optim.lr_scheduler.LinearLR).parameters
-    assert {"start_factor", "total_iters"} <= parameters.keys()
-    assert "Detected call of `lr_scheduler.step()` before `optimizer.step()`" in inspect.getsource(
-        torch.optim.lr_scheduler
-    )
-    # the README's worked example of the linear scaling rule
-    assert 0.1 * 256 / 32 == pytest.approx(0.8)
 
 
 def test_the_scaled_rate_counts_the_effective_batch_and_warm_up_counts_optimizer_steps(tmp_path):

@@ -36,18 +36,6 @@ SLURM_JOBS = ["slurm_srun.sbatch", "slurm_torchrun.sbatch"]
 SMALL = "--max-steps 3 --epochs 1 --batch-size 16"
 
 
-def test_job_files_exist():
-    names = {p.name for p in JOBS}
-    assert {
-        "torchrun_single_node.sh",
-        "torchrun_multi_node.sh",
-        *SLURM_JOBS,
-        "pbs_mpiexec.pbs",
-        "pbs_torchrun.pbs",
-        "prepare_data.sh",
-    } <= names
-
-
 @pytest.mark.parametrize("job", JOBS, ids=lambda p: p.name)
 def test_job_file_static(job):
     text = job.read_text()

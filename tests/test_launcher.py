@@ -21,12 +21,12 @@ from common.launcher import (
     master_port,
 )
 from tests.helpers import (
+    node_of,
     PYTHON,
     REPO,
     clean_env,
     finish,
     read_summary,
-    run,
     start,
     tracked_files,
 )
@@ -473,19 +473,6 @@ def test_malformed_hostlist_is_an_error(bad):
 # --------------------------------------------------------------------------
 
 
-def node_of(local_world_size: int, local_rank: int, mask: str | None = None) -> dict[str, str]:
-    """torchrun's variables for one rank of a one-node
-    job, with an optional CUDA_VISIBLE_DEVICES."""
-    env = {
-        "TORCHELASTIC_RUN_ID": "x",
-        "RANK": str(local_rank),
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(local_world_size),
-        "LOCAL_WORLD_SIZE": str(local_world_size),
-    }
-    return env if mask is None else {**env, "CUDA_VISIBLE_DEVICES": mask}
-
-
 @pytest.mark.parametrize(
     "visible,gpus",
     [
@@ -505,7 +492,7 @@ def test_fewer_gpus_than_local_ranks_is_one_clear_error(visible):
     """Two ranks would share a GPU; NCCL refuses that with
     "Multiple Ranks are using the same GPU/Partition", later and less clearly."""
     mask = ",".join(str(i) for i in range(visible))
-    # every rank of the node says so (its local rank 0 prints it: common/errors.py)
+    # every rank of the node says so (its local rank 0 prints it: common/launcher.py)
     for r in range(4):
         with pytest.raises(LauncherError) as exc:
             launch_info(node_of(4, r, mask), gpus=visible)
@@ -851,36 +838,6 @@ def test_the_backend_is_nccl_only_for_a_gpu_of_a_build_with_nccl(
 
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: nccl_built)
     assert choose_backend(torch.device(device)) == expected
-
-
-# torch's error for nccl on a build without it (the guide quotes it: tests/test_nccl_docs.py)
-NCCL_NOT_BUILT = "Distributed package doesn't have NCCL built in"
-NO_NCCL_BUILD = """
-import sys, torch, torch.distributed as dist
-from torch.distributed import distributed_c10d
-sys.path.insert(0, sys.argv[1])
-from common.launcher import choose_backend
-# a build without NCCL (Windows, macOS), faked: torch's own check of its build answers False
-dist.is_nccl_available = distributed_c10d.is_nccl_available = lambda: False
-url = f"tcp://127.0.0.1:{sys.argv[2]}"
-try:
-    dist.init_process_group("nccl", init_method=url, rank=0, world_size=1)
-except RuntimeError as error:
-    print(f"nccl: {error}")
-backend = choose_backend(torch.device("cuda", 0))
-dist.init_process_group(backend, init_method=url, rank=0, world_size=1)
-print(f"chosen: {dist.get_backend()}")
-dist.destroy_process_group()
-"""
-
-
-@pytest.mark.torch_text
-def test_a_build_without_nccl_refuses_it_and_the_chosen_backend_starts():
-    """01 used to pick nccl whenever CUDA was there: on a Windows GPU machine torch's error below.
-    The chosen backend starts a process group where nccl cannot."""
-    result = run([PYTHON, "-c", NO_NCCL_BUILD, REPO, str(free_port())], timeout=60)
-    assert result.returncode == 0, result.output[-3000:]
-    assert result.stdout.splitlines() == [f"nccl: {NCCL_NOT_BUILT}", "chosen: gloo"]
 
 
 def test_the_scripts_tcp_rendezvous_uses_no_libuv_on_windows(monkeypatch):

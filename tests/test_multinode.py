@@ -3,8 +3,6 @@ two network namespaces), and the failures a first multi-node launch meets."""
 
 from __future__ import annotations
 
-import ast
-import difflib
 import json
 import os
 import re
@@ -15,10 +13,12 @@ import time
 import pytest
 
 from tests.helpers import (
+    NEVER_CHECKED_IN,
+    ROW,
+    UNREACHABLE,
     PYTHON,
     REPO,
     clean_env,
-    code_lines_without_messages,
     free_port,
     full_logs,
     load_script,
@@ -28,12 +28,10 @@ from tests.helpers import (
     torchrun_nodes,
     wait_all,
     warm_ranks,
-    without_comments,
 )
 from tests.launcher_tools import need_root, need_tools, openmpi_env, unavailable
 
 TRAIN = REPO / "06_multinode" / "train.py"
-COMM_CHECK = "torchrun --standalone --nproc_per_node=2 06_multinode/comm_check.py"
 COMM = REPO / "06_multinode" / "comm_check.py"
 SMALL = ("--max-steps", "4", "--epochs", "1", "--batch-size", "16")
 
@@ -178,10 +176,6 @@ def test_mpiexec_runs_train_and_comm_check(tmp_path, flavour):
     print(f"{flavour}: train + comm_check wall time {time.perf_counter() - start:.1f} s")
 
 
-ROW = re.compile(
-    r"\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)"
-    r"\s+([\d.]+)\s+([\d.]+)\s+(True|False)"
-)
 # tests/inject/sitecustomize.py: DDP_TEST_SLOW_ALL_REDUCE_S
 INJECT = f"{REPO}:{REPO / 'tests' / 'inject'}"
 
@@ -498,7 +492,7 @@ def test_slow_nodes_are_below_half_the_median(comm):
 
 
 def test_timed_iterations_are_fewer_above_one_mib_and_at_least_3(comm):
-    """--iters' help (the README samples' iters column: tests/test_readme_facts.py)."""
+    """--iters' help (the README samples' iters column: tests/test_readme_text.py)."""
     assert comm.CommConfig.__dataclass_fields__["iters"].default == 20
     assert [comm.timed_iterations(2**k, 20) for k in (3, 20, 21, 22, 23, 28)] == [
         20,
@@ -507,52 +501,6 @@ def test_timed_iterations_are_fewer_above_one_mib_and_at_least_3(comm):
         5,
         3,
         3,
-    ]
-
-
-def test_06_is_01_line_for_line_plus_the_placement_table():
-    """Below the module docstring, `diff 01 06` is the placement table's
-    functions, its gloo warning, their calls, an import and the four summary fields. The
-    code is compared: comments left out, and print calls as `print(...)`
-    whatever they say, so that rewording either in 01 fails no test here."""
-
-    def code_text(path):
-        # still Python: a folded call reads `print(...)`
-        return "\n".join(code_lines_without_messages(without_comments(path.read_text())))
-
-    def below_docstring(text):
-        # the module docstring is the first statement
-        return text.splitlines()[ast.parse(text).body[0].end_lineno :]
-
-    basic, lesson = code_text(REPO / "01_basic_ddp" / "train.py"), code_text(TRAIN)
-    new_functions = {
-        line
-        for node in ast.parse(lesson).body
-        if getattr(node, "name", "")
-        in ("warn_if_gloo_listens_on_loopback", "gather_placement", "print_placement")
-        for line in ast.get_source_segment(lesson, node).splitlines()
-    }
-    diff = list(
-        difflib.unified_diff(below_docstring(basic), below_docstring(lesson), n=0, lineterm="")
-    )[2:]
-    removed = [line[1:].strip() for line in diff if line.startswith("-") and line[1:].strip()]
-    added = [
-        line[1:].strip()
-        for line in diff
-        if line.startswith("+") and line[1:].strip() and line[1:] not in new_functions
-    ]
-    assert removed == []
-    assert added == [
-        "import socket",
-        "from common.launcher import host_address",
-        "warn_if_gloo_listens_on_loopback(launch)",
-        "placement = gather_placement(launch, device)",
-        "if launch.rank == 0:",
-        "print_placement(placement)",
-        "placement=placement,",
-        "scheduler=launch.scheduler,",
-        "master_addr=launch.master_addr,",
-        "master_port=launch.master_port,",
     ]
 
 
@@ -572,12 +520,6 @@ def test_comm_check_refuses_cuda_without_a_visible_gpu():
         result.stderr
         == "error: --device cuda, but this process sees no GPU (CUDA_VISIBLE_DEVICES=)\n"
     )
-
-
-# comm_check's two errors, as the README's table of errors quotes them with its own values
-# (tests/test_readme_facts.py)
-UNREACHABLE = "error: rank {rank} on {host} cannot reach rank 0's store at {addr} within {s} s"
-NEVER_CHECKED_IN = "rank(s) {ranks} of {world} never checked in"
 
 
 @pytest.mark.launchers
@@ -619,7 +561,7 @@ def test_wrong_master_addr_fails_clearly_within_timeout(tmp_path):
         "NCCL_DEBUG=INFO",
     ):
         assert needle in error[0]
-    # (the README's table of errors quotes it: tests/test_readme_facts.py)
+    # (the README's table of errors quotes it: tests/test_readme_text.py)
     unreachable = UNREACHABLE.format(rank=0, host=socket.gethostname(), addr="192.0.2.1:29999", s=3)
     assert error[0].startswith(unreachable), error[0]
     print(f"wrong MASTER_ADDR: both ranks exited in {time.perf_counter() - start:.1f} s")

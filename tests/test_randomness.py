@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from tests.cifar_files import write_cifar10
 from tests.helpers import PYTHON, REPO, clean_env, read_summary, run, warm_ranks
@@ -147,32 +146,6 @@ def test_with_random_augmentation_ranks_do_not_equal_one_process_on_the_global_b
     )
     assert read_summary(tmp_path)["steps"] == read_summary(lesson_run[1])["steps"] == STEPS
     assert max(((two_ranks[k] - one[k]).norm() / one[k].norm()).item() for k in one) > 1e-3
-
-
-class WorkerSeed(torch.utils.data.Dataset):
-    def __len__(self):
-        return 1
-
-    def __getitem__(self, index):
-        return torch.utils.data.get_worker_info().seed
-
-
-def test_loader_workers_take_their_seed_from_the_global_rng():
-    """Why 01's one line reaches loader workers too: at every iter() a
-    DataLoader without a generator of its own draws its workers' base
-    seed from the global RNG, seeded with seed + rank by then."""
-
-    def worker_seed(seed: int) -> int:
-        torch.manual_seed(seed)
-        return int(next(iter(DataLoader(WorkerSeed(), num_workers=1))))
-
-    assert worker_seed(0) == worker_seed(0) != worker_seed(1)
-    # At every iter(): a second pass over the same loader
-    # draws a new base seed (the global RNG has moved on).
-    torch.manual_seed(0)
-    loader = DataLoader(WorkerSeed(), num_workers=1)
-    first, second = int(next(iter(loader))), int(next(iter(loader)))
-    assert first == worker_seed(0) and second != first
 
 
 def test_05_loader_workers_get_per_rank_seeds(data_dir, tmp_path):

@@ -37,23 +37,12 @@ from tests.helpers import (
     tracked_files,
     warm_command,
 )
-from tests.markdown import markdown_commands, readme_commands
+from tests.markdown import readme_commands
 from tests.launcher_tools import need_root, need_tools, unavailable
 
 SHORT = "--epochs 1 --max-steps 2"  # `short: true`: a training command's flags for one short run
-RUN_OPTIONS = {"short", "exit", "expect", "files", "summary", "torch", "warm"}
-
 # Open MPI refuses to start as root without these; 06_multinode/README.md names them.
 OPEN_MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-
-# The words a README must show next to a command that
-# is not run (comment or paragraph before the block).
-REASON_WORDS = {
-    "gpu": r"\bGPU",
-    "download": r"download|pip install",
-    "scheduler": r"cluster|Slurm|PBS|allocation",
-    "test-suite": r"\btests?\b",
-}
 
 
 def _kind(command) -> str:
@@ -63,68 +52,6 @@ def _kind(command) -> str:
 
 # --- the markers
 # ---------------------------------------------------------------------------------------
-
-
-def test_every_readme_command_is_marked_run_proven_by_or_not_run():
-    commands = readme_commands()  # fails on a block without a marker, or a count that differs
-    assert len(commands) > 40, commands  # the reader still finds the blocks
-    for command in commands:
-        where = f"{command.readme}: `{command.text}`: {command.how}"
-        assert len(command.how) == 1 and _kind(command) in ("run", "proven-by", "not-run"), where
-        if _kind(command) == "run":
-            assert set(command.how["run"] or {}) <= RUN_OPTIONS, where
-        if _kind(command) == "not-run":
-            assert command.how["not-run"] in REASON_WORDS, where
-
-
-def test_a_block_without_its_marker_or_with_another_count_fails_naming_its_line():
-    """The reader's own controls, on Markdown written here: a marked block reads, one entry a
-    command; a block without a marker, or with one entry too few, fails naming the block's line."""
-    block = "```bash\npython a.py   # one\npython b.py \\\n    --flag\n```\n"
-    marked = f"Run these:\n\n<!-- commands:\n- run\n- not-run: gpu\n-->\n{block}"
-    commands = markdown_commands(marked, "X.md")
-    assert [(c.text, c.comment, c.how, c.before) for c in commands] == [
-        ("python a.py", "one", {"run": None}, "Run these:"),
-        ("python b.py --flag", "", {"not-run": "gpu"}, "Run these:"),
-    ]
-    with pytest.raises(AssertionError, match=r"X\.md:3: no <!-- commands: --> marker above"):
-        markdown_commands(f"Run these:\n\n{block}", "X.md")
-    with pytest.raises(AssertionError, match=r"X\.md:6: 2 commands, marker \['run'\]"):
-        markdown_commands(marked.replace("- not-run: gpu\n", ""), "X.md")
-
-
-def test_commands_not_run_say_why_next_to_them():
-    silent = []
-    for command in readme_commands():
-        reason = command.how.get("not-run")
-        if reason and not re.search(
-            REASON_WORDS[reason], f"{command.comment}\n{command.before}", re.I
-        ):
-            silent.append(f"{command.readme}: `{command.text}` ({reason}: {REASON_WORDS[reason]})")
-    assert not silent, (
-        "not run, but neither the comment nor the paragraph before the block says why:\n"
-        + ("\n".join(silent))
-    )
-
-
-def test_readme_names_the_shortening_flags():
-    """tests/README.md's section on README commands names the flags `short: true` appends."""
-    text = (REPO / "tests" / "README.md").read_text()
-    section = text.split("## README statements, samples and commands", 1)[1].split("\n## ", 1)[0]
-    assert f"`{SHORT}`" in section
-
-
-def test_the_parser_reads_continuations_comments_and_open_quotes():
-    commands = {c.text: c for c in readme_commands()}
-    demo = commands[
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 "
-        "--max-restarts=2 05_checkpointing/train.py"
-    ]
-    assert demo.comment.startswith("survives a crashed worker") and "\\\n" in demo.source
-    shm = next(c for c in commands.values() if c.text.startswith("unshare -m"))
-    assert shm.source.endswith("--shm-mb 4'") and "\n" in shm.source
-    spy = next(c for c in commands.values() if c.text.startswith("py-spy dump --subprocesses"))
-    assert spy.text.endswith("| head -1)") and spy.comment == "all ranks under this torchrun"
 
 
 # --- running them
@@ -310,14 +237,23 @@ def test_ci_runs_the_readmes_test_command():
     assert ci_commands[at - 1] == "export PYTEST_ADDOPTS='-m \"\"'"
     assert ci_commands[at + 1] == "unset PYTEST_ADDOPTS"
     assert 'PATH="$min_torch_venv/bin:$PATH" python -m pytest -m min_torch' in ci_commands[at:]
-    assert ci_commands[-1] == "ruff format --check . && ruff check ."
+    assert ci_commands[-1] == "ruff format --check . && ruff check . && python .ci/lint.py"
     assert {test_command, ci_commands[-1]} <= readme
     # The quick start shows that test command.
     assert test_command in (REPO / "README.md").read_text()
 
 
 # The tiers the default run leaves out (pytest.ini), as a test's decorator
-OTHER_TIERS = {f"pytest.mark.{tier}" for tier in ("launchers", "scheduler", "torch_text")}
+OTHER_TIERS = {
+    f"pytest.mark.{tier}" for tier in ("launchers", "scheduler", "torch_text", "readme_text")
+}
+
+
+def test_readme_names_the_shortening_flags():
+    """tests/README.md's section on README commands names the flags `short: true` appends."""
+    text = (REPO / "tests" / "README.md").read_text()
+    section = text.split("## README statements, samples and commands", 1)[1].split("\n## ", 1)[0]
+    assert f"`{SHORT}`" in section
 
 
 def test_commands_proven_elsewhere_are_run_as_written_by_that_test():
@@ -371,7 +307,14 @@ def test_commands_proven_elsewhere_are_run_as_written_by_that_test():
         assert command.text in runs, (
             f"{path}::{name} does not run {command.text!r} (command_argv, warm_command, sample_run)"
         )
-        if any(ast.unparse(d) in OTHER_TIERS for d in test.decorator_list):
+        module_tier = [
+            node
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            and ast.unparse(node.targets[0]) == "pytestmark"
+            and ast.unparse(node.value) in OTHER_TIERS
+        ]
+        if module_tier or any(ast.unparse(d) in OTHER_TIERS for d in test.decorator_list):
             continue
         real |= {
             constants.get(arg.id) if isinstance(arg, ast.Name) else getattr(arg, "value", None)

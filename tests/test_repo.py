@@ -3,12 +3,11 @@ common/ free of import cycles. (That CI runs the README's test command:
 tests/test_readme_commands.py.)"""
 
 import ast
-import os
 import re
 import shutil
 from pathlib import Path
 
-from tests.helpers import PYTHON, REPO, clean_env, run
+from tests.helpers import REPO
 
 
 def test_requirements_pin_a_torch_torchvision_pair_whose_compiled_ops_work():
@@ -21,36 +20,6 @@ def test_requirements_pin_a_torch_torchvision_pair_whose_compiled_ops_work():
     # here ("operator torchvision::nms does not exist").
     boxes = torch.tensor([[0.0, 0.0, 10.0, 10.0], [1.0, 1.0, 11.0, 11.0], [50.0, 50.0, 60.0, 60.0]])
     assert nms(boxes, torch.tensor([0.9, 0.8, 0.7]), iou_threshold=0.5).tolist() == [0, 2]
-
-
-def cpu_cores() -> int:
-    """What `pytest -n auto` counts: physical cores where psutil is installed, else usable CPUs."""
-    try:
-        import psutil
-    except ImportError:
-        return len(os.sched_getaffinity(0))
-    return psutil.cpu_count(logical=False) or psutil.cpu_count()
-
-
-def test_the_suite_runs_files_in_parallel_workers_and_n0_in_one_process(tmp_path):
-    """tests/README.md: one worker per core up to four (pytest.ini); `-n 0` runs in one process.
-    Shown on a test file of its own, which imports nothing, under the repository's pytest.ini."""
-    # not one of our workers
-    env = {k: v for k, v in clean_env().items() if not k.startswith("PYTEST_")}
-    (tmp_path / "test_one.py").write_text("def test_one():\n    pass\n")
-    one_test = [
-        "-c",
-        str(REPO / "pytest.ini"),
-        "--rootdir",
-        str(tmp_path),
-        str(tmp_path / "test_one.py"),
-        "-p",
-        "no:cacheprovider",
-    ]
-    parallel = run([PYTHON, "-m", "pytest", *one_test], timeout=120, env=env, check=True)
-    assert f"{min(4, cpu_cores())} workers [1 item]" in parallel.stdout, parallel.stdout
-    serial = run([PYTHON, "-m", "pytest", *one_test, "-n", "0"], timeout=120, env=env, check=True)
-    assert "workers" not in serial.stdout and "1 passed" in serial.stdout, serial.stdout
 
 
 def common_imports(folder: Path) -> dict[str, set[str]]:

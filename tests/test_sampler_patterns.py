@@ -67,34 +67,6 @@ def calls_in(node):
     return [name for _, _, name in found]
 
 
-@pytest.mark.parametrize(
-    "script", [s for s in SCRIPTS if "init_process_group" in (REPO / DIR / s).read_text()]
-)
-def test_scripts_are_laid_out_like_01(script):
-    """The README's layout paragraph: main() reads the config and the
-    launcher; one function starts and ends the process group, after
-    choosing the backend; rank 0 prints; results go to a JSON file."""
-    source = (REPO / DIR / script).read_text()
-    functions = functions_of(script)
-    main = calls_in(functions["main"])
-    assert main[0] == "load_config" and "detect_launcher" in main
-    [starts] = [
-        name for name, node in functions.items() if "dist.init_process_group" in calls_in(node)
-    ]
-    assert "dist.destroy_process_group" in calls_in(functions[starts])
-    # moves no tensors: gloo on any machine, writes partition.json
-    if script == "partition_viewer.py":
-        assert re.search(r'dist\.init_process_group\(\s*"gloo"', source)
-        assert "write_json_atomic(path" in source
-    else:  # the training scripts: the backend chosen as 01 does; summary.json
-        assert "backend = choose_backend(device)" in source
-        assert re.search(r"dist\.init_process_group\(\s*backend,", source)
-        assert re.search(r"write_summary\(\s*cfg\.output_dir", source)
-        # the data, checked
-        assert main[main.index("detect_launcher") + 1] in ("check_data", "exit_on_bad_input")
-    assert re.search(r"if (launch\.)?rank == 0:", source)
-
-
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_wrong_flag_is_one_error_line_before_any_process_group(script, capsys):
     """Each script's config class refuses an unknown flag with
@@ -884,20 +856,3 @@ def test_without_a_fix_uneven_inputs_time_out_naming_the_rank_that_never_arrived
             "Connection closed by peer" in rank0_error[0]
             or "Timed out waiting 5000ms for recv" in rank0_error[0]
         )
-
-
-def test_uneven_inputs_defaults_and_what_torch_does_for_join_and_barriers():
-    """The defaults the README names, and the PyTorch
-    behaviour it describes (torch 2.14.1's source)."""
-    config = load_script(f"{DIR}/uneven_inputs.py", "uneven_inputs").UnevenConfig()
-    assert (config.timeout_s, config.momentum, config.uneven, config.fix) == (60.0, 0.0, 64, "join")
-    assert inspect.signature(DDP.join).parameters["divide_by_initial_world_size"].default is True
-    ddp_source = inspect.getsource(DDP)
-    # A joined rank's all-reduces carry zeros; at the end
-    # the last rank to join is the source of the weights.
-    assert "real tensors are substituted with\n        # zero tensors" in ddp_source
-    assert "Joined processes contribute zero gradient" in ddp_source
-    assert re.search(r"_find_common_rank\(\s*self._distributed_rank, is_last_joiner", ddp_source)
-    assert "only supported with the GLOO backend" in inspect.getdoc(
-        torch.distributed.monitored_barrier
-    )

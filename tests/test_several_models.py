@@ -15,6 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.helpers import (
+    TEACHER_ERRORS,
     PYTHON,
     REPO,
     load_model,
@@ -32,7 +33,6 @@ DISTILL = (
     "--teacher runs/teacher/model.pt"
 )
 GAN = "torchrun --standalone --nproc_per_node=2 08_several_models/gan.py"
-GAN_NO_DETACH = "torchrun --standalone --nproc_per_node=2 08_several_models/gan.py --no-detach"
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
@@ -98,13 +98,6 @@ def test_distill_weight_0_trains_as_01_and_the_distillation_term_changes_the_res
     assert not any(torch.equal(student[k], teacher[k]) for k in teacher)
 
 
-# The two lines the README quotes (tests/test_readme_facts.py)
-TEACHER_ERRORS = (
-    "error: --teacher is required: a model.pt saved by 01_basic_ddp/train.py",
-    "error: teacher: no file runs/teacher/model.pt (train one with 01 first)",
-)
-
-
 def test_a_missing_teacher_is_one_error_line_and_exit_code_2(tmp_path):
     """The README's two error lines: under torchrun one rank says the file is missing and exits
     with 2 (torchrun's Root Cause), no traceback; without --teacher, one process, exit code 2."""
@@ -151,31 +144,6 @@ def test_gan_keeps_both_models_identical_on_every_rank(gan):
         assert summary[f"{name}s_identical"]
     assert summary["generator_checksums"] != summary["discriminator_checksums"]
     assert math.isfinite(summary["final_d_loss"]) and math.isfinite(summary["final_g_loss"])
-
-
-# torch's error in the G step without .detach(), as printed (the README quotes it:
-# tests/test_nccl_docs.py)
-GAN_G_STEP_ERROR = (
-    "RuntimeError: Trying to backward through the graph a second time (or directly access saved "
-    "tensors after they have already been freed). Saved intermediate values of the graph are "
-    "freed when you call .backward() or autograd.grad(). Specify retain_graph=True if you need to "
-    "backward through the graph a second time or if you need to access saved tensors after "
-    "calling backward."
-)
-
-
-@pytest.mark.torch_text
-def test_gan_without_detach_fails_in_the_g_step(tmp_path):
-    """The error the README quotes, raised by the G step's backward on a rank."""
-    result = run(
-        command_argv(GAN_NO_DETACH) + ["--max-steps", "3", "--output-dir", str(tmp_path)],
-        timeout=120,
-    )
-    assert result.returncode == 1, result.output[-3000:]
-    printed = [_any_rank(line) for line in result.output.splitlines()]
-    assert f"[rankN]: {GAN_G_STEP_ERROR}" in printed, result.output[-3000:]
-    assert re.search(r"^\[rank\d\]:\s+g_loss\.backward\(\)$", result.output, re.M)
-    assert "Trying to backward through the graph a second time" in root_cause(result.output)
 
 
 def test_gan_with_retain_graph_instead_of_detach_lets_the_generators_drift_apart(tmp_path, gan):

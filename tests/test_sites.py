@@ -9,27 +9,27 @@ the modules loaded, the flags that reach the launcher, and the header blocks eac
 from __future__ import annotations
 
 import re
-import shlex
 import socket
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, clean_env, read_env, run
-from tests.launcher_tools import need_tools
+from tests.helpers import REPO, read_env, run
+from tests.launcher_tools import (
+    PBS_JOBS,
+    SITE_JOBS,
+    SLURM_JOBS,
+    need_tools,
+    site_env,
+    source_site,
+    stub_bin,
+)
 
 SITES_DIR = REPO / "jobs" / "sites"
 SITE_FILES = sorted(SITES_DIR.glob("*.sh"))
-PBS_JOBS = ["pbs_mpiexec.pbs", "pbs_torchrun.pbs"]
-SLURM_JOBS = ["slurm_srun.sbatch", "slurm_torchrun.sbatch"]
-SITE_JOBS = {"derecho": PBS_JOBS, "polaris": PBS_JOBS, "perlmutter": SLURM_JOBS}
 # The same directive forms tests/test_jobs.py requires of the job files.
 PBS_LINE = re.compile(r"#PBS -[A-Za-z] \S+")
 SBATCH_LINE = re.compile(r"#SBATCH --[a-z][a-z-]*(=\S+)?")
-
-
-def test_one_site_file_per_site():
-    assert [p.stem for p in SITE_FILES] == sorted(SITE_JOBS)
 
 
 @pytest.mark.parametrize("path", SITE_FILES, ids=lambda p: p.name)
@@ -53,53 +53,6 @@ def test_site_file_static(path):
 
 
 # -- sourcing a site file --------------------------------------------------------------------------
-
-
-def stub_bin(tmp_path: Path) -> Path:
-    """`module` and `conda` that record their arguments (no Lmod or conda here)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    for name in ("module", "conda"):
-        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> "{tmp_path}/calls"\n')
-        (bin_dir / name).chmod(0o755)
-    return bin_dir
-
-
-def site_env(tmp_path: Path, with_module: bool = True, **extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in clean_env().items()
-        if not k.startswith(("NCCL_", "FI_")) and k not in ("LD_LIBRARY_PATH", "SITE")
-    }
-    env.update(extra)
-    if with_module:
-        env["PATH"] = f"{stub_bin(tmp_path)}:{env['PATH']}"
-    return env
-
-
-def source_site(
-    site: str, tmp_path: Path, module_exports: dict[str, str] | None = None, **extra: str
-) -> tuple[dict[str, str], dict[str, str], list[str]]:
-    """Source jobs/sites/<site>.sh as the job files do (set -euo pipefail); return the variables it
-    exported, the placement variables it set, and the module/conda calls. `module_exports`: what
-    `module load` exports, as a site's module does (then a shell function, not the stub)."""
-    module = ""
-    if module_exports:
-        exports = " ".join(f"export {k}={shlex.quote(v)};" for k, v in module_exports.items())
-        module = f'module() {{ echo "module $*" >> {tmp_path}/calls; {exports} }}; '
-    script = module + (
-        f"set -euo pipefail; env -0 > {tmp_path}/before; source jobs/sites/{site}.sh; env -0 "
-        f"> {tmp_path}/after; "
-        "for v in NRANKS_PER_NODE MPIEXEC_BIND GPUS_PER_NODE; do [[ -v $v ]] && printf "
-        "'%s=%s\\n' $v \"${!v}\"; done; true"
-    )
-    result = run(["bash", "-c", script], 30, env=site_env(tmp_path, **extra), check=True)
-
-    before, after = read_env(tmp_path / "before"), read_env(tmp_path / "after")
-    exported = {k: v for k, v in after.items() if before.get(k) != v and k not in ("_", "SHLVL")}
-    placement = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
-    calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
-    return exported, placement, calls
 
 
 def test_polaris_loads_alcfs_conda_module_and_activates_it(tmp_path):
@@ -240,7 +193,7 @@ def run_job(name: str, tmp_path: Path, site: str | None, with_module: bool = Tru
 )
 def test_job_file_sources_its_site_and_the_launcher_gets_it(site, name, tmp_path):
     """What the site file exports and loads when sourced alone (source_site; jobs/sites/README.md's
-    table: tests/test_readme_facts.py) is what the job file gives its launcher."""
+    table: tests/test_readme_text.py) is what the job file gives its launcher."""
     (tmp_path / "alone").mkdir()
     exported, placement, site_calls = source_site(site, tmp_path / "alone")
     result, argv, env = run_job(name, tmp_path, site)

@@ -152,7 +152,7 @@ def test_script_sync_run_equals_one_process_and_plain_run_does_not(tmp_path, sam
     assert closing[-2:] == ["BatchNorm2d", "CpuSyncBatchNorm"], result.stdout
 
 
-# --- the module itself, in this process (what the README says of it: tests/test_readme_facts.py)
+# --- the module itself, in this process (what the README says of it: tests/test_readme_text.py)
 # ------------------------------------------------------------
 
 
@@ -188,23 +188,6 @@ def test_cpu_sync_batchnorm_is_a_batchnorm2d_and_plain_batchnorm_without_a_proce
     assert all(
         torch.equal(a, b) for a, b in zip(synced.state_dict().values(), model.state_dict().values())
     )
-
-
-@pytest.mark.torch_text
-def test_nn_syncbatchnorm_takes_cuda_xpu_hpu_privateuse1_and_no_cpu_kernel():
-    """The devices nn.SyncBatchNorm.forward accepts (torch 2.14.1's source: cuda, hpu, xpu and the
-    PrivateUse1 backend), and why not CPU: its statistics kernel has no CPU implementation."""
-    import inspect
-
-    source = inspect.getsource(nn.SyncBatchNorm.forward)
-    devices = re.search(r"input\.device\.type not in \[(.*?)\]", source, re.S).group(1)
-    named = re.findall(r'"(\w+)"', devices)
-    assert sorted(named) == ["cuda", "hpu", "xpu"], devices
-    assert "_get_privateuse1_backend_name()" in devices
-    with pytest.raises(
-        NotImplementedError, match="'aten::batch_norm_stats' with arguments from the 'CPU' backend"
-    ):
-        torch.batch_norm_stats(torch.randn(4, 3, 2, 2), 1e-5)
 
 
 @pytest.mark.parametrize("name", ["LayerNorm", "GroupNorm", "RMSNorm"])

@@ -19,8 +19,14 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.metadata as metadata
 import re
+import sys
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from tests.helpers import CODE_DIRS, REPO
 
@@ -171,3 +177,165 @@ def uses_by_file() -> dict[str, set[str]]:
         commands = set(MODULE_COMMAND.findall(path.read_text()))
         found.setdefault(path.relative_to(REPO).as_posix(), set()).update(commands)
     return {name: uses for name, uses in found.items() if uses}
+
+
+# Uses newer than torch 2.0 -> (first release with it,
+# how that was checked). "Checked in the wheels": the
+# Python sources of the torch wheels of each release
+# from 2.0.1 on, read for the definition (or argument).
+NEWER_THAN_2_0 = {
+    "torch.compiler": ("2.1", "absent from the 2.0.1 wheel; in the 2.1 docs"),
+    "torch.compiler.reset": ("2.1", "in the torch.compiler API list of the 2.1 docs"),
+    ".compile": ("2.1", "nn.Module.compile: defined in nn/modules/module.py of 2.1.2, not 2.0.1"),
+    ".register_post_accumulate_grad_hook": (
+        "2.1",
+        "Tensor.register_post_accumulate_grad_hook: in _tensor.py of 2.1.2, not 2.0.1",
+    ),
+    "torch.distributed.DistError": (
+        "2.2",
+        "exported by torch/distributed/__init__.py from 2.2.2, not 2.1.2",
+    ),
+    "torch.distributed.DistStoreError": (
+        "2.2",
+        "exported by torch/distributed/__init__.py from 2.2.2, not 2.1.2",
+    ),
+    "torch.distributed.checkpoint.state_dict.get_state_dict": (
+        "2.2",
+        "defined in 2.2.2's state_dict.py, not 2.1.2",
+    ),
+    "torch.distributed.checkpoint.state_dict.set_state_dict": (
+        "2.2",
+        "defined in 2.2.2's state_dict.py, not 2.1.2",
+    ),
+    "torch.distributed.checkpoint.state_dict.set_state_dict(model_state_dict=)": (
+        "2.2",
+        "with set_state_dict",
+    ),
+    "torch.distributed.checkpoint.state_dict.set_state_dict(optim_state_dict=)": (
+        "2.2",
+        "with set_state_dict",
+    ),
+    "torch.distributed.checkpoint.save": (
+        "2.2",
+        "dcp.save: 2.2.2 (storage_writer required), not 2.1.2",
+    ),
+    "torch.distributed.checkpoint.load": (
+        "2.2",
+        "dcp.load: 2.2.2 (storage_reader required), not 2.1.2",
+    ),
+    "torch.distributed.checkpoint.save(checkpoint_id=)": (
+        "2.3",
+        "argument of dcp.save in 2.3.1, not 2.2.2",
+    ),
+    "torch.distributed.checkpoint.load(checkpoint_id=)": (
+        "2.3",
+        "argument of dcp.load in 2.3.1, not 2.2.2",
+    ),
+    "torch.distributed.checkpoint.format_utils": (
+        "2.3",
+        "format_utils.py and its dcp_to_torch command: 2.3.1, not 2.2.2",
+    ),
+    ".check": (
+        "2.3",
+        "Store.check in Python (TCPStore): in 2.3.1's libtorch_python, not 2.2.2; "
+        "pytorch/pytorch#116144",
+    ),
+    "torch.amp.GradScaler": (
+        "2.3",
+        "torch/amp/grad_scaler.py (device 'cuda' or 'cpu'): 2.3.1, not 2.2.2; before "
+        "it torch.cuda.amp.GradScaler",
+    ),
+    "torch.amp.GradScaler(enabled=)": ("2.3", "with torch.amp.GradScaler"),
+    "torch.amp.is_autocast_available": (
+        "2.4",
+        "torch/amp/autocast_mode.py of 2.4.1, not 2.3.1 (pytorch/pytorch#124938)",
+    ),
+    "torch.distributed.flight_recorder.fr_trace": ("2.10", "in the 2.10.0 wheel, not 2.9.0"),
+    "torchrun --signals-to-handle": (
+        "2.10",
+        "torch/distributed/run.py of 2.10.0, not 2.9.0 (pytorch/pytorch#160690)",
+    ),
+}
+
+
+# Attribute names of the code's own objects that a
+# torch class happens to have too (found as ".name").
+NOT_TORCH = {
+    ".append": "list.append (the code calls no Store.append)",
+    ".index": "list.index and str.index",
+}
+
+
+def requirement_lines(path: Path) -> list[str]:
+    """The requirements of a pip requirements file, following `-r other.txt`."""
+    lines = []
+    for raw in path.read_text().splitlines():
+        line = raw.split(" #")[0].strip()
+        if line.startswith("#") or not line:
+            continue
+        if line.startswith(("-r ", "--requirement ")):
+            lines += requirement_lines(path.parent / line.split(maxsplit=1)[1])
+        else:
+            lines.append(line)
+    return lines
+
+
+def installed_closure(requirements: list[str], path: list[str] | None = None) -> dict[str, str]:
+    """Every distribution the requirements pull in, from the installed metadata, recursively:
+    normalized name -> the chain that pulled it in ("tensorboard -> numpy")."""
+    pulled: dict[str, str] = {}
+    todo = [(Requirement(line), "") for line in requirements]
+    while todo:
+        requirement, chain = todo.pop()
+        name = canonicalize_name(requirement.name)
+        if name in pulled:
+            continue
+        pulled[name] = f"{chain} -> {requirement.name}" if chain else requirement.name
+        found = list(metadata.distributions(name=requirement.name, path=path or sys.path))
+        assert found, (
+            f"{requirement.name} is not installed "
+            "(pip install -r requirements.txt -r requirements-test.txt)"
+        )
+        for spec in found[0].requires or []:
+            dependency = Requirement(spec)
+            extras = requirement.extras or {""}
+            if dependency.marker is None or any(
+                dependency.marker.evaluate({"extra": e}) for e in extras
+            ):
+                todo.append((dependency, pulled[name]))
+    return pulled
+
+
+OLD_LIST = REPO / "tests" / "torch_2_0_api.txt"
+
+
+MIN_PAIR = REPO / "requirements-min.txt"
+
+
+def torch_2_0_uses() -> set[str]:
+    return {line for line in OLD_LIST.read_text().splitlines() if line and not line.startswith("#")}
+
+
+def minimum_torch() -> str:
+    """The oldest torch the examples are tested with: requirements-min.txt's pin, as X.Y."""
+    [pin] = [line for line in requirement_lines(MIN_PAIR) if Requirement(line).name == "torch"]
+    return ".".join(next(iter(Requirement(pin).specifier)).version.split(".")[:2])
+
+
+def api_date_by_file() -> dict[str, str]:
+    """Each file's newest torch API: the first release that has every API the file uses."""
+    return {path: newest(uses) for path, uses in uses_by_file().items()}
+
+
+def api_date(by_file: dict[str, str] | None = None) -> str:
+    """The newest API of the files that run on the minimum torch (of api_date_by_file())."""
+    dates = (by_file or api_date_by_file()).values()
+    return max((v for v in dates if Version(v) <= Version(minimum_torch())), key=Version)
+
+
+def newest(uses: set[str]) -> str:
+    return max(
+        (NEWER_THAN_2_0[use][0] for use in uses if use in NEWER_THAN_2_0),
+        key=Version,
+        default="2.0",
+    )

@@ -1,15 +1,18 @@
-"""What the READMEs say, held to the code and the installed torch: each test names its sentence.
+"""What the READMEs say, held to the code, to the runs they show and to each other: each test names
+its sentence. All checks of README text live here, in the `readme_text` tier (pytest.ini).
 
 The top-level README's own statements first (DistributedSampler's padding, --download's order on
 rank 0 and the others, a virtual environment on top of this Python, the defaults it quotes), then
-the lessons', the benchmark's and the guide's statements that a test can check without a run. The
-runs that show a behaviour live in the lesson's own test file; a test here names it.
+the lessons', the benchmark's and the guide's statements that a test can check without a run, the
+samples of output the READMEs show, the markers of their commands, and their links. The runs that
+show a behaviour live in the lesson's own test file; a test here names it.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib.metadata as metadata
+import hashlib
+import inspect
 import json
 import math
 import re
@@ -17,6 +20,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 import torch
@@ -25,9 +29,11 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from common.config import DATASETS, TrainConfig
-from common.data import digits
+from common.data import DIGITS_FILE, digits
 from tests.helpers import (
     REPO,
+    UCI_TEST_CLASS_COUNTS,
+    assert_same_params,
     clean_env,
     command_argv,
     load_script,
@@ -35,10 +41,21 @@ from tests.helpers import (
     torchrun,
     tracked_files,
 )
-from tests.markdown import markdown_blocks, markdown_section, markdown_table, readme_sample
+from tests.markdown import (
+    markdown_blocks,
+    markdown_commands,
+    markdown_headings,
+    markdown_links,
+    markdown_section,
+    markdown_table,
+    readme_commands,
+    readme_sample,
+)
 from tests import readme_samples
 from tests.sample_runs import Ran, shared_runs
-from tests.test_lessons import TOPIC_SCRIPTS, diff_count
+
+# README text only moves with an edit of a README: CI runs this tier, the default run leaves it out.
+pytestmark = pytest.mark.readme_text
 
 README_TEXT = (REPO / "README.md").read_text()
 README = " ".join(README_TEXT.split())  # line breaks as spaces
@@ -192,87 +209,6 @@ def test_the_defaults_and_choices_the_readme_quotes():
     assert "per rank" in help_text and "`--batch-size` is per rank (the local batch)" in README
 
 
-@pytest.mark.torch_text
-def test_the_messages_the_troubleshooting_section_quotes_are_torchs_own():
-    """ "Troubleshooting": gloo's `Timed out waiting 60000ms for recv operation to complete` and
-    `Connection closed by peer` are in torch's CPU library; nccl's watchdog line is made of
-    literals of its NCCL library that tests/test_nccl_docs.py finds there (torch 2.14.1)."""
-    from tests.test_nccl_docs import WATCHDOG_MESSAGES, found_in_library
-
-    troubleshooting = readme_section("## Troubleshooting")
-    quoted = "`Timed out waiting 60000ms for recv operation to complete`"
-    assert quoted in troubleshooting and "`Connection closed by peer`" in troubleshooting
-    found = found_in_library(
-        "libtorch_cpu.so",
-        [
-            "Timed out waiting ",
-            "ms for recv operation to complete",
-            "Connection closed by peer",
-            "Timed out waiting 60000ms",
-        ],
-    )
-    assert found == {
-        "Timed out waiting ": True,
-        "ms for recv operation to complete": True,
-        "Connection closed by peer": True,
-        # filled in at run time: the check can fail
-        "Timed out waiting 60000ms": False,
-    }
-    watchdog = re.search(
-        r"`(Watchdog caught collective operation timeout: [^`]+)`", troubleshooting
-    )[1]
-    pieces = [piece for piece in watchdog.split("...") if piece.strip(", )")]
-    assert pieces == [
-        "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=",
-        ", OpType=",
-        ", NumelIn=",
-    ]
-    literals = [
-        "Watchdog caught collective operation timeout: ",
-        "WorkNCCL(",
-        "SeqNum=",
-        ", OpType=",
-        ", NumelIn=",
-    ]
-    assert "".join(literals[:3]) == pieces[0] and literals[3:] == pieces[1:]
-    assert all(literal in WATCHDOG_MESSAGES for literal in literals)
-
-
-def test_the_code_is_python_3_10_syntax():
-    """ "Quick start": Python 3.10+. Every .py file parses with Python 3.10's
-    grammar (ast's feature_version, best effort: it catches newer syntax
-    such as except*, the control below); tested with 3.11 ("Versions")."""
-    assert "(Python 3.10+)" in README
-    files = tracked_files("*.py")
-    assert len(files) > 30
-    for path in files:
-        ast.parse(path.read_text(), filename=str(path), feature_version=(3, 10))
-    with pytest.raises(SyntaxError, match="3.11"):
-        ast.parse("try:\n    pass\nexcept* ValueError:\n    pass\n", feature_version=(3, 10))
-
-
-@pytest.mark.torch_text
-def test_the_pinned_wheels_are_a_few_gb_with_their_own_nccl_and_no_network_plugin():
-    """ "Quick start": the first install downloads torch, a few GB. "On a cluster":
-    requirements.txt brings the wheel's own NCCL, and a generic wheel has no NCCL
-    network plugin (libnccl-net*.so, e.g. AWS OFI for Slingshot) that a site's
-    build carries. Read from the installed distributions of requirements.txt."""
-    from tests.test_install import PINNED, installed_closure, requirement_lines
-
-    pulled = installed_closure(requirement_lines(PINNED))
-    files = {name: metadata.distribution(name).files or [] for name in pulled}
-    size = sum(int(f.size or 0) for found in files.values() for f in found)
-    # measured here: 5.7 GB installed (torch 2.14.1, CUDA 13)
-    assert size > 2 * 10**9, f"{size / 1e9:.1f} GB"
-    nccl = [name for name in pulled if name.startswith("nvidia-nccl")]
-    assert nccl and pulled[nccl[0]].endswith(
-        f"torch -> {metadata.distribution(nccl[0]).metadata['Name']}"
-    )
-    libraries = [str(f) for found in files.values() for f in found if "libnccl" in str(f)]
-    assert any(lib.endswith("libnccl.so.2") for lib in libraries), libraries
-    assert not [lib for lib in libraries if "libnccl-net" in lib], libraries
-
-
 def test_each_site_file_names_the_date_its_sources_were_read():
     """jobs/sites/README.md: each setting's site page is a [tag] listed at the top of the file,
     with the date it was read (2026-11); Perlmutter's pytorch module is marked [check]."""
@@ -291,26 +227,6 @@ def test_each_site_file_names_the_date_its_sources_were_read():
     )
 
 
-@pytest.mark.torch_text
-def test_dataparallel_docs_recommend_ddp_even_on_one_node():
-    """ "DataParallel or DDP?": torch's DataParallel docstring recommends DDP "even if there is
-    only a single node", splits the batch and replicates the module in every forward; its
-    parallel_apply runs the replicas in threads of the one process (torch 2.14.1)."""
-    import inspect
-
-    from torch import nn
-    from torch.nn.parallel import parallel_apply
-
-    doc = " ".join(nn.DataParallel.__doc__.split())
-    assert "In the forward pass, the module is replicated on each device" in doc
-    assert "splitting the input across the specified devices" in doc
-    assert "threading.Thread(" in inspect.getsource(parallel_apply)
-    assert "one process with one thread per GPU" in README
-    assert "recommended to use :class:`~torch.nn.parallel.DistributedDataParallel`" in doc
-    assert "even if there is only a single node" in doc
-    assert '"even if there is only a single node"' in README
-
-
 # --- debugging/README.md: what the guide says of the code
 # --------------------------------------------
 
@@ -326,35 +242,11 @@ def test_timeout_defaults_are_60_s_and_10_s_in_the_demos():
     assert "(default 60 s here, 10 s in the demos;" in guide
 
 
-def test_the_guide_says_collectives_in_another_order_silently_mix_same_shaped_tensors():
-    """ "Hang mid-epoch": shown by tests/test_ddp_facts.py::
-    test_collectives_in_a_different_order_silently_mix_tensors_of_the_same_shape."""
-    guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
-    assert "if the shapes happen to match, **silently mixes the wrong tensors**" in guide
-
-
 # --- 04_syncbn/README.md
 # -----------------------------------------------------------------------------
 
 SYNCBN_README = REPO / "04_syncbn" / "README.md"
 SYNCBN_SCRIPT = "04_syncbn/train.py"
-
-
-def test_04s_readme_code_is_the_scripts():
-    """The README's three lines are the script's statements (`...` stands for arguments left out;
-    compared as `ast.unparse` writes them, so the formatter's line breaks do not matter)."""
-    statements = [
-        ast.unparse(node)
-        for node in ast.walk(ast.parse((REPO / SYNCBN_SCRIPT).read_text()))
-        if isinstance(node, ast.Assign)
-    ]
-    (block,) = [b.lines for b in markdown_blocks(SYNCBN_README.read_text()) if b.info == "python"]
-    code = [line.split("  #")[0].strip() for line in block if line.strip()]
-    assert len(code) == 3
-    for line in code:
-        line = line.replace('"', "'")
-        pattern = r".*".join(map(re.escape, line.split("...")))
-        assert any(re.fullmatch(pattern, s) for s in statements), line
 
 
 def test_04s_defaults_are_the_readmes():
@@ -395,29 +287,6 @@ def test_resnet50_has_53_batchnorm_layers_and_vit_and_convnext_none():
 # -------------------------------------------------------------------------
 
 ACCUM_README = REPO / "03_grad_accum" / "README.md"
-ACCUM_SCRIPT = "03_grad_accum/train.py"
-
-
-def test_03s_readme_code_is_the_scripts():
-    """Each line of the README's loop excerpt (without its comment) is a line of the script."""
-    script = {
-        line.split("  #")[0].strip() for line in (REPO / ACCUM_SCRIPT).read_text().splitlines()
-    }
-    blocks = [b.lines for b in markdown_blocks(ACCUM_README.read_text()) if b.info == "python"]
-    code = [[line.split("  #")[0].strip() for line in block if line.strip()] for block in blocks]
-    assert [len(lines) for lines in code] == [7, 5]  # the accumulation loop; clipping
-    assert [line for lines in code for line in lines if line not in script] == []
-    # "a config subclass with six keys"
-    source = (REPO / ACCUM_SCRIPT).read_text()
-    accum_config = source.split("class AccumConfig(TrainConfig):", 1)[1].split("\n\n", 1)[0]
-    assert re.findall(r"^    (\w+): ", accum_config, re.M) == [
-        "accum_steps",
-        "use_no_sync",
-        "precision",
-        "max_grad_norm",
-        "lr_base_batch",
-        "warmup_steps",
-    ]
 
 
 def test_the_sample_outputs_counts():
@@ -459,45 +328,6 @@ def test_the_readme_lists_every_sweep_knob():
 def bench_table(after: str) -> list[list[str]]:
     """The body rows of the first table after the line with `after`, as cells without bold."""
     return [[cell.strip("*") for cell in row] for row in markdown_table(BENCH_README, after)]
-
-
-def test_the_published_figures_agree_with_the_formulas():
-    """The README's tables, as printed: efficiency = images/s / (2 x the
-    1-rank images/s), images/s = global batch / step, exposed-comm
-    ratio = default / setting, and the sentences that quote them."""
-    digits = bench_table("Small CNN on the embedded digits")
-    one = float(digits[0][1])
-    assert 128 / (float(digits[0][4]) / 1000) == pytest.approx(one, rel=0.005)
-    for row in digits[1:]:
-        images_per_s, efficiency, step_ms = float(row[1]), float(row[2]), float(row[4])
-        assert efficiency == pytest.approx(images_per_s / (2 * one), abs=0.001), row
-        assert 2 * 128 / (step_ms / 1000) == pytest.approx(images_per_s, rel=0.005), row
-    # "brings efficiency above 0.9" (the bf16 hook)
-    assert max(float(row[2]) for row in digits[1:]) > 0.9
-    # "a step of only 14 ms", "2-3 ms"
-    assert float(digits[0][4]) == 14.0 and 2 <= float(digits[1][3]) <= 3
-    resnet = bench_table("ResNet-18 at 32x32 on CIFAR-10-format data")
-    one, default_comm = float(resnet[0][1]), float(resnet[1][3])
-    for row in resnet[1:]:
-        # integer images/s
-        assert float(row[2]) == pytest.approx(float(row[1]) / (2 * one), rel=0.02), row
-        assert float(row[4]) == pytest.approx(default_comm / float(row[3]), abs=0.01), row
-    assert max(float(row[4]) for row in resnet[1:]) == 1.58  # "cuts exposed communication 1.58x"
-    # "data wait ... under 1% of the step"
-    assert all(float(row[5].rstrip("%")) < 1 for row in resnet)
-    memory = bench_table("| setting (2 ranks) | peak memory, batch 64")
-    plain64, plain128 = float(memory[0][1]), [float(v) for v in memory[0][2].split(",")]
-    saved64, saved128 = [], []
-    for row in memory[1:]:
-        peak64, saving = re.fullmatch(r"(\d+) \(-(\d+)\)", row[1]).groups()
-        assert plain64 - float(peak64) == float(saving), row
-        saved64.append(float(saving))
-        saved128 += [p - float(v) for p, v in zip(plain128, row[2].split(","))]
-    assert (min(saved64), max(saved64), min(saved128), max(saved128)) == (108, 137, 150, 255)
-    rank_gaps = [abs(a - b) for a, b in (map(float, row[2].split(",")) for row in memory)]
-    assert max(rank_gaps) == 100  # "peaks differ by up to 100 MiB between ranks"
-    # "(2x slower)"
-    assert [round(float(memory[0][3]) / float(row[3])) for row in memory[1:]] == [2, 2]
 
 
 DDP_COST = "python benchmark/ddp_cost.py --mode count"
@@ -595,27 +425,14 @@ def test_the_readme_shows_the_quick_start_and_the_cluster_install():
 # ----------------------------------------------------------
 
 
-def test_the_line_count_04s_readme_gives_for_cpu_sync_batchnorm_is_the_files():
-    """ "about N lines of code": within 10% of the file's code lines (the diff counts of every
-    lesson: test_each_lesson_is_01_plus_its_topic)."""
-    readme = " ".join((REPO / "04_syncbn/README.md").read_text().split())
-    said = re.search(
-        r"`CpuSyncBatchNorm` \(`cpu_sync_batchnorm.py`, about (\d+) lines of code\)", readme
-    )
-    assert said
-    from tests.test_lessons import code_lines
-
-    measured = code_lines(REPO / "04_syncbn/cpu_sync_batchnorm.py")
-    assert abs(measured - int(said[1])) <= 0.1 * int(said[1]), (measured, said[1])
-
-
 # --- 06_multinode/README.md: the launcher's refusal
 # --------------------------------------------------
 
 
 def test_readme_quotes_the_launchers_error_for_more_ranks_than_gpus():
     """The README's row for 8 ranks on a node of 4 GPUs is common.launcher's message."""
-    from tests.test_launcher import launch_info, node_of
+    from common.launcher import launch_info
+    from tests.helpers import node_of
     from common.errors import LauncherError
 
     with pytest.raises(LauncherError) as exc:
@@ -639,7 +456,7 @@ def test_versions_names_the_minimum_and_the_newest_api_the_code_uses():
     code)."""
     from packaging.version import Version
 
-    from tests.test_install import api_date, api_date_by_file, minimum_torch
+    from tests.torch_api import api_date, api_date_by_file, minimum_torch
 
     versions = markdown_section(README_TEXT, "## Versions")
     minimum = minimum_torch()
@@ -662,31 +479,9 @@ def test_the_readme_names_the_digits_notice_and_its_licence():
 def test_the_guide_quotes_the_rendezvous_timeout_as_torch_prints_it():
     """Printed by a rank alone at the rendezvous in tests/test_failures.py::
     test_rank_missing_at_start_waits_at_the_rendezvous_silently."""
-    from tests.test_failures import RENDEZVOUS_TIMED_OUT
+    from tests.helpers import RENDEZVOUS_TIMED_OUT
 
     assert RENDEZVOUS_TIMED_OUT in (REPO / "debugging" / "README.md").read_text()
-
-
-def _said_diff_count(readme: Path, a: str, b: str) -> int:
-    """The "about N lines" a README gives for `diff a b`, in the sentence that names it."""
-    text = " ".join(readme.read_text().split())
-    said = re.search(rf"`diff {re.escape(a)} {re.escape(b)}`[^.]*?about (\d+) lines", text)
-    assert said, f"{readme.relative_to(REPO)} gives no 'about N lines' for `diff {a} {b}`"
-    return int(said[1])
-
-
-@pytest.mark.parametrize(
-    "a,b",
-    [("01_basic_ddp/train.py", s) for s in TOPIC_SCRIPTS]
-    + [("05_checkpointing/train.py", "05_checkpointing/preempt.py")],
-)
-def test_a_lessons_diff_is_about_the_lines_its_readme_says(a, b):
-    """Each topic lesson's README: `diff 01_basic_ddp/train.py NN_topic/train.py` changes "about N
-    lines", within 10% either way: the lesson's budget (tests/test_lessons.py counts them, each
-    print(...) one line); 05's README says the same of preempt.py against its train.py."""
-    said = _said_diff_count(REPO / b.split("/")[0] / "README.md", a, b)
-    changed = diff_count(REPO / a, REPO / b)
-    assert 0.9 * said <= changed <= 1.1 * said, f"diff {a} {b}: {changed} lines, README: {said}"
 
 
 def _sites_table() -> dict[str, dict[str, object]]:
@@ -712,7 +507,7 @@ def _sites_table() -> dict[str, dict[str, object]]:
 def test_the_sites_table_is_what_each_site_file_exports_and_loads(site, tmp_path):
     """jobs/sites/README.md's table: the first module, the exported variables and the placement of
     each site file, as it does them when sourced (tests/test_sites.py::source_site)."""
-    from tests.test_sites import SITE_JOBS, source_site
+    from tests.launcher_tools import SITE_JOBS, source_site
 
     assert sorted(_sites_table()) == sorted(SITE_JOBS)
     exported, placement, calls = source_site(site, tmp_path)
@@ -729,7 +524,7 @@ def test_06s_table_of_errors_quotes_comm_checks_errors_with_its_own_values():
     """06's table of errors: comm_check's line for an unreachable store (there rank 1 on nodeB,
     10.0.0.1:29500, the default 60 s) and for ranks that never checked in (2 and 3 of 4), as
     tests/test_multinode.py sees them printed."""
-    from tests.test_multinode import NEVER_CHECKED_IN, UNREACHABLE
+    from tests.helpers import NEVER_CHECKED_IN, UNREACHABLE
 
     readme = MULTINODE_README.read_text()
     unreachable = UNREACHABLE.format(rank=1, host="nodeB", addr="10.0.0.1:29500", s=60)
@@ -758,7 +553,7 @@ def test_06_quotes_the_placement_tables_warning_as_printed(capsys):
 def test_08_quotes_the_missing_teacher_errors_as_printed():
     """tests/test_several_models.py::test_a_missing_teacher_is_one_error_line_and_exit_code_2 sees
     them printed."""
-    from tests.test_several_models import TEACHER_ERRORS
+    from tests.helpers import TEACHER_ERRORS
 
     readme = " ".join((REPO / "08_several_models" / "README.md").read_text().split())
     assert all(f"`{line}`" in readme for line in TEACHER_ERRORS)
@@ -768,7 +563,7 @@ def test_the_guide_shows_the_mp_spawn_worker_and_cell_that_run():
     """The code tests/test_forum_errors.py::
     test_mp_spawn_of_a_worker_defined_in_main_fails_and_an_imported_one_runs runs is the code
     debugging/README.md shows."""
-    from tests.test_forum_errors import FIXED_CELL, WORKER_FILE
+    from tests.helpers import FIXED_CELL, WORKER_FILE
 
     guide = (REPO / "debugging" / "README.md").read_text()
     assert f"```python\n# ddp_worker.py\n{WORKER_FILE.strip()}\n```" in guide
@@ -794,7 +589,7 @@ def test_the_guides_ddp_memory_figure_is_resnet18s_parameters():
 def test_06s_samples_time_as_many_iterations_as_comm_check_does():
     """The iters column of 06's two comm_check samples (run with the default --iters 20) is
     comm_check's timed_iterations() (held to --iters' help in tests/test_multinode.py)."""
-    from tests.test_multinode import ROW
+    from tests.helpers import ROW
 
     comm = load_script("06_multinode/comm_check.py", "comm_check")
     rows = [
@@ -850,18 +645,6 @@ def test_01s_sample_is_what_the_quick_start_prints(sample_run):
     # The sample's output folder is the default one (the test moved it).
     assert readme_sample(REPO / "01_basic_ddp/README.md", "Output (rank 0 only")[-1].endswith(
         f" {TrainConfig().output_dir}/summary.json"
-    )
-
-
-def test_a_reworded_print_line_fails_the_sample_check_naming_the_regeneration_command():
-    """01's sample, as a run would print it (the `...` left out), agrees with itself; the same
-    output with one line reworded does not, and the message says how to regenerate."""
-    printed = "\n".join(line for line in readme_samples.sample_lines("01") if line != "...")
-    assert readme_samples.drift("01", printed) == []
-    problems = readme_samples.drift("01", printed.replace("eval accuracy", "eval acc"))
-    assert len(problems) == 1 and "eval accuracy" in problems[0]
-    assert "python tests/readme_samples.py --write 01" in readme_samples.drift_message(
-        "01", problems
     )
 
 
@@ -1010,55 +793,134 @@ def test_06s_samples_have_the_shape_of_its_runs(sample_run):
         assert not missing, f"{readme}: sample lines not printed: {sorted(missing)}"
 
 
-def _any_rank(line: str) -> str:
-    """A line of output with the rank it came from left out: `[rankN]:`, `for rank N:`."""
-    return re.sub(r"rank \d+:", "rank N:", re.sub(r"^\[rank\d+\]:", "[rankN]:", line))
+def test_the_global_batch_tolerance_in_the_readmes_is_the_tested_one():
+    rtol = inspect.signature(assert_same_params).parameters["rtol"].default
+    quoted = f"{rtol:.0e}".replace("e-0", "e-")  # 1e-05 -> 1e-5, as the READMEs write it
+    assert quoted == "1e-5"
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert f"It holds to a relative tolerance of {quoted} for a model without BatchNorm" in readme
+    basic = " ".join((REPO / "01_basic_ddp" / "README.md").read_text().split())
+    assert f"as 1 process with batch 32 on the same samples (relative tolerance {quoted})" in basic
+    guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
+    claim = re.search(
+        r"DDP with the same global batch should match one process to (\D*\d+e-\d+)", guide
+    )
+    assert claim and claim[1] == f"a relative {quoted}", claim and claim[0]
 
 
-def _quoted_lines_printed(quoted: list[str], output: str) -> list[str]:
-    """The quoted lines that no line of `output` matches, from any rank (a quote that ends in
-    ' ...' is the start of its line)."""
-    printed = [_any_rank(line) for line in output.splitlines()]
-    missing = []
-    for line in map(_any_rank, quoted):
-        head = line[: -len(" ...")] if line.endswith(" ...") else None
-        if not (line in printed or (head and any(p.startswith(head) for p in printed))):
-            missing.append(line)
-    return missing
-
-
-@pytest.mark.torch_text
-def test_the_guides_quoted_errors_are_what_its_demos_print(sample_run):
-    """Each error the guide quotes (and 08's README, DDP's refusal of a frozen model) is what the
-    guide's command printed: torch's, Python's or gloo's words, from any rank."""
-    guide = REPO / "debugging/README.md"
-    names = [
-        "guide-module-prefix",
-        "guide-wrapper-attribute",
-        "guide-wrap-frozen",
-        "guide-freeze-after-wrap",
-        "guide-different-models",
+def test_every_relative_link_in_the_readmes_leads_to_a_file_and_heading(tmp_path):
+    problems = [
+        f"{doc.relative_to(REPO)}: {p}" for doc in tracked_files("*.md") for p in link_problems(doc)
     ]
-    ran = dict(shared_runs(names, sample_run.folder))
-    for marker, name, lines in (
-        ("Both come from using the wrapper", "guide-module-prefix", 3),
-        ('## "DistributedDataParallel is not needed', "guide-wrap-frozen", 1),
-        ("`model.module.trunk.requires_grad_(False)` after", "guide-freeze-after-wrap", 2),
+    assert problems == [], problems
+    # The check itself: a missing file, or heading, is reported; a link in a code block is not.
+    doc = tmp_path / "README.md"
+    doc.write_text(
+        '## "Address already in use" (`EADDRINUSE`)\n\n[a](#address-already-in-use-eaddrinuse) '
+        "[b](#address-already-in-use) [c](missing.md) [d](https://example.org)\n\n"
+        "```\n[e](#x)\n```\n"
+    )
+    assert link_problems(doc) == [
+        "#address-already-in-use: no such heading",
+        "missing.md: no such file",
+    ]
+
+
+def test_every_readme_command_is_marked_run_proven_by_or_not_run():
+    commands = readme_commands()  # fails on a block without a marker, or a count that differs
+    assert len(commands) > 40, commands  # the reader still finds the blocks
+    for command in commands:
+        where = f"{command.readme}: `{command.text}`: {command.how}"
+        assert len(command.how) == 1 and next(iter(command.how)) in (
+            "run",
+            "proven-by",
+            "not-run",
+        ), where
+        if next(iter(command.how)) == "run":
+            assert set(command.how["run"] or {}) <= RUN_OPTIONS, where
+        if next(iter(command.how)) == "not-run":
+            assert command.how["not-run"] in REASON_WORDS, where
+
+
+def test_a_block_without_its_marker_or_with_another_count_fails_naming_its_line():
+    """The reader's own controls, on Markdown written here: a marked block reads, one entry a
+    command; a block without a marker, or with one entry too few, fails naming the block's line."""
+    block = "```bash\npython a.py   # one\npython b.py \\\n    --flag\n```\n"
+    marked = f"Run these:\n\n<!-- commands:\n- run\n- not-run: gpu\n-->\n{block}"
+    commands = markdown_commands(marked, "X.md")
+    assert [(c.text, c.comment, c.how, c.before) for c in commands] == [
+        ("python a.py", "one", {"run": None}, "Run these:"),
+        ("python b.py --flag", "", {"not-run": "gpu"}, "Run these:"),
+    ]
+    with pytest.raises(AssertionError, match=r"X\.md:3: no <!-- commands: --> marker above"):
+        markdown_commands(f"Run these:\n\n{block}", "X.md")
+    with pytest.raises(AssertionError, match=r"X\.md:6: 2 commands, marker \['run'\]"):
+        markdown_commands(marked.replace("- not-run: gpu\n", ""), "X.md")
+
+
+def test_commands_not_run_say_why_next_to_them():
+    silent = []
+    for command in readme_commands():
+        reason = command.how.get("not-run")
+        if reason and not re.search(
+            REASON_WORDS[reason], f"{command.comment}\n{command.before}", re.I
+        ):
+            silent.append(f"{command.readme}: `{command.text}` ({reason}: {REASON_WORDS[reason]})")
+    assert not silent, (
+        "not run, but neither the comment nor the paragraph before the block says why:\n"
+        + ("\n".join(silent))
+    )
+
+
+def test_digits_md_names_the_file_its_digest_source_and_licence():
+    notice = (REPO / "common" / "DIGITS.md").read_text()
+    assert hashlib.sha256(DIGITS_FILE.read_bytes()).hexdigest() in notice
+    assert ", ".join(map(str, UCI_TEST_CLASS_COUNTS)) in " ".join(notice.split())
+    for source in ("Alpaydin", "Kaynak", "10.24432/C50P49", "CC BY 4.0"):
+        assert source in notice
+
+
+def test_guide_quotes_the_analyzer_verdicts():
+    guide = (REPO / "debugging" / "README.md").read_text()
+    for verdict in (
+        "`Collective sequence number: N has errors`",
+        "`Error type: SIZE_OR_SYNTAX_MISMATCH`",
+        "`Not all ranks joining collective, sequence number: N`",
+        "`missing ranks: {1}`",
+        "`we missed FR dumps from ranks ({1})`",
     ):
-        quoted = readme_sample(guide, marker)
-        assert len(quoted) == lines and ran[name].returncodes == (1,), quoted
-        missing = _quoted_lines_printed(quoted, ran[name].output)
-        assert missing == [], (missing, ran[name].output[-3000:])
-    error = "AttributeError: 'DistributedDataParallel' object has no attribute 'num_classes'"
-    assert f"`{error}`" in guide.read_text() and error in ran["guide-wrapper-attribute"].output
+        assert verdict in guide, verdict
 
-    def counts_masked(line):  # each rank names its own count first
-        return re.sub(r"\b[Rr]ank \d|\d+ params", "#", _any_rank(line))
 
-    (quoted,) = readme_sample(guide, '## "DDP expects same model across all ranks"')
-    printed = {counts_masked(line) for line in ran["guide-different-models"].output.splitlines()}
-    assert counts_masked(quoted) in printed, ran["guide-different-models"].output[-3000:]
-    # 08's README quotes the frozen model's refusal, wrapped over three lines
-    lesson = " ".join((REPO / "08_several_models/README.md").read_text().split())
-    refusal = re.search(r"RuntimeError: DistributedDataParallel is not needed[^`]*", lesson)
-    assert refusal and refusal.group() in ran["guide-wrap-frozen"].output, refusal
+# The words a README must show next to a command that
+# is not run (comment or paragraph before the block).
+REASON_WORDS = {
+    "gpu": r"\bGPU",
+    "download": r"download|pip install",
+    "scheduler": r"cluster|Slurm|PBS|allocation",
+    "test-suite": r"\btests?\b",
+}
+
+
+RUN_OPTIONS = {"short", "exit", "expect", "files", "summary", "torch", "warm"}
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def link_problems(doc: Path) -> list[str]:
+    """The relative links of `doc` whose file, or whose #anchor's heading, does not exist."""
+    problems = []
+    for target in map(unquote, markdown_links(doc.read_text())):
+        if re.match(r"[a-z]+:", target):
+            continue  # a web address
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path).resolve() if path else doc
+        if not file.exists():
+            problems.append(f"{target}: no such file")
+        elif anchor and file.is_file():
+            if anchor not in {slug(h) for h in markdown_headings(file.read_text())}:
+                problems.append(f"{target}: no such heading")
+    return problems
