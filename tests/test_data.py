@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from common.data import DIGITS_FILE, build_datasets, digits, digits_arrays, worker_start_method
+from common.data import build_datasets, digits, digits_arrays, worker_start_method
 from common.errors import DataError
 from tests.cifar_files import CIFAR_FOLDER, patch_cifar_md5, write_cifar10
 from tests.helpers import UCI_TEST_CLASS_COUNTS, PYTHON, REPO, read_summary, run
@@ -157,23 +157,6 @@ def test_digits_load_and_train_without_scikit_learn(tmp_path):
     assert "not blocked" not in result.output
     summary = read_summary(tmp_path)
     assert summary["epochs"] == 1 and summary["eval_accuracy"] > 0.5
-
-
-def test_digits_equal_scikit_learns_load_digits_where_installed():
-    load_digits = pytest.importorskip("sklearn.datasets").load_digits
-    images, labels = digits_arrays()
-    raw = load_digits()
-    assert np.array_equal(images, raw.images) and np.array_equal(labels, raw.target)
-    # common/DIGITS.md: a byte-for-byte copy of scikit-learn's file.
-    from pathlib import Path
-
-    import sklearn.datasets
-
-    assert (
-        DIGITS_FILE.read_bytes()
-        == (Path(sklearn.datasets.__file__).parent / "data" / "digits.csv.gz").read_bytes()
-    )
-    assert digits_sha256(raw.images, raw.target) == DIGITS_SHA256
 
 
 class ParentPid(torch.utils.data.Dataset):

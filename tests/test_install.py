@@ -110,16 +110,6 @@ def test_the_test_requirements_install_on_top_of_any_torch():
     assert set(requirement_lines(SITE)) < set(lines)
 
 
-def test_nothing_needs_scikit_learn_any_more():
-    for path in [
-        *REPO.glob("requirements*.txt"),
-        *(p for d in ("common", "benchmark", "debugging") for p in (REPO / d).glob("*.py")),
-        *REPO.glob("0*/*.py"),
-    ]:
-        text = path.read_text()
-        assert "sklearn" not in text and "scikit" not in text, path
-
-
 # --- the minimum torch version
 # -------------------------------------------------------------------------------
 
