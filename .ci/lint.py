@@ -21,6 +21,8 @@ Each rule protects someone who copies one of them:
                          running gloo's threads can hang a worker
   test-hooks             no DDP_TEST_/DDP_EXAMPLES_ hook: a copy carries no test machinery
   training-catches       no `try` in a lesson's train.py: a failing rank shows torch's report
+  gpu-from-launch        torch.device("cuda", launch.gpu), not the local rank: where a site
+                         shows each rank only its own GPU, that GPU is cuda:0
 
 Usage: python .ci/lint.py [PATH ...]   files or folders; without any, the folders above
        python .ci/lint.py --self-test  each rule on a planted mistake and on its corrected twin
@@ -264,6 +266,19 @@ def forked_loader_workers(files):
                 yield f, call.lineno, "pass multiprocessing_context=worker_start_method(...)"
 
 
+def gpu_from_launch(files):
+    for f in files:
+        for node in f.nodes:
+            if (
+                isinstance(node, ast.Call)
+                and ast.unparse(node.func) == "torch.device"
+                and len(node.args) == 2
+                and isinstance(node.args[1], ast.Attribute)
+                and node.args[1].attr == "local_rank"
+            ):
+                yield f, node.lineno, 'torch.device("cuda", ....local_rank): use launch.gpu'
+
+
 def test_hooks(files):
     for f in files:
         for number, line in enumerate(f.text.splitlines(), 1):
@@ -282,7 +297,7 @@ def training_catches(files):
 RULES = [
     *(private_torch_api, common_communicates, destroy_process_group, os_exit, record_main),
     *(set_device_first, barrier_device_ids, backend_only_api, forked_loader_workers),
-    *(test_hooks, training_catches),
+    *(test_hooks, training_catches, gpu_from_launch),
 ]
 
 
@@ -359,6 +374,9 @@ d = DataLoader(s, num_workers=n)  #-
 d = DataLoader(s, num_workers=n, multiprocessing_context=worker_start_method(n))  #+
 --- forked-loader-workers porting/a.py
 d = DataLoader(s, num_workers=n)
+--- gpu-from-launch 03_a/a.py
+device = torch.device("cuda", launch.local_rank)  #-
+device = torch.device("cuda", launch.gpu)  #+
 --- test-hooks 07_a/a.py
 os.environ.get("DDP_TEST_FAIL")  #-
 os.environ.get("RANK")  #+

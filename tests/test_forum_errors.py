@@ -341,18 +341,6 @@ def test_mp_spawn_of_a_worker_defined_in_main_fails_and_an_imported_one_runs(tmp
         assert f"rank {rank}: all_reduce gives 3" in fixed.stdout, fixed.output[-3000:]
 
 
-def test_train_spawn_has_a_module_level_worker_and_spawns_in_main():
-    import ast
-
-    tree = ast.parse((REPO / "01_basic_ddp" / "train_spawn.py").read_text())
-    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
-    assert "worker" in functions
-    calls = [
-        ast.unparse(node.func) for node in ast.walk(functions["main"]) if isinstance(node, ast.Call)
-    ]
-    assert any(call.endswith("spawn") for call in calls), calls
-
-
 # --- two forward passes before one backward (a GAN
 # discriminator) ---------------------------------------
 

@@ -163,7 +163,7 @@ def test_clipping_after_the_all_reduce_equals_one_process_with_the_large_batch(r
     assert relative_difference(load_model(clip_runs["fp16"]), one_process) < 1e-2
 
 
-UNSCALE = "                scaler.unscale_(optimizer)\n"  # the script's line
+UNSCALE = "            scaler.unscale_(optimizer)\n"  # the script's line (Accumulation.step)
 
 
 def test_clipping_without_unscale_clips_the_scaled_gradient(tmp_path, clip_runs):

@@ -21,7 +21,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from tests.helpers import REPO, pinned_torch_only
+from tests.helpers import PINNED_TORCH, REPO, RUNNING_TORCH, pinned_torch_only
 from tests.torch_api import (
     NEWER_THAN_2_0,
     NOT_TORCH,
@@ -58,7 +58,7 @@ def torch_pulled_in(requirements: list[str], path: list[str] | None = None) -> l
     return named + pulled
 
 
-def test_the_site_requirements_neither_name_nor_pull_in_torch():
+def test_the_site_requirements_neither_name_nor_pull_in_torch(tmp_path):
     """`pip install -r requirements-site.txt` leaves the
     environment's torch and torchvision alone."""
     site = requirement_lines(SITE)
@@ -66,10 +66,8 @@ def test_the_site_requirements_neither_name_nor_pull_in_torch():
     # The installed closure is real: tensorboard brings numpy, among others.
     assert "numpy" in installed_closure(site)
 
-
-def test_the_torch_check_fails_on_a_named_torch_or_a_dependency_that_brings_it(tmp_path):
-    """Negative controls: torch added to the site file;
-    a package whose metadata requires torchvision."""
+    # Negative controls: torch added to the site file;
+    # a package whose metadata requires torchvision.
     edited = tmp_path / "requirements-site.txt"
     edited.write_text(SITE.read_text() + "torch>=2.3\n")
     assert torch_pulled_in(requirement_lines(edited)) == ["torch>=2.3", "torch"]
@@ -114,7 +112,7 @@ def test_the_test_requirements_install_on_top_of_any_torch():
 # -------------------------------------------------------------------------------
 
 
-def test_every_torch_use_in_the_code_has_a_known_first_release():
+def test_every_torch_use_in_the_code_has_a_known_first_release(tmp_path):
     known = torch_2_0_uses() | NEWER_THAN_2_0.keys() | NOT_TORCH.keys()
     unknown = {
         f"{path}: {use}"
@@ -127,9 +125,47 @@ def test_every_torch_use_in_the_code_has_a_known_first_release():
         f"NEWER_THAN_2_0 or, if torch 2.0.1 had it, to {OLD_LIST.name}): {sorted(unknown)}"
     )
 
+    # Negative controls: a newer call, a method on a variable,
+    # an unknown name; a stdlib method is not torch's.
+    members = member_names(torch_classes())
+    source = (
+        "import re\nimport torch\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "ok = torch.amp.is_autocast_available('cpu')\nmodel = DDP(torch.nn.Linear(1, 1))\n"
+        "model.compile()\nPATTERN = re.compile('x')\ntorch.accelerator.current_accelerator()\n"
+    )
+    uses = python_uses(source, members)
+    assert {
+        "torch.amp.is_autocast_available",
+        ".compile",
+        "torch.accelerator.current_accelerator",
+        "torch.nn.parallel.DistributedDataParallel",
+    } <= uses
+    assert newest(uses) == "2.4" and Version(newest(uses)) > Version(api_date())
+    assert "torch.accelerator.current_accelerator" not in torch_2_0_uses() | NEWER_THAN_2_0.keys()
+    assert (
+        "re.compile" not in uses and python_uses("import re\nre.compile('x')\n", members) == set()
+    )
 
-def test_the_site_requirements_name_the_minimum():
-    assert f"Needs torch >= {minimum_torch()}" in SITE.read_text()
+    # A flag in a torchrun command (or an array it expands) counts; one in a comment or after the
+    # script not. The flags are the installed torchrun's: the pinned one's here.
+    if RUNNING_TORCH != PINNED_TORCH:
+        return
+    known = torchrun_flags()
+    job = (
+        '# torchrun must know --signals-to-handle\nextra+=("--local_addr=$HOST")\n'
+        '"$PYTHON" -m torch.distributed.run \\\n    --nnodes=2 --signals-to-handle=SIGUSR1 \\\n'
+        '    "$SCRIPT" --standalone  # --rdzv_id\n'
+    )
+    assert torchrun_flags_used(job, known) == {
+        "torchrun --local_addr",
+        "torchrun --nnodes",
+        "torchrun --signals-to-handle",
+    }
+    assert newest(torchrun_flags_used(job, known)) == "2.10"
+    assert torchrun_flags_used(job.replace("--signals-to-handle=SIGUSR1 ", ""), known) == {
+        "torchrun --local_addr",
+        "torchrun --nnodes",
+    }
 
 
 LESSON_TESTS = [
@@ -175,47 +211,4 @@ def test_the_minimum_is_the_pair_ci_runs_the_min_torch_tier_on():
     )
     assert "test_launch_info_cases" not in marked_min_torch(REPO / "tests" / "test_launcher.py")
 
-
-def test_the_version_check_sees_new_apis_in_code(tmp_path):
-    """Negative controls: a newer call, a method on a variable,
-    an unknown name; a stdlib method is not torch's."""
-    members = member_names(torch_classes())
-    source = (
-        "import re\nimport torch\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
-        "ok = torch.amp.is_autocast_available('cpu')\nmodel = DDP(torch.nn.Linear(1, 1))\n"
-        "model.compile()\nPATTERN = re.compile('x')\ntorch.accelerator.current_accelerator()\n"
-    )
-    uses = python_uses(source, members)
-    assert {
-        "torch.amp.is_autocast_available",
-        ".compile",
-        "torch.accelerator.current_accelerator",
-        "torch.nn.parallel.DistributedDataParallel",
-    } <= uses
-    assert newest(uses) == "2.4" and Version(newest(uses)) > Version(api_date())
-    assert "torch.accelerator.current_accelerator" not in torch_2_0_uses() | NEWER_THAN_2_0.keys()
-    assert (
-        "re.compile" not in uses and python_uses("import re\nre.compile('x')\n", members) == set()
-    )
-
-
-@pinned_torch_only("reads the flags of the installed torchrun")
-def test_torchrun_flags_count_in_commands_only():
-    """A flag in a torchrun command (or an array it expands)
-    counts; one in a comment or after the script not."""
-    known = torchrun_flags()
-    job = (
-        '# torchrun must know --signals-to-handle\nextra+=("--local_addr=$HOST")\n'
-        '"$PYTHON" -m torch.distributed.run \\\n    --nnodes=2 --signals-to-handle=SIGUSR1 \\\n'
-        '    "$SCRIPT" --standalone  # --rdzv_id\n'
-    )
-    assert torchrun_flags_used(job, known) == {
-        "torchrun --local_addr",
-        "torchrun --nnodes",
-        "torchrun --signals-to-handle",
-    }
-    assert newest(torchrun_flags_used(job, known)) == "2.10"
-    assert torchrun_flags_used(job.replace("--signals-to-handle=SIGUSR1 ", ""), known) == {
-        "torchrun --local_addr",
-        "torchrun --nnodes",
-    }
+    assert f"Needs torch >= {minimum_torch()}" in SITE.read_text()

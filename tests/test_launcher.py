@@ -28,7 +28,6 @@ from tests.helpers import (
     finish,
     read_summary,
     start,
-    tracked_files,
 )
 
 
@@ -596,39 +595,6 @@ def test_a_process_started_alone_takes_any_free_port(monkeypatch):
     assert launch_info({"SLURM_JOB_ID": "4321"}).master_port == 0
     # a launcher's world of one
     assert launch_info({"RANK": "0", "WORLD_SIZE": "1"}).master_port == DEFAULT_PORT
-
-
-def _devices_by_local_rank(source: str) -> list[int]:
-    """Lines that pick a CUDA device by the local rank (torch.device("cuda", x.local_rank)):
-    wrong where a site shows each rank only its own GPU, where launch.gpu is right."""
-    import ast
-
-    return [
-        node.lineno
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.Call)
-        and ast.unparse(node.func) == "torch.device"
-        and len(node.args) == 2
-        and isinstance(node.args[1], ast.Attribute)
-        and node.args[1].attr == "local_rank"
-    ]
-
-
-def test_every_script_picks_its_gpu_with_launch_gpu():
-    offenders = {
-        str(path.relative_to(REPO)): lines
-        for path in tracked_files("*.py")
-        if "tests" not in path.relative_to(REPO).parts
-        and (lines := _devices_by_local_rank(path.read_text()))
-    }
-    assert offenders == {}
-    # Control: the scan sees the old line.
-    old = (
-        'device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() '
-        'else torch.device("cpu")'
-    )
-    assert _devices_by_local_rank(old) == [1]
-    assert _devices_by_local_rank(old.replace("launch.local_rank", "launch.gpu")) == []
 
 
 # -- srun with Slurm's cray_shasta MPI plugin (HPE Cray EX), as Slurm 23.02 and newer set it up ---

@@ -614,20 +614,6 @@ def assert_printed(name, ran, lines=None):
     assert not problems, readme_samples.drift_message(name, problems)
 
 
-def test_the_sample_check_fails_on_a_line_that_was_not_printed_and_names_the_fix():
-    """`...` stands for any text; a line that is only `...` is an elision. Controls: a changed
-    number, a cut line, a wrong line number behind `...`."""
-    output = "rank 0: [0, 3]\n[rank1]: [/a/b/tcp.cc:1] Timed out\n"
-    ran = Ran((output,), ("",), (0,), Path("/nowhere"))
-    lines = ["rank 0: [0, 3]", "[rank1]:   ...", "[rank1]: [.../tcp.cc:1] Timed out"]
-    assert readme_samples.drift("02-viewer", output, lines=lines) == []
-    for wrong in (["rank 0: [0, 4]"], ["rank 0: [0, 3"], ["[rank1]: [.../tcp.cc:2] Timed out"]):
-        with pytest.raises(
-            AssertionError, match="python tests/readme_samples.py --write 02-viewer"
-        ):
-            assert_printed("02-viewer", ran, lines=wrong)
-
-
 @pinned_torch_only("compares the figures the README's run printed")
 def test_01s_sample_is_what_the_quick_start_prints(sample_run):
     """01's sample is lines the quick start prints (decimals masked), its last epoch's accuracy
@@ -646,6 +632,18 @@ def test_01s_sample_is_what_the_quick_start_prints(sample_run):
     assert readme_sample(REPO / "01_basic_ddp/README.md", "Output (rank 0 only")[-1].endswith(
         f" {TrainConfig().output_dir}/summary.json"
     )
+
+    # `...` stands for any text; a line that is only `...` is an elision. Controls: a changed
+    # number, a cut line, a wrong line number behind `...`.
+    output = "rank 0: [0, 3]\n[rank1]: [/a/b/tcp.cc:1] Timed out\n"
+    ran = Ran((output,), ("",), (0,), Path("/nowhere"))
+    lines = ["rank 0: [0, 3]", "[rank1]:   ...", "[rank1]: [.../tcp.cc:1] Timed out"]
+    assert readme_samples.drift("02-viewer", output, lines=lines) == []
+    for wrong in (["rank 0: [0, 4]"], ["rank 0: [0, 3"], ["[rank1]: [.../tcp.cc:2] Timed out"]):
+        with pytest.raises(
+            AssertionError, match="python tests/readme_samples.py --write 02-viewer"
+        ):
+            assert_printed("02-viewer", ran, lines=wrong)
 
 
 def test_01s_port_patch_is_the_one_the_copied_out_test_applies():
@@ -841,10 +839,8 @@ def test_every_readme_command_is_marked_run_proven_by_or_not_run():
         if next(iter(command.how)) == "not-run":
             assert command.how["not-run"] in REASON_WORDS, where
 
-
-def test_a_block_without_its_marker_or_with_another_count_fails_naming_its_line():
-    """The reader's own controls, on Markdown written here: a marked block reads, one entry a
-    command; a block without a marker, or with one entry too few, fails naming the block's line."""
+    # The reader's own controls, on Markdown written here: a marked block reads, one entry a
+    # command; a block without a marker, or with one entry too few, fails naming the block's line.
     block = "```bash\npython a.py   # one\npython b.py \\\n    --flag\n```\n"
     marked = f"Run these:\n\n<!-- commands:\n- run\n- not-run: gpu\n-->\n{block}"
     commands = markdown_commands(marked, "X.md")

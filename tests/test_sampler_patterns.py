@@ -7,7 +7,6 @@ against DistributedSampler itself, the formulas, and files on disk.
 
 from __future__ import annotations
 
-import ast
 import csv
 import inspect
 import json
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
-from common.config import TrainConfig, parse_config
+from common.config import parse_config
 from common.data import digits
 from common.errors import ConfigError
 from common.models import SmallCNN
@@ -50,21 +49,6 @@ SCRIPTS = sorted(p.name for p in (REPO / DIR).glob("*.py"))
 
 
 # ---------------------------------------------------------------- every script
-
-
-def functions_of(script):
-    tree = ast.parse((REPO / DIR / script).read_text())
-    return {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
-
-
-def calls_in(node):
-    """The functions called in `node`, in source order."""
-    found = sorted(
-        (call.lineno, call.col_offset, ast.unparse(call.func))
-        for call in ast.walk(node)
-        if isinstance(call, ast.Call)
-    )
-    return [name for _, _, name in found]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -532,32 +516,6 @@ def test_gather_predictions_refuses_missing_or_unfitting_weights(tmp_path):
         and "does not fit --model small_cnn on digits" in unfitting.stderr
     )
     assert unfitting.stderr.count("\n") == 1 and "size mismatch" in unfitting.stderr
-
-
-def test_gather_predictions_checks_the_weights_before_any_collective():
-    """main() reads the file before predict_and_gather starts the process group; the fit is checked
-    before the first collective (gather_rows)."""
-    functions = functions_of("gather_predictions.py")
-    main = calls_in(functions["main"])
-    assert main.index("read_weights") < main.index("predict_and_gather")
-    body = calls_in(functions["predict_and_gather"])
-    assert (
-        body.index("dist.init_process_group")
-        < body.index("model.load_state_dict")
-        < body.index("gather_rows")
-    )
-    assert not [
-        c
-        for c in body[: body.index("model.load_state_dict")]
-        # --download's barrier: every rank calls it, and every rank checks the weights after it
-        if c.startswith("dist.") and c not in ("dist.init_process_group", "dist.barrier")
-    ]
-    # The default weights file is the one 01 writes (its output_dir, model.pt).
-    default = (
-        load_script(f"{DIR}/gather_predictions.py", "gather_predictions").PredictConfig().weights
-    )
-    assert default == f"{TrainConfig().output_dir}/model.pt"
-    assert 'Path(cfg.output_dir) / "model.pt"' in (REPO / "01_basic_ddp" / "train.py").read_text()
 
 
 def test_gather_predictions_refuses_weights_files_that_are_no_state_dict(tmp_path, capsys):

@@ -391,9 +391,7 @@ def test_site_header_blocks_fit_the_site(path):
         # slurm_torchrun, slurm_srun
         assert sorted(o["--ntasks-per-node"] for o in opts) == ["1", "4"]
 
-
-def test_header_check_catches_what_each_site_forbids():
-    """Negative controls: blocks that break one rule each."""
+    # Negative controls: blocks that break one rule each.
     polaris = [
         "#PBS -A p",
         "#PBS -q prod",

@@ -333,7 +333,7 @@ def analyze(tmp_path, caplog):
 GRADIENTS = 2410  # a gradient bucket's elements
 
 
-def test_analyzer_names_a_size_or_type_mismatch(analyze):
+def test_analyzer_gives_each_verdict_the_guide_names(analyze):
     out = analyze(
         {
             0: [entry(1, GRADIENTS), entry(2, 1, "scheduled")],
@@ -358,26 +358,20 @@ def test_analyzer_names_a_size_or_type_mismatch(analyze):
         "Collective sequence number: 2 has errors" in out and "COLLECTIVE_TYPE_MISMATCH" in out
     ), out
 
-
-def test_analyzer_names_the_rank_that_never_joined(analyze):
     out = analyze({0: [entry(1, GRADIENTS), entry(2, 1, "scheduled")], 1: [entry(1, GRADIENTS)]})
     assert (
         "Not all ranks joining collective, sequence number: 2" in out
         and "missing ranks: {1}" in out
     ), out
 
-
-def test_analyzer_says_when_a_rank_left_no_dump(analyze):
     out = analyze(
         {0: [entry(1, GRADIENTS), entry(2, GRADIENTS, "scheduled")]}, "--allow-incomplete-ranks"
     )
     assert "we missed FR dumps from ranks ({1})" in out, out
 
-
-def test_analyzer_finds_no_error_when_every_rank_entered_the_same_collective(analyze):
-    """The table's first row, and the negative control of the others:
-    both ranks entered collective 2 with the same size and it never
-    finished (the network, NCCL, a GPU): no mismatch to report."""
+    # The table's first row, and the negative control of the others:
+    # both ranks entered collective 2 with the same size and it never
+    # finished (the network, NCCL, a GPU): no mismatch to report.
     out = analyze({r: [entry(1, GRADIENTS), entry(2, GRADIENTS, "scheduled")] for r in (0, 1)})
     assert not re.search(r"has errors|Not all ranks joining|missed FR dumps|mismatch", out, re.I), (
         out
