@@ -1025,23 +1025,6 @@ def test_without_optimizer_or_scheduler_state_a_resume_takes_another_path():
     assert results["no scheduler"] == (False, 0)  # the schedule starts again from its first step
 
 
-def test_distributed_sampler_is_a_randperm_of_seed_plus_epoch_read_with_stride_w():
-    """What the README says DistributedSampler does, which ResumableSampler relies on."""
-    for size, world in ((1438, 2), (1438, 3), (7, 4)):
-        for epoch in (0, 5):
-            order = torch.randperm(
-                size, generator=torch.Generator().manual_seed(3 + epoch)
-            ).tolist()
-            # the first samples again
-            padded = order + order[: -size % world] if size % world else order
-            for rank in range(world):
-                sampler = DistributedSampler(
-                    range(size), num_replicas=world, rank=rank, shuffle=True, seed=3
-                )
-                sampler.set_epoch(epoch)
-                assert list(sampler) == padded[rank::world]
-
-
 def test_a_dataloader_draws_a_seed_from_the_global_rng_unless_given_its_generator():
     def global_state_moves(**kwargs) -> bool:
         before = torch.get_rng_state()

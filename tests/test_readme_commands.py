@@ -249,13 +249,6 @@ OTHER_TIERS = {
 }
 
 
-def test_readme_names_the_shortening_flags():
-    """tests/README.md's section on README commands names the flags `short: true` appends."""
-    text = (REPO / "tests" / "README.md").read_text()
-    section = text.split("## README statements, samples and commands", 1)[1].split("\n## ", 1)[0]
-    assert f"`{SHORT}`" in section
-
-
 def test_commands_proven_elsewhere_are_run_as_written_by_that_test():
     """A `proven-by` test (or fixture) exists and runs the command through command_argv (or,
     ranks started warm, warm_command), the README's exact text a string constant in it or in its

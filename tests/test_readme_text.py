@@ -198,8 +198,7 @@ def test_a_venv_sees_the_site_pythons_torch_only_with_system_site_packages(tmp_p
 
 def test_the_defaults_and_choices_the_readme_quotes():
     """ "Troubleshooting": `--timeout-s` (60 s); "Data sets": digits is the
-    default, then the other five; "Concepts": --batch-size is per rank;
-    """
+    default, then the other five; "Concepts": --batch-size is per rank."""
     defaults = TrainConfig()
     assert f"`--timeout-s` ({defaults.timeout_s:.0f} s)" in README
     assert defaults.dataset == "digits" and "`--dataset digits` (default;" in README
@@ -207,6 +206,13 @@ def test_the_defaults_and_choices_the_readme_quotes():
         assert re.search(rf"`{name}`", readme_section("## Data sets")), name
     help_text = TrainConfig.__dataclass_fields__["batch_size"].metadata["help"]
     assert "per rank" in help_text and "`--batch-size` is per rank (the local batch)" in README
+
+    # debugging/README.md: 60 s by default, 10 s in the demos
+    demo = load_script("debugging/demo_bugs.py", "demo_bugs")
+    assert (TrainConfig().timeout_s, demo.DemoConfig().timeout_s) == (60.0, 10.0)
+    guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
+    assert "is `--timeout-s` (60 s by default, 10 s in the demos)" in guide
+    assert "(default 60 s here, 10 s in the demos;" in guide
 
 
 def test_each_site_file_names_the_date_its_sources_were_read():
@@ -229,17 +235,6 @@ def test_each_site_file_names_the_date_its_sources_were_read():
 
 # --- debugging/README.md: what the guide says of the code
 # --------------------------------------------
-
-
-def test_timeout_defaults_are_60_s_and_10_s_in_the_demos():
-    from common.config import TrainConfig
-    from tests.helpers import load_script
-
-    demo = load_script("debugging/demo_bugs.py", "demo_bugs")
-    assert (TrainConfig().timeout_s, demo.DemoConfig().timeout_s) == (60.0, 10.0)
-    guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
-    assert "is `--timeout-s` (60 s by default, 10 s in the demos)" in guide
-    assert "(default 60 s here, 10 s in the demos;" in guide
 
 
 # --- 04_syncbn/README.md
@@ -468,12 +463,6 @@ def test_versions_names_the_minimum_and_the_newest_api_the_code_uses():
     assert f"The APIs the code uses date from torch {newest}:" in versions
     setting = {path for path, version in by_file.items() if version == newest}
     assert setting and all(f"`{path}`" in versions for path in setting)
-
-
-def test_the_readme_names_the_digits_notice_and_its_licence():
-    """ "Data sets": the digits' notice (common/DIGITS.md, held to the file by tests/test_data.py)
-    and its licence."""
-    assert "common/DIGITS.md" in README_TEXT and "CC BY 4.0" in README_TEXT
 
 
 def test_the_guide_quotes_the_rendezvous_timeout_as_torch_prints_it():
@@ -875,17 +864,9 @@ def test_digits_md_names_the_file_its_digest_source_and_licence():
     for source in ("Alpaydin", "Kaynak", "10.24432/C50P49", "CC BY 4.0"):
         assert source in notice
 
-
-def test_guide_quotes_the_analyzer_verdicts():
-    guide = (REPO / "debugging" / "README.md").read_text()
-    for verdict in (
-        "`Collective sequence number: N has errors`",
-        "`Error type: SIZE_OR_SYNTAX_MISMATCH`",
-        "`Not all ranks joining collective, sequence number: N`",
-        "`missing ranks: {1}`",
-        "`we missed FR dumps from ranks ({1})`",
-    ):
-        assert verdict in guide, verdict
+    # "Data sets": the digits' notice (common/DIGITS.md, held to the file by tests/test_data.py)
+    # and its licence.
+    assert "common/DIGITS.md" in README_TEXT and "CC BY 4.0" in README_TEXT
 
 
 # The words a README must show next to a command that
@@ -920,3 +901,11 @@ def link_problems(doc: Path) -> list[str]:
             if anchor not in {slug(h) for h in markdown_headings(file.read_text())}:
                 problems.append(f"{target}: no such heading")
     return problems
+
+
+def test_readme_names_the_shortening_flags():
+    """tests/README.md's section on README commands names the flags `short: true` appends."""
+    text = (REPO / "tests" / "README.md").read_text()
+    section = text.split("## README statements, samples and commands", 1)[1].split("\n## ", 1)[0]
+    # `short: true` appends these flags (tests/test_readme_commands.py, SHORT)
+    assert "`--epochs 1 --max-steps 2`" in section

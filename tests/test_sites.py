@@ -51,6 +51,10 @@ def test_site_file_static(path):
         tags = set(re.findall(r"\[\w+\]", above))
         assert tags and tags <= defined, f"{path.name}:{i + 1}: sources {tags}, defined {defined}"
 
+    for name in PBS_JOBS + SLURM_JOBS:
+        text = (REPO / "jobs" / name).read_text()
+        assert text.startswith("#!/bin/bash -l\n") and 'source "jobs/sites/$SITE.sh"' in text, name
+
 
 # -- sourcing a site file --------------------------------------------------------------------------
 
@@ -122,12 +126,6 @@ def test_site_file_without_module_command_is_one_error_line(site, tmp_path):
         f"error: SITE={site} needs the 'module' command: start the job file as a login shell "
         "(#!/bin/bash -l)"
     ]
-
-
-def test_job_files_that_source_a_site_start_a_login_shell():
-    for name in PBS_JOBS + SLURM_JOBS:
-        text = (REPO / "jobs" / name).read_text()
-        assert text.startswith("#!/bin/bash -l\n") and 'source "jobs/sites/$SITE.sh"' in text, name
 
 
 # -- the job files with SITE=..., under stubs of the launchers ------------------------------------

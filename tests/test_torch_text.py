@@ -377,6 +377,16 @@ def test_analyzer_gives_each_verdict_the_guide_names(analyze):
         out
     )
 
+    guide = (REPO / "debugging" / "README.md").read_text()
+    for verdict in (
+        "`Collective sequence number: N has errors`",
+        "`Error type: SIZE_OR_SYNTAX_MISMATCH`",
+        "`Not all ranks joining collective, sequence number: N`",
+        "`missing ranks: {1}`",
+        "`we missed FR dumps from ranks ({1})`",
+    ):
+        assert verdict in guide, verdict
+
 
 def nccl_library() -> Path:
     """The libnccl.so.2 of the nvidia-nccl wheel that torch's CUDA build loads."""
