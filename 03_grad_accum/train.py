@@ -85,6 +85,98 @@ def evaluate(model, loader, device):
     return loss_sum / count, correct / count, int(count)
 
 
+class Accumulation:
+    """`accum_steps` micro-batches per rank make one optimizer step: effective batch = local batch
+    x world size x accum_steps, and the learning rate for it. backward() runs each micro-batch
+    inside no_sync() but the window's last; step() is the window's optimizer step, where mixed
+    precision, gradient clipping and warm-up meet accumulation."""
+
+    def __init__(self, cfg, world_size, optimizer, train_loader, device):
+        self.cfg, self.optimizer, self.device = cfg, optimizer, device
+        # micro-batches per rank per epoch, and the samples they hold
+        self.micro_batches, self.samples = len(train_loader), len(train_loader.sampler)
+        # samples per optimizer step
+        self.effective_batch = cfg.batch_size * world_size * cfg.accum_steps
+        # Linear scaling rule (SGD): a larger batch, a proportionally larger learning rate.
+        self.lr = cfg.lr * self.effective_batch / cfg.lr_base_batch if cfg.lr_base_batch else cfg.lr
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr
+        # Warm-up: from lr / warmup_steps up to lr, one scheduler step per optimizer step.
+        self.warmup = None
+        if cfg.warmup_steps:
+            self.warmup = torch.optim.lr_scheduler.LinearLR(
+                optimizer, start_factor=1 / cfg.warmup_steps, total_iters=cfg.warmup_steps
+            )
+        # fp16 only: scales the loss so small gradients do not underflow (a no-op otherwise)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+
+    def backward(self, model, i, images, labels):
+        """Forward and backward of micro-batch i of the epoch. Returns its loss, and whether it
+        is its window's last: the one whose backward all-reduced, after which step() steps."""
+        cfg, scaler, amp_dtype = self.cfg, self.scaler, self.amp_dtype
+        window_start = i - i % cfg.accum_steps
+        # an epoch's last window may be short
+        window_end = min(window_start + cfg.accum_steps, self.micro_batches)
+        window_samples = (
+            min(window_end * cfg.batch_size, self.samples) - window_start * cfg.batch_size
+        )
+        sync = i == window_end - 1  # the window's last micro-batch all-reduces
+        # Forward AND backward inside no_sync: DDP reads the flag in forward() to prepare the
+        # backward's all-reduce, so a forward outside no_sync still communicates.
+        with model.no_sync() if cfg.use_no_sync and not sync else nullcontext():
+            with torch.autocast(self.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = F.cross_entropy(model(images), labels)
+            # .grad sums over the window. Weighting each micro-batch's mean loss by its share of
+            # the window's samples makes the sum the window's mean gradient: loss / accum_steps
+            # for a full window, and still exact in an epoch's shorter last window. (Not / world
+            # size: DDP already averages.)
+            scaler.scale(loss * len(labels) / window_samples).backward()
+        return loss, sync
+
+    def step(self, model):
+        """The window's optimizer step. The sync backward before it averaged the window's
+        gradient over the ranks."""
+        cfg, scaler, optimizer = self.cfg, self.scaler, self.optimizer
+        if cfg.max_grad_norm:
+            # Clip here, after the all-reduce, never inside no_sync: each rank would clip its own
+            # partial sum. The norm is the same on every rank, so all clip alike. Unscale first,
+            # or the norm is the scaled gradient's.
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        # fp16: skips the step if a gradient is inf or nan; after the all-reduce that is every
+        # rank's gradient, so every rank skips alike.
+        scaler.step(optimizer)
+        scaler.update()
+        if self.warmup is not None:  # counts optimizer steps, not micro-batches
+            self.warmup.step()
+        optimizer.zero_grad(set_to_none=True)  # only after a step: until then .grad accumulates
+
+    def describe(self):
+        """For the start line: the window, the precision, the clipping and the rate."""
+        cfg = self.cfg
+        return (
+            f"accum {cfg.accum_steps} = {self.effective_batch}, "
+            f"{self.micro_batches} micro-batches per rank per epoch, no_sync {cfg.use_no_sync}, "
+            f"precision {cfg.precision}, max grad norm {cfg.max_grad_norm}, "
+            f"lr {self.lr:g}, warm-up {cfg.warmup_steps} steps"
+        )
+
+    def summary(self):
+        """summary.json's fields of the accumulation, beside 01's."""
+        cfg = self.cfg
+        return dict(
+            accum_steps=cfg.accum_steps,
+            use_no_sync=cfg.use_no_sync,
+            precision=cfg.precision,
+            max_grad_norm=cfg.max_grad_norm,
+            # fp16: 65536 halved at each skipped step (1.0 without a scaler)
+            grad_scale=self.scaler.get_scale(),
+            warmup_steps=cfg.warmup_steps,
+            final_lr=self.optimizer.param_groups[0]["lr"],
+        )
+
+
 def train(cfg, launch):
     start_time = time.perf_counter()
     # One GPU per process: the local rank's, or 0 where the site shows each rank only its own;
@@ -141,38 +233,22 @@ def train(cfg, launch):
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size)
     model = model.to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    # samples per optimizer step
-    effective_batch = cfg.batch_size * launch.world_size * cfg.accum_steps
-    # Linear scaling rule (SGD): a larger batch, a proportionally larger learning rate.
-    lr = cfg.lr * effective_batch / cfg.lr_base_batch if cfg.lr_base_batch else cfg.lr
     optimizer = torch.optim.SGD(
         model.parameters(),
-        lr=lr,
+        lr=cfg.lr,
         momentum=cfg.momentum,
         weight_decay=cfg.weight_decay,
     )
-    # Warm-up: from lr / warmup_steps up to lr, one scheduler step per optimizer step.
-    warmup = None
-    if cfg.warmup_steps:
-        warmup = torch.optim.lr_scheduler.LinearLR(
-            optimizer, start_factor=1 / cfg.warmup_steps, total_iters=cfg.warmup_steps
-        )
+    accumulation = Accumulation(cfg, launch.world_size, optimizer, train_loader, device)
     # From here on each rank its own augmentation and loader worker seeds.
     torch.manual_seed(cfg.seed + launch.rank)
-    # fp16 only: scales the loss so small gradients do not underflow (a no-op otherwise)
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
 
     if launch.rank == 0:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
         print(
             f"launcher {launch.launcher}, {backend} on {device} "
             f"(CUDA_VISIBLE_DEVICES={visible}), world size {launch.world_size}, "
-            f"batch {cfg.batch_size} x {launch.world_size} x accum {cfg.accum_steps} = "
-            f"{effective_batch}, "
-            f"{len(train_loader)} micro-batches per rank per epoch, no_sync {cfg.use_no_sync}, "
-            f"precision {cfg.precision}, max grad norm {cfg.max_grad_norm}, "
-            f"lr {lr:g}, warm-up {cfg.warmup_steps} steps",
+            f"batch {cfg.batch_size} x {launch.world_size} x {accumulation.describe()}",
             flush=True,
         )
     step, images_seen = 0, 0
@@ -184,42 +260,13 @@ def train(cfg, launch):
         loss_and_count = torch.zeros(2, dtype=torch.float64, device=device)
         for i, (images, labels) in enumerate(train_loader):
             images, labels = images.to(device), labels.to(device)
-            window_start = i - i % cfg.accum_steps
-            # an epoch's last window may be short
-            window_end = min(window_start + cfg.accum_steps, len(train_loader))
-            window_samples = (
-                min(window_end * cfg.batch_size, len(train_sampler)) - window_start * cfg.batch_size
-            )
-            sync = i == window_end - 1  # the window's last micro-batch all-reduces
-            # Forward AND backward inside no_sync: DDP reads the flag in forward() to prepare the
-            # backward's all-reduce, so a forward outside no_sync still communicates.
-            with model.no_sync() if cfg.use_no_sync and not sync else nullcontext():
-                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                    loss = F.cross_entropy(model(images), labels)
-                # .grad sums over the window. Weighting each micro-batch's mean loss by its
-                # share of the window's samples makes the sum the window's mean gradient:
-                # loss / accum_steps for a full window, and still exact in an epoch's shorter
-                # last window. (Not / world size: DDP already averages.)
-                scaler.scale(loss * len(labels) / window_samples).backward()
+            loss, sync = accumulation.backward(model, i, images, labels)  # no_sync but the last
             images_seen += len(labels)
             loss_and_count[0] += loss.detach() * len(labels)
             loss_and_count[1] += len(labels)
             if not sync:
                 continue  # no step yet: keep accumulating
-            # the sync backward above averaged the window's gradient over the ranks
-            if cfg.max_grad_norm:
-                # Clip here, after the all-reduce, never inside no_sync: each rank would clip its
-                # own partial sum. The norm is the same on every rank, so all clip alike. Unscale
-                # first, or the norm is the scaled gradient's.
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            # fp16: skips the step if a gradient is inf or nan; after the all-reduce that is
-            # every rank's gradient, so every rank skips alike.
-            scaler.step(optimizer)
-            scaler.update()
-            if warmup is not None:  # counts optimizer steps, not micro-batches
-                warmup.step()
-            optimizer.zero_grad(set_to_none=True)  # only after a step: until then .grad accumulates
+            accumulation.step(model)
             step += 1
             if launch.rank == 0 and step % cfg.log_every == 0:
                 print(
@@ -257,20 +304,12 @@ def train(cfg, launch):
         world_size=launch.world_size,
         launcher=launch.launcher,
         backend=backend,
-        global_batch_size=effective_batch,
-        accum_steps=cfg.accum_steps,
-        use_no_sync=cfg.use_no_sync,
-        precision=cfg.precision,
-        max_grad_norm=cfg.max_grad_norm,
-        # fp16: 65536 halved at each skipped step (1.0 without a scaler)
-        grad_scale=scaler.get_scale(),
+        global_batch_size=accumulation.effective_batch,
         # every rank saw as many
         images_per_second=images_seen * launch.world_size / elapsed,
         device=str(device),
         local_batch_size=cfg.batch_size,
-        lr=lr,
-        warmup_steps=cfg.warmup_steps,
-        final_lr=optimizer.param_groups[0]["lr"],
+        lr=accumulation.lr,
         epochs=epoch + 1,
         steps=step,
         final_train_loss=train_loss,
@@ -281,7 +320,7 @@ def train(cfg, launch):
         replica_checksums=checksums,
     )
     if launch.rank == 0:
-        write_summary(cfg.output_dir, **summary)
+        write_summary(cfg.output_dir, **summary, **accumulation.summary())
     # --- end of the end-of-run record ---
 
     # Release the DDP model first: it holds the process group, which would otherwise outlive

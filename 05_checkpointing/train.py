@@ -71,82 +71,34 @@ def evaluate(model, loader, device):
     return loss_sum / count, correct / count, int(count)
 
 
-def save_checkpoint(cfg, launch, device, training, where, loss_and_count):
-    """Collective: rank 0 writes `training` (the replicas are identical), `where`, and every rank's
-    RNG states and loss sums; the barrier keeps all ranks from going on before the file is whole."""
-    ranks = [None] * launch.world_size if launch.rank == 0 else None
-    rank_state = {**ckpt.rng_state(device), "loss_and_count": loss_and_count.cpu()}
-    dist.gather_object(rank_state, ranks, dst=0)
-    if launch.rank == 0:
-        state = {name: part.state_dict() for name, part in training.items()}
-        state.update(where, ranks=ranks, world_size=launch.world_size, batch_size=cfg.batch_size)
-        path = ckpt.save(state, cfg.checkpoints, where["step"], cfg.keep_last)
-        print(f"saved {path}", flush=True)
-    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+@dataclasses.dataclass
+class Progress:
+    """Where the run is: the optimizer steps taken, the epoch to go on in, and how many samples of
+    that epoch's order all ranks have read together. A checkpoint holds it as its keys step, epoch
+    and consumed; resume() gives it back."""
+
+    step: int = 0
+    epoch: int = 0
+    consumed: int = 0
+
+    def done(self, cfg):
+        """A finished run, started again: nothing to do."""
+        return self.epoch >= cfg.epochs or 0 < cfg.max_steps <= self.step
+
+    @classmethod
+    def after(cls, step, epoch, batch, train_loader, world_size):
+        """Where to go on after `batch` of `epoch`: the next epoch after its last batch, else this
+        one, after the samples all ranks have read."""
+        if batch == len(train_loader):
+            return cls(step, epoch + 1, 0)
+        read = batch * train_loader.batch_size * world_size
+        return cls(step, epoch, train_loader.sampler.consumed + read)
 
 
-def resume(cfg, launch, device, training):
-    """Collective: rank 0 picks the newest checkpoint that loads; every rank loads it (weights_only)
-    and restores `training` and its own RNG states. Returns it, or where a new run starts."""
-    found, state = None, None
-    if launch.rank == 0:
-        found, state = ckpt.find_resumable(cfg.checkpoints, map_location=device)
-    choice = [found]
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
-        return dict(step=0, epoch=0, consumed=0)
-    if launch.rank != 0:
-        state = ckpt.load(choice[0], map_location=device)
-    with exit_on_bad_input():  # the same on every rank: rank 0 says it, all exit with code 2
-        if state["batch_size"] != cfg.batch_size:
-            raise ConfigError(
-                f"{choice[0]} was written with batch size {state['batch_size']} per rank; a "
-                f"resume needs the same (now {cfg.batch_size}), or another --checkpoint-dir"
-            )
-    for name, part in training.items():
-        part.load_state_dict(state[name])
-    # this rank's own RNG states; a rank the saved run did not have keeps its seed + rank
-    if launch.rank < len(state["ranks"]):
-        ckpt.set_rng_state(state["ranks"][launch.rank], device)
-    # The epoch's loss sums so far: with W ranks now, rank r adds those of saved ranks r, r + W, ...
-    state["loss_and_count"] = sum(
-        s["loss_and_count"] for s in state["ranks"][launch.rank :: launch.world_size]
-    )
-    if launch.rank == 0:
-        print(
-            f"resumed from {choice[0]}: step {state['step']}, epoch {state['epoch'] + 1}, "
-            f"world size {state['world_size']} -> {launch.world_size}",
-            flush=True,
-        )
-    return state
-
-
-def train(cfg, launch):
-    start_time = time.perf_counter()
-    # One GPU per process: the local rank's, or 0 where the site shows each rank only its own;
-    # else CPU (gloo).
-    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
-    # nccl where this torch has it (Linux GPUs); gloo on CPUs and on Windows and macOS
-    backend = choose_backend(device)
-    if device.type == "cuda":
-        # before the process group, so its collectives use this device
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-        rank=launch.rank,
-        world_size=launch.world_size,
-        timeout=timedelta(seconds=cfg.timeout_s),
-    )
-    # Same initial weights on every rank (and DDP broadcasts rank 0's at the wrap).
-    torch.manual_seed(cfg.seed)
-
-    if cfg.download:
-        # Rank 0 downloads while the others wait at the barrier, which every rank must call.
-        if launch.rank == 0:
-            download_datasets(cfg)
-        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
-    data = load_datasets(cfg, launch.world_size)
+def resumable_loaders(cfg, launch, data, device):
+    """01's sampler and loaders, with what an exact resume needs: ResumableSampler (checkpoint.py)
+    can skip the samples of an epoch's order read before the checkpoint, and the loaders draw their
+    seeds from a generator of their own. Returns the sampler, the generator and the loaders."""
     # Each rank a disjoint 1/world_size of the training set, shuffled alike (seed + epoch).
     train_sampler = ckpt.ResumableSampler(
         data.train,
@@ -177,6 +129,94 @@ def train(cfg, launch):
         multiprocessing_context=worker_start_method(cfg.num_workers),
         generator=generator,
     )
+    return train_sampler, generator, train_loader, test_loader
+
+
+def save_checkpoint(cfg, launch, device, training, progress, loss_and_count, model_args):
+    """Collective: rank 0 writes `training` (the replicas are identical), `progress`, `model_args`
+    and every rank's RNG states and loss sums; the barrier keeps all ranks from going on before the
+    file is whole."""
+    ranks = [None] * launch.world_size if launch.rank == 0 else None
+    rank_state = {**ckpt.rng_state(device), "loss_and_count": loss_and_count.cpu()}
+    dist.gather_object(rank_state, ranks, dst=0)
+    if launch.rank == 0:
+        state = {name: part.state_dict() for name, part in training.items()}
+        state.update(dataclasses.asdict(progress), model_args=model_args, ranks=ranks)
+        state.update(world_size=launch.world_size, batch_size=cfg.batch_size)
+        path = ckpt.save(state, cfg.checkpoints, progress.step, cfg.keep_last)
+        print(f"saved {path}", flush=True)
+    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def resume(cfg, launch, device, training):
+    """Collective: rank 0 picks the newest checkpoint that loads; every rank loads it (weights_only)
+    and restores `training` and its own RNG states. Returns where to go on (a new run: at the
+    start), and this rank's share of the saved epoch's loss sums."""
+    found, state = None, None
+    if launch.rank == 0:
+        found, state = ckpt.find_resumable(cfg.checkpoints, map_location=device)
+    choice = [found]
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return Progress(), None
+    if launch.rank != 0:
+        state = ckpt.load(choice[0], map_location=device)
+    with exit_on_bad_input():  # the same on every rank: rank 0 says it, all exit with code 2
+        if state["batch_size"] != cfg.batch_size:
+            raise ConfigError(
+                f"{choice[0]} was written with batch size {state['batch_size']} per rank; a "
+                f"resume needs the same (now {cfg.batch_size}), or another --checkpoint-dir"
+            )
+    for name, part in training.items():
+        part.load_state_dict(state[name])
+    # this rank's own RNG states; a rank the saved run did not have keeps its seed + rank
+    if launch.rank < len(state["ranks"]):
+        ckpt.set_rng_state(state["ranks"][launch.rank], device)
+    # The epoch's loss sums so far: with W ranks now, rank r adds those of saved ranks r, r + W, ...
+    loss_and_count = sum(
+        s["loss_and_count"] for s in state["ranks"][launch.rank :: launch.world_size]
+    )
+    progress = Progress(state["step"], state["epoch"], state["consumed"])
+    if launch.rank == 0:
+        print(
+            f"resumed from {choice[0]}: step {state['step']}, epoch {state['epoch'] + 1}, "
+            f"world size {state['world_size']} -> {launch.world_size}",
+            flush=True,
+        )
+        if progress.done(cfg):
+            print(f"nothing to do: step {progress.step} is the end of this run", flush=True)
+    return progress, loss_and_count
+
+
+def train(cfg, launch):
+    start_time = time.perf_counter()
+    # One GPU per process: the local rank's, or 0 where the site shows each rank only its own;
+    # else CPU (gloo).
+    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
+    # nccl where this torch has it (Linux GPUs); gloo on CPUs and on Windows and macOS
+    backend = choose_backend(device)
+    if device.type == "cuda":
+        # before the process group, so its collectives use this device
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )
+    # Same initial weights on every rank (and DDP broadcasts rank 0's at the wrap).
+    torch.manual_seed(cfg.seed)
+
+    if cfg.download:
+        # Rank 0 downloads while the others wait at the barrier, which every rank must call.
+        if launch.rank == 0:
+            download_datasets(cfg)
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    data = load_datasets(cfg, launch.world_size)
+    train_sampler, generator, train_loader, test_loader = resumable_loaders(
+        cfg, launch, data, device
+    )
 
     # To this rank's device, then wrap: DDP's hooks all-reduce the gradients in backward().
     # saved, so that export_model.py can rebuild the network
@@ -194,11 +234,8 @@ def train(cfg, launch):
     torch.manual_seed(cfg.seed + launch.rank)
     # The training state, saved and restored whole (model.module: no "module." prefix).
     training = {"model": model.module, "optimizer": optimizer}
-    state = resume(cfg, launch, device, training)
-    step, start_epoch, consumed = state["step"], state["epoch"], state["consumed"]
-    if start_epoch >= cfg.epochs or 0 < cfg.max_steps <= step:  # a finished run, started again
-        if launch.rank == 0:
-            print(f"nothing to do: step {step} is the end of this run", flush=True)
+    progress, resumed_sums = resume(cfg, launch, device, training)
+    if progress.done(cfg):  # a finished run, started again
         del model
         dist.destroy_process_group()
         return
@@ -212,19 +249,18 @@ def train(cfg, launch):
             f"batch {cfg.batch_size} x {launch.world_size} = {global_batch}",
             flush=True,
         )
-    images_seen = 0
-    for epoch in range(start_epoch, cfg.epochs):
+    step, images_seen = progress.step, 0
+    for epoch in range(progress.epoch, cfg.epochs):
         # A new shuffle each epoch; without it every epoch repeats epoch 0.
         train_sampler.set_epoch(epoch)
         # Mid-epoch resume: the same order, without the samples trained on before the checkpoint.
-        train_sampler.consumed = consumed if epoch == start_epoch else 0
-        # worker seeds: per rank and epoch
-        generator.manual_seed(cfg.seed + launch.rank + epoch * launch.world_size)
+        train_sampler.consumed = progress.consumed if epoch == progress.epoch else 0
+        generator.manual_seed(cfg.seed + launch.rank + epoch * launch.world_size)  # worker seeds
         model.train()
         # This rank's loss sum and sample count.
         loss_and_count = torch.zeros(2, dtype=torch.float64, device=device)
         if train_sampler.consumed:  # and those of the batches before the resume
-            loss_and_count += state["loss_and_count"]
+            loss_and_count += resumed_sums
         for batch, (images, labels) in enumerate(train_loader, 1):
             images, labels = images.to(device), labels.to(device)
             loss = F.cross_entropy(model(images), labels)
@@ -242,15 +278,10 @@ def train(cfg, launch):
                     flush=True,
                 )
             # Save at the same step on every rank (a collective): periodically, at each epoch's end.
-            epoch_done = batch == len(train_loader)
             periodic = cfg.save_every_steps and step % cfg.save_every_steps == 0
-            if periodic or epoch_done or step == cfg.max_steps:
-                # Where to go on: the next epoch, or this one after the samples all ranks have read.
-                where = dict(step=step, epoch=epoch + 1, consumed=0, model_args=model_args)
-                if not epoch_done:
-                    read = batch * cfg.batch_size * launch.world_size
-                    where.update(epoch=epoch, consumed=train_sampler.consumed + read)
-                save_checkpoint(cfg, launch, device, training, where, loss_and_count)
+            if periodic or batch == len(train_loader) or step == cfg.max_steps:
+                at = Progress.after(step, epoch, batch, train_loader, launch.world_size)
+                save_checkpoint(cfg, launch, device, training, at, loss_and_count, model_args)
             if step == cfg.max_steps:
                 break
         # Sums and counts over all ranks, the exact mean (not a mean of means); every rank calls it.
@@ -289,7 +320,7 @@ def train(cfg, launch):
         lr=cfg.lr,
         epochs=epoch + 1,
         steps=step,
-        resumed_from_step=state["step"],
+        resumed_from_step=progress.step,
         final_train_loss=train_loss,
         eval_loss=eval_loss,
         eval_accuracy=eval_acc,

@@ -127,6 +127,22 @@ def print_placement(placement):
     print("\n".join(lines), flush=True)
 
 
+def placement_table(launch, device):
+    """Collective: where every rank runs, before any nccl collective. Rank 0 prints the table (and
+    a warning for a GPU that two ranks share) before NCCL can refuse them. Returns summary.json's
+    fields beside 01's: the table, and how the ranks found rank 0."""
+    placement = gather_placement(launch, device)  # every rank takes part
+    if launch.rank == 0:
+        print_placement(placement)
+    where = dict(
+        placement=placement,
+        scheduler=launch.scheduler,
+        master_addr=launch.master_addr,
+        master_port=launch.master_port,
+    )
+    return where
+
+
 def train(cfg, launch):
     start_time = time.perf_counter()
     # One GPU per process: the local rank's, or 0 where the site shows each rank only its own;
@@ -137,8 +153,7 @@ def train(cfg, launch):
     if device.type == "cuda":
         # before the process group, so its collectives use this device
         torch.cuda.set_device(device)
-    # gloo's placement table (and a gloo process group) would wait on an unreachable address
-    warn_if_gloo_listens_on_loopback(launch)
+    warn_if_gloo_listens_on_loopback(launch)  # gloo (the table's group too) would wait there
     dist.init_process_group(
         backend,
         init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
@@ -146,11 +161,7 @@ def train(cfg, launch):
         world_size=launch.world_size,
         timeout=timedelta(seconds=cfg.timeout_s),
     )
-    # Where every rank runs, before any nccl collective: rank 0 prints it (and a warning for a GPU
-    # that two ranks share) before NCCL can refuse them.
-    placement = gather_placement(launch, device)  # a collective: every rank takes part
-    if launch.rank == 0:
-        print_placement(placement)
+    where = placement_table(launch, device)  # a collective, before any nccl one
     # Same initial weights on every rank (and DDP broadcasts rank 0's at the wrap).
     torch.manual_seed(cfg.seed)
 
@@ -198,7 +209,6 @@ def train(cfg, launch):
     )
     # From here on each rank its own augmentation and loader worker seeds.
     torch.manual_seed(cfg.seed + launch.rank)
-
     if launch.rank == 0:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
         global_batch = cfg.batch_size * launch.world_size
@@ -251,7 +261,6 @@ def train(cfg, launch):
     if launch.rank == 0:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         torch.save(model.module.state_dict(), Path(cfg.output_dir) / "model.pt")
-
     # --- end-of-run record: summary.json; a copy may delete this block whole ---
     elapsed = time.perf_counter() - start_time
     # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
@@ -275,13 +284,9 @@ def train(cfg, launch):
         eval_samples=eval_count,
         wall_time_s=elapsed,
         replica_checksums=checksums,
-        placement=placement,
-        scheduler=launch.scheduler,
-        master_addr=launch.master_addr,
-        master_port=launch.master_port,
     )
     if launch.rank == 0:
-        write_summary(cfg.output_dir, **summary)
+        write_summary(cfg.output_dir, **summary, **where)
     # --- end of the end-of-run record ---
 
     # Release the DDP model first: it holds the process group, which would otherwise outlive

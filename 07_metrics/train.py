@@ -69,6 +69,129 @@ def evaluate(model, loader, device):
     return loss_sum / count, correct / count, int(count)
 
 
+def tensorboard_writer(cfg, launch):
+    """Rank 0's TensorBoard writer, None on the other ranks: a writer on every rank makes one run
+    per rank. One directory per job: the scheduler's job id (a requeued job goes on in it), else
+    the start time."""
+    writer = None
+    if launch.rank == 0:
+        run_name = launch.job_id or time.strftime("%Y%m%d-%H%M%S")
+        writer = SummaryWriter(Path(cfg.output_dir) / "tensorboard" / run_name)
+    return writer
+
+
+class Metrics:
+    """What the run logs, the same on every rank. Each rank sums its own batches into two
+    accumulators, the samples since the last log line and the epoch's; every rank all-reduces them
+    at the same steps (collectives), so a logged loss is the exact mean over all ranks' samples,
+    not rank 0's batch and not a mean of means. Rank 0 alone prints and writes to TensorBoard."""
+
+    def __init__(self, cfg, launch, device):
+        self.rank = launch.rank
+        self.writer = tensorboard_writer(cfg, launch)
+        # This rank's sums since the last log step: loss, correct, samples.
+        self.window = torch.zeros(3, dtype=torch.float64, device=device)
+        # This rank's loss sum and sample count of the epoch.
+        self.loss_and_count = torch.zeros(2, dtype=torch.float64, device=device)
+
+    def add(self, loss, logits, labels):
+        """This rank's batch, into both sums."""
+        self.loss_and_count[0] += loss.detach() * len(labels)
+        self.loss_and_count[1] += len(labels)
+        self.window[0] += loss.detach() * len(labels)
+        self.window[1] += (logits.argmax(1) == labels).sum()
+        self.window[2] += len(labels)
+
+    def log_step(self, epoch, step):
+        """Collective, at a log step: the window's sums over all ranks, then a new window."""
+        dist.all_reduce(self.window)
+        loss_sum, correct, count = self.window.tolist()
+        self.window.zero_()
+        if self.rank == 0:
+            print(
+                f"epoch {epoch + 1} step {step} loss {loss_sum / count:.4f} accuracy "
+                f"{correct / count:.4f} (all ranks' {int(count)} samples since the last line)",
+                flush=True,
+            )
+            self.writer.add_scalar("train/loss", loss_sum / count, step)
+            self.writer.add_scalar("train/accuracy", correct / count, step)
+
+    def train_loss(self):
+        """Collective, at the epoch's end: the epoch's train loss over all ranks; the next epoch's
+        sums start from zero."""
+        dist.all_reduce(self.loss_and_count)
+        train_loss = (self.loss_and_count[0] / self.loss_and_count[1]).item()
+        self.loss_and_count.zero_()
+        return train_loss
+
+    def log_epoch(self, epoch, step, train_loss, eval_loss, eval_acc, eval_count):
+        """Rank 0's line and eval curves at the epoch's end (every number already all-reduced)."""
+        if self.rank == 0:
+            print(
+                f"epoch {epoch + 1} done: train loss {train_loss:.4f}, "
+                f"eval loss {eval_loss:.4f}, "
+                f"eval accuracy {eval_acc:.4f} ({eval_count} images)",
+                flush=True,
+            )
+            self.writer.add_scalar("eval/loss", eval_loss, step)
+            self.writer.add_scalar("eval/accuracy", eval_acc, step)
+
+    def close(self):
+        """Rank 0's: the event file complete on disk."""
+        self.writer.close()
+
+
+class Stopping:
+    """When to stop before the last epoch, decided from numbers every rank holds alike, so that
+    every rank stops after the same step: a non-finite gradient (all-reduced, so the same on
+    every rank) and early stopping on the all-reduced eval loss. 01's --max-steps stays in the
+    loop. A decision one rank took from its own numbers would leave the others waiting in their
+    next collective."""
+
+    def __init__(self, patience):
+        self.patience = patience
+        # why the run stops early, and the error a non-finite gradient is ("" for none)
+        self.reason = ""
+        self.failure = ""
+        self.best_eval_loss = float("inf")
+        self.epochs_without_improvement = 0
+
+    def non_finite_gradient(self, loss, step, world_size):
+        """Collective: every rank holds the same non-finite gradient and calls it, to learn whose
+        loss it was. Each rank skips the step alike (as GradScaler does) and no replica takes it."""
+        losses = [None] * world_size
+        dist.all_gather_object(losses, loss.item())
+        ranks = [r for r, value in enumerate(losses) if not math.isfinite(value)]
+        self.failure = (
+            f"a non-finite gradient at step {step + 1} (non-finite loss on ranks {ranks})"
+        )
+        self.reason = f"{self.failure}; that step was skipped on every rank"
+
+    def after_epoch(self, eval_loss):
+        """Early stopping on the all-reduced eval loss: the same number on every rank, so every
+        rank stops after the same epoch. Returns why to stop now ("" to go on)."""
+        if eval_loss < self.best_eval_loss:
+            self.best_eval_loss = eval_loss
+            self.epochs_without_improvement = 0
+        else:
+            self.epochs_without_improvement += 1
+        if self.patience and self.epochs_without_improvement >= self.patience and not self.reason:
+            self.reason = f"no better eval loss for {self.patience} epochs"
+        return self.reason
+
+    def report(self, step):
+        """Rank 0's one error line after a non-finite gradient; train() then returns 1."""
+        if self.failure:
+            # the weights saved are the last finite ones
+            print(
+                f"error: {self.failure}; stopped with the weights of step {step}", file=sys.stderr
+            )
+
+    def summary(self):
+        """summary.json's fields beside 01's: why the run stopped early ("" if it did not)."""
+        return dict(stopped_early=self.reason, best_eval_loss=self.best_eval_loss)
+
+
 def train(cfg, launch):
     start_time = time.perf_counter()
     # One GPU per process: the local rank's, or 0 where the site shows each rank only its own;
@@ -133,12 +256,8 @@ def train(cfg, launch):
     )
     # From here on each rank its own augmentation and loader worker seeds.
     torch.manual_seed(cfg.seed + launch.rank)
-    writer = None
-    if launch.rank == 0:
-        # Rank 0 only: a writer on every rank makes one run per rank. One directory per job: the
-        # scheduler's job id (a requeued job goes on in it), else the start time.
-        run_name = launch.job_id or time.strftime("%Y%m%d-%H%M%S")
-        writer = SummaryWriter(Path(cfg.output_dir) / "tensorboard" / run_name)
+    metrics = Metrics(cfg, launch, device)  # what is logged: the same on every rank
+    stopping = Stopping(cfg.patience)  # when to stop: the same on every rank
 
     if launch.rank == 0:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
@@ -149,16 +268,11 @@ def train(cfg, launch):
             f"batch {cfg.batch_size} x {launch.world_size} = {global_batch}",
             flush=True,
         )
-    step, images_seen, stop, failure = 0, 0, "", ""
-    best_eval_loss, epochs_without_improvement = float("inf"), 0
-    # This rank's sums since the last log step: loss, correct, samples.
-    window = torch.zeros(3, dtype=torch.float64, device=device)
+    step, images_seen = 0, 0
     for epoch in range(cfg.epochs):
         # A new shuffle each epoch; without it every epoch repeats epoch 0.
         train_sampler.set_epoch(epoch)
         model.train()
-        # This rank's loss sum and sample count.
-        loss_and_count = torch.zeros(2, dtype=torch.float64, device=device)
         for images, labels in train_loader:
             images, labels = images.to(device), labels.to(device)
             logits = model(images)
@@ -166,66 +280,23 @@ def train(cfg, launch):
             optimizer.zero_grad(set_to_none=True)
             # DDP all-reduces (averages) the gradients here: every rank steps alike.
             loss.backward()
-            # The gradients are all-reduced now, the same on every rank, so one rank's inf or NaN
-            # is on every rank: each skips this step alike (as GradScaler does), with no
-            # collective, and no replica takes it. Costs one host sync per step.
+            # All-reduced now, one rank's inf or NaN is on every rank: each skips this step alike.
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             if not torch.stack([g.isfinite().all() for g in grads]).all():
-                # Every rank is here, so every rank calls this collective: whose loss it was.
-                losses = [None] * launch.world_size
-                dist.all_gather_object(losses, loss.item())
-                ranks = [r for r, value in enumerate(losses) if not math.isfinite(value)]
-                failure = (
-                    f"a non-finite gradient at step {step + 1} (non-finite loss on ranks {ranks})"
-                )
-                stop = f"{failure}; that step was skipped on every rank"
+                stopping.non_finite_gradient(loss, step, launch.world_size)  # a collective
                 break
             optimizer.step()
             step += 1
             images_seen += len(labels)
-            loss_and_count[0] += loss.detach() * len(labels)
-            loss_and_count[1] += len(labels)
-            window[0] += loss.detach() * len(labels)
-            window[1] += (logits.argmax(1) == labels).sum()
-            window[2] += len(labels)
+            metrics.add(loss, logits, labels)
             if step % cfg.log_every == 0:
-                # Sums over all ranks, the exact mean of the window (not a mean of means): a
-                # collective, so every rank calls it, at the same steps.
-                dist.all_reduce(window)
-                loss_sum, correct, count = window.tolist()
-                window.zero_()
-                if launch.rank == 0:
-                    print(
-                        f"epoch {epoch + 1} step {step} loss {loss_sum / count:.4f} accuracy "
-                        f"{correct / count:.4f} (all ranks' {int(count)} samples since the last "
-                        "line)",
-                        flush=True,
-                    )
-                    writer.add_scalar("train/loss", loss_sum / count, step)
-                    writer.add_scalar("train/accuracy", correct / count, step)
+                metrics.log_step(epoch, step)  # a collective: every rank, at the same steps
             if step == cfg.max_steps:
                 break
-        # Sums and counts over all ranks, the exact mean (not a mean of means); every rank calls it.
-        dist.all_reduce(loss_and_count)
-        train_loss = (loss_and_count[0] / loss_and_count[1]).item()
+        train_loss = metrics.train_loss()  # a collective: the epoch's exact mean
         eval_loss, eval_acc, eval_count = evaluate(model.module, test_loader, device)
-        if launch.rank == 0:
-            print(
-                f"epoch {epoch + 1} done: train loss {train_loss:.4f}, "
-                f"eval loss {eval_loss:.4f}, "
-                f"eval accuracy {eval_acc:.4f} ({eval_count} images)",
-                flush=True,
-            )
-            writer.add_scalar("eval/loss", eval_loss, step)
-            writer.add_scalar("eval/accuracy", eval_acc, step)
-        # Early stopping on the all-reduced eval loss: the same number on every rank, so every
-        # rank stops after the same epoch.
-        if eval_loss < best_eval_loss:
-            best_eval_loss, epochs_without_improvement = eval_loss, 0
-        else:
-            epochs_without_improvement += 1
-        if cfg.patience and epochs_without_improvement >= cfg.patience and not stop:
-            stop = f"no better eval loss for {cfg.patience} epochs"
+        metrics.log_epoch(epoch, step, train_loss, eval_loss, eval_acc, eval_count)
+        stop = stopping.after_epoch(eval_loss)
         if stop and launch.rank == 0:
             print(f"stopping early after epoch {epoch + 1}: {stop}", flush=True)
         if stop or step == cfg.max_steps:
@@ -235,10 +306,8 @@ def train(cfg, launch):
     if launch.rank == 0:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         torch.save(model.module.state_dict(), Path(cfg.output_dir) / "model.pt")
-        writer.close()
-        if failure:
-            # one line, and the exit code below: the weights saved are the last finite ones
-            print(f"error: {failure}; stopped with the weights of step {step}", file=sys.stderr)
+        metrics.close()
+        stopping.report(step)
 
     # --- end-of-run record: summary.json; a copy may delete this block whole ---
     elapsed = time.perf_counter() - start_time
@@ -263,18 +332,16 @@ def train(cfg, launch):
         eval_samples=eval_count,
         wall_time_s=elapsed,
         replica_checksums=checksums,
-        stopped_early=stop,
-        best_eval_loss=best_eval_loss,
     )
     if launch.rank == 0:
-        write_summary(cfg.output_dir, **summary)
+        write_summary(cfg.output_dir, **summary, **stopping.summary())
     # --- end of the end-of-run record ---
 
     # Release the DDP model first: it holds the process group, which would otherwise outlive
     # destroy_process_group() and keep gloo's threads running into interpreter shutdown.
     del model
     dist.destroy_process_group()
-    return 1 if failure else 0
+    return 1 if stopping.failure else 0  # 1 after a non-finite gradient: the run failed
 
 
 # under torchrun, a failing rank's exception and traceback show in torchrun's summary

@@ -80,6 +80,39 @@ def evaluate(model, loader, device):
     return loss_sum / count, correct / count, int(count)
 
 
+def load_teacher(cfg, data, device):
+    """The teacher: frozen, in eval mode, and not wrapped. It has nothing to all-reduce, and DDP
+    refuses it: "DistributedDataParallel is not needed when a module doesn't have any parameter
+    that requires a gradient." Every rank loads the same weights."""
+    teacher_model = cfg.teacher_model or cfg.model
+    teacher = build_model(teacher_model, data.num_classes, data.in_channels, data.image_size)
+    teacher.load_state_dict(torch.load(cfg.teacher, map_location=device, weights_only=True))
+    return teacher.requires_grad_(False).eval().to(device)
+
+
+def distillation_loss(cfg, logits, teacher, images, labels):
+    """The student's loss: (1 - alpha) x cross-entropy + alpha x T^2 x KL(teacher || student) of
+    the softened predictions (Hinton et al., 2015). The teacher runs on the same images."""
+    # no graph for the teacher: nothing of it is trained
+    with torch.no_grad():
+        teacher_logits = teacher(images)
+    T = cfg.temperature
+    kl = F.kl_div(
+        F.log_softmax(logits / T, 1),
+        F.log_softmax(teacher_logits / T, 1),
+        log_target=True,
+        reduction="batchmean",
+    )
+    ce = F.cross_entropy(logits, labels)
+    return (1 - cfg.distill_weight) * ce + cfg.distill_weight * T**2 * kl
+
+
+def teacher_summary(cfg, teacher):
+    """summary.json's fields of the teacher, beside 01's: its file, and the checksum of its
+    parameters at the end, unchanged by training: the file's checksum."""
+    return dict(teacher=cfg.teacher, teacher_checksum=parameter_checksum(teacher))
+
+
 def train(cfg, launch):
     start_time = time.perf_counter()
     # One GPU per process: the local rank's, or 0 where the site shows each rank only its own;
@@ -136,13 +169,7 @@ def train(cfg, launch):
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size)
     model = model.to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    # The teacher: frozen, in eval mode, and not wrapped. It has nothing to all-reduce, and DDP
-    # refuses it: "DistributedDataParallel is not needed when a module doesn't have any
-    # parameter that requires a gradient." Every rank loads the same weights.
-    teacher_model = cfg.teacher_model or cfg.model
-    teacher = build_model(teacher_model, data.num_classes, data.in_channels, data.image_size)
-    teacher.load_state_dict(torch.load(cfg.teacher, map_location=device, weights_only=True))
-    teacher = teacher.requires_grad_(False).eval().to(device)
+    teacher = load_teacher(cfg, data, device)  # the second model: frozen, and not wrapped
     optimizer = torch.optim.SGD(
         model.parameters(),
         lr=cfg.lr,
@@ -151,7 +178,6 @@ def train(cfg, launch):
     )
     # From here on each rank its own augmentation and loader worker seeds.
     torch.manual_seed(cfg.seed + launch.rank)
-
     if launch.rank == 0:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
         global_batch = cfg.batch_size * launch.world_size
@@ -170,20 +196,7 @@ def train(cfg, launch):
         loss_and_count = torch.zeros(2, dtype=torch.float64, device=device)
         for images, labels in train_loader:
             images, labels = images.to(device), labels.to(device)
-            logits = model(images)
-            # no graph for the teacher: nothing of it is trained
-            with torch.no_grad():
-                teacher_logits = teacher(images)
-            T = cfg.temperature
-            # KL(teacher || student) of the softened predictions, x T^2 (Hinton et al., 2015)
-            kl = F.kl_div(
-                F.log_softmax(logits / T, 1),
-                F.log_softmax(teacher_logits / T, 1),
-                log_target=True,
-                reduction="batchmean",
-            )
-            ce = F.cross_entropy(logits, labels)
-            loss = (1 - cfg.distill_weight) * ce + cfg.distill_weight * T**2 * kl
+            loss = distillation_loss(cfg, model(images), teacher, images, labels)
             optimizer.zero_grad(set_to_none=True)
             # DDP all-reduces (averages) the gradients here: every rank steps alike.
             loss.backward()
@@ -241,12 +254,9 @@ def train(cfg, launch):
         eval_samples=eval_count,
         wall_time_s=elapsed,
         replica_checksums=checksums,
-        teacher=cfg.teacher,
-        # unchanged by training: the file's checksum
-        teacher_checksum=parameter_checksum(teacher),
     )
     if launch.rank == 0:
-        write_summary(cfg.output_dir, **summary)
+        write_summary(cfg.output_dir, **summary, **teacher_summary(cfg, teacher))
     # --- end of the end-of-run record ---
 
     # Release the DDP model first: it holds the process group, which would otherwise outlive
