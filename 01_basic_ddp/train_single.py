@@ -60,7 +60,7 @@ def train(cfg):
     )
     train_loader = DataLoader(
         data.train,
-        batch_size=cfg.batch_size,
+        batch_size=cfg.local_batch_size,
         sampler=train_sampler,
         num_workers=cfg.num_workers,
         # not fork(), which can copy a lock that gloo's or NCCL's threads hold (common/data.py)
@@ -71,7 +71,7 @@ def train(cfg):
     test_shard = data.test
     test_loader = DataLoader(
         test_shard,
-        batch_size=cfg.batch_size,
+        batch_size=cfg.local_batch_size,
         num_workers=cfg.num_workers,
         multiprocessing_context=worker_start_method(cfg.num_workers),
     )
@@ -87,7 +87,10 @@ def train(cfg):
     # augmentation and loader workers from here on, as train.py's rank 0 (seed + 0)
     torch.manual_seed(cfg.seed)
 
-    print(f"one process on {device}, batch {cfg.batch_size}, train {len(data.train)}", flush=True)
+    print(
+        f"one process on {device}, batch {cfg.local_batch_size}, train {len(data.train)}",
+        flush=True,
+    )
     step, images_seen = 0, 0
     for epoch in range(cfg.epochs):
         # A new shuffle each epoch; without it every epoch repeats epoch 0.
@@ -132,10 +135,10 @@ def train(cfg):
         world_size=1,
         launcher="none",
         backend="none",
-        global_batch_size=cfg.batch_size,
+        global_batch_size=cfg.local_batch_size,
         images_per_second=images_seen / elapsed,
         device=str(device),
-        local_batch_size=cfg.batch_size,
+        local_batch_size=cfg.local_batch_size,
         lr=cfg.lr,
         epochs=epoch + 1,
         steps=step,

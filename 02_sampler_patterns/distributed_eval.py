@@ -162,7 +162,7 @@ def train_briefly(cfg, launch, device, model, train_set):
     sampler = DistributedSampler(
         train_set, num_replicas=launch.world_size, rank=launch.rank, shuffle=True, seed=cfg.seed
     )
-    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
+    loader = DataLoader(train_set, batch_size=cfg.local_batch_size, sampler=sampler)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     model.train()
     step, epoch = 0, 0

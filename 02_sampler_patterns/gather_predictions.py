@@ -180,7 +180,7 @@ def predict_and_gather(cfg, launch, weights):
     if cfg.padded:  # WRONG: pads every rank to ceil(N/W) samples by repeating the first ones
         loader = DataLoader(
             test,
-            batch_size=cfg.batch_size,
+            batch_size=cfg.local_batch_size,
             num_workers=cfg.num_workers,
             # not fork(), which can copy a lock that gloo's or NCCL's threads hold (common/data.py)
             multiprocessing_context=worker_start_method(cfg.num_workers),
@@ -190,7 +190,7 @@ def predict_and_gather(cfg, launch, weights):
     else:
         loader = DataLoader(
             Subset(test, range(rank, n, w)),
-            batch_size=cfg.batch_size,
+            batch_size=cfg.local_batch_size,
             num_workers=cfg.num_workers,
             multiprocessing_context=worker_start_method(cfg.num_workers),
         )

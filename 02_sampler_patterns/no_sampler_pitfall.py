@@ -34,7 +34,7 @@ from common.report import parameter_checksum, write_summary
 
 @dataclasses.dataclass
 class PitfallConfig(TrainConfig):
-    batch_size: int = field(64, "samples per rank per step", min=1)
+    local_batch_size: int = field(64, "samples per rank per step", min=1)
     output_dir: str = field("runs/no_sampler_pitfall", "where summary.json goes")
 
 
@@ -74,13 +74,13 @@ def compare(cfg, launch):
     dataset = WithIndex(data.train)
 
     # WRONG: what many single-GPU scripts (and some tutorials) do. Nothing here knows about ranks.
-    plain_loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True)
+    plain_loader = DataLoader(dataset, batch_size=cfg.local_batch_size, shuffle=True)
     # RIGHT: the sampler hands each rank a disjoint 1/W of the data; shuffling moves into it.
     sampler = DistributedSampler(
         dataset, num_replicas=launch.world_size, rank=launch.rank, shuffle=True, seed=cfg.seed
     )
     sampler.set_epoch(0)
-    sharded_loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler)
+    sharded_loader = DataLoader(dataset, batch_size=cfg.local_batch_size, sampler=sampler)
 
     results = {}
     for name, loader in (("no_sampler", plain_loader), ("distributed_sampler", sharded_loader)):
@@ -89,7 +89,7 @@ def compare(cfg, launch):
         reads = Counter(i for seen in per_rank for i in seen)
         results[name] = r = dict(
             samples_per_rank=[len(seen) for seen in per_rank],
-            steps_per_rank=[-(-len(seen) // cfg.batch_size) for seen in per_rank],
+            steps_per_rank=[-(-len(seen) // cfg.local_batch_size) for seen in per_rank],
             total_reads=sum(reads.values()),
             distinct_samples=len(reads),
             samples_read_by_several_ranks=sum(1 for c in reads.values() if c > 1),

@@ -118,7 +118,7 @@ def train(cfg, launch, manifest):
     stream = ShardStream(cfg.shards_dir, cfg.seed, access_log)
     loader = DataLoader(
         stream,
-        batch_size=cfg.batch_size,
+        batch_size=cfg.local_batch_size,
         num_workers=cfg.num_workers,
         # not fork(), which can copy a lock that gloo's or NCCL's threads hold (common/data.py)
         multiprocessing_context=worker_start_method(cfg.num_workers),
@@ -127,7 +127,7 @@ def train(cfg, launch, manifest):
 
     def batches(mine):  # each DataLoader worker batches its own slice of the shards
         return sum(
-            math.ceil(sum(sizes[f] for f in mine[k::workers]) / cfg.batch_size)
+            math.ceil(sum(sizes[f] for f in mine[k::workers]) / cfg.local_batch_size)
             for k in range(workers)
         )
 

@@ -88,9 +88,9 @@ def train(cfg, launch):
         dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
     data = load_datasets(cfg, w)
     sizes = [len(range(r, len(data.train), w)) - r * cfg.uneven for r in range(w)]
-    batches = [math.ceil(n / cfg.batch_size) for n in sizes]
+    batches = [math.ceil(n / cfg.local_batch_size) for n in sizes]
     mine = Subset(data.train, list(range(rank, len(data.train), w))[: sizes[rank]])
-    loader = DataLoader(mine, batch_size=cfg.batch_size, shuffle=False)
+    loader = DataLoader(mine, batch_size=cfg.local_batch_size, shuffle=False)
     if rank == 0:
         print(f"samples per rank {sizes}, batches per rank {batches}, fix: {cfg.fix}", flush=True)
 

@@ -135,7 +135,7 @@ def train(cfg, launch):
 
     sampler = DistributedClassBalancedSampler(labels, launch.world_size, launch.rank, seed=cfg.seed)
     # no shuffle: the sampler does it
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler)
+    loader = DataLoader(dataset, batch_size=cfg.local_batch_size, sampler=sampler)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, k, data.in_channels, data.image_size).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)

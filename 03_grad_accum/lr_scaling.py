@@ -48,8 +48,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-sizes", default="1,2,4")
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=32, help="local batch, every run")
-    parser.add_argument("--lr", type=float, default=0.1, help="tuned for --batch-size")
+    parser.add_argument("--local-batch-size", type=int, default=32, help="local batch, every run")
+    parser.add_argument("--lr", type=float, default=0.1, help="tuned for --local-batch-size")
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--output-dir", default="runs/lr_scaling")
     return parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv), extra
@@ -58,9 +58,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def plan(args: argparse.Namespace, extra: list[str]) -> list[tuple[int, str, list[str]]]:
     """(world size, setting, train.py's arguments) for every run."""
     world_sizes = [int(w) for w in args.world_sizes.split(",")]
-    common = ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
+    common = ["--epochs", str(args.epochs), "--local-batch-size", str(args.local_batch_size)]
     common += ["--lr", str(args.lr)]
-    linear = ["--lr-base-batch", str(args.batch_size)]
+    linear = ["--lr-base-batch", str(args.local_batch_size)]
     settings = {
         "as given": [],
         "linear": linear,

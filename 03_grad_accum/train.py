@@ -8,9 +8,10 @@ clipping meet accumulation: clip only there, on the all-reduced gradient, after 
 has unscaled it. `diff 01_basic_ddp/train.py 03_grad_accum/train.py` shows exactly what
 accumulation adds.
 
-    torchrun --standalone --nproc_per_node=2 03_grad_accum/train.py --batch-size 8 --accum-steps 4
-    torchrun --standalone --nproc_per_node=2 03_grad_accum/train.py --batch-size 8 --accum-steps 4 \
-        --precision fp16 --max-grad-norm 1.0
+    torchrun --standalone --nproc_per_node=2 03_grad_accum/train.py --local-batch-size 8 \
+        --accum-steps 4
+    torchrun --standalone --nproc_per_node=2 03_grad_accum/train.py --local-batch-size 8 \
+        --accum-steps 4 --precision fp16 --max-grad-norm 1.0
 """
 
 import dataclasses
@@ -96,7 +97,7 @@ class Accumulation:
         # micro-batches per rank per epoch, and the samples they hold
         self.micro_batches, self.samples = len(train_loader), len(train_loader.sampler)
         # samples per optimizer step
-        self.effective_batch = cfg.batch_size * world_size * cfg.accum_steps
+        self.effective_batch = cfg.local_batch_size * world_size * cfg.accum_steps
         # Linear scaling rule (SGD): a larger batch, a proportionally larger learning rate.
         self.lr = cfg.lr * self.effective_batch / cfg.lr_base_batch if cfg.lr_base_batch else cfg.lr
         for group in optimizer.param_groups:
@@ -119,7 +120,8 @@ class Accumulation:
         # an epoch's last window may be short
         window_end = min(window_start + cfg.accum_steps, self.micro_batches)
         window_samples = (
-            min(window_end * cfg.batch_size, self.samples) - window_start * cfg.batch_size
+            min(window_end * cfg.local_batch_size, self.samples)
+            - window_start * cfg.local_batch_size
         )
         sync = i == window_end - 1  # the window's last micro-batch all-reduces
         # Forward AND backward inside no_sync: DDP reads the flag in forward() to prepare the
@@ -213,7 +215,7 @@ def train(cfg, launch):
     )
     train_loader = DataLoader(
         data.train,
-        batch_size=cfg.batch_size,
+        batch_size=cfg.local_batch_size,
         sampler=train_sampler,
         num_workers=cfg.num_workers,
         # not fork(), which can copy a lock that gloo's or NCCL's threads hold (common/data.py)
@@ -224,7 +226,7 @@ def train(cfg, launch):
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
     test_loader = DataLoader(
         test_shard,
-        batch_size=cfg.batch_size,
+        batch_size=cfg.local_batch_size,
         num_workers=cfg.num_workers,
         multiprocessing_context=worker_start_method(cfg.num_workers),
     )
@@ -248,7 +250,7 @@ def train(cfg, launch):
         print(
             f"launcher {launch.launcher}, {backend} on {device} "
             f"(CUDA_VISIBLE_DEVICES={visible}), world size {launch.world_size}, "
-            f"batch {cfg.batch_size} x {launch.world_size} x {accumulation.describe()}",
+            f"batch {cfg.local_batch_size} x {launch.world_size} x {accumulation.describe()}",
             flush=True,
         )
     step, images_seen = 0, 0
@@ -308,7 +310,7 @@ def train(cfg, launch):
         # every rank saw as many
         images_per_second=images_seen * launch.world_size / elapsed,
         device=str(device),
-        local_batch_size=cfg.batch_size,
+        local_batch_size=cfg.local_batch_size,
         lr=accumulation.lr,
         epochs=epoch + 1,
         steps=step,

@@ -8,7 +8,8 @@ tensors, so on CPU the script uses CpuSyncBatchNorm (cpu_sync_batchnorm.py): the
 statistics. By default it trains twice, plain then synchronized BatchNorm, and compares them.
 
     torchrun --standalone --nproc_per_node=2 04_syncbn/train.py
-    torchrun --standalone --nproc_per_node=2 04_syncbn/train.py --batch-norm sync --batch-size 2
+    torchrun --standalone --nproc_per_node=2 04_syncbn/train.py --batch-norm sync \
+        --local-batch-size 2
 """
 
 import dataclasses
@@ -45,7 +46,9 @@ class SyncBNConfig(TrainConfig):
         "compare: train plain, then sync",
         choices=("compare", "plain", "sync"),
     )
-    batch_size: int = field(4, "samples per rank per step; small, where SyncBN matters", min=1)
+    local_batch_size: int = field(
+        4, "samples per rank per step; small, where SyncBN matters", min=1
+    )
     epochs: int = field(3, "passes over the training set (per run)", min=1)
     lr: float = field(0.01, "learning rate (small: the global batch is small)", min=0.0)
 
@@ -104,9 +107,9 @@ def train(cfg, launch):
             world_size=launch.world_size,
             launcher=launch.launcher,
             backend=backend,
-            global_batch_size=cfg.batch_size * launch.world_size,
+            global_batch_size=cfg.local_batch_size * launch.world_size,
             device=str(device),
-            local_batch_size=cfg.batch_size,
+            local_batch_size=cfg.local_batch_size,
             lr=cfg.lr,
             runs=runs,
             **runs[mode],  # top level: the last run
@@ -136,7 +139,7 @@ def fit(cfg, launch, device, mode):
     )
     train_loader = DataLoader(
         data.train,
-        batch_size=cfg.batch_size,
+        batch_size=cfg.local_batch_size,
         sampler=train_sampler,
         num_workers=cfg.num_workers,
         # not fork(), which can copy a lock that gloo's or NCCL's threads hold (common/data.py)
@@ -147,7 +150,7 @@ def fit(cfg, launch, device, mode):
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
     test_loader = DataLoader(
         test_shard,
-        batch_size=cfg.batch_size,
+        batch_size=cfg.local_batch_size,
         num_workers=cfg.num_workers,
         multiprocessing_context=worker_start_method(cfg.num_workers),
     )
@@ -176,16 +179,16 @@ def fit(cfg, launch, device, mode):
 
     norm_layers = [type(m).__name__ for m in model.modules() if "BatchNorm" in type(m).__name__]
     # samples per statistic
-    normalized_over = cfg.batch_size * (launch.world_size if mode == "sync" else 1)
+    normalized_over = cfg.local_batch_size * (launch.world_size if mode == "sync" else 1)
     if launch.rank == 0:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
-        global_batch = cfg.batch_size * launch.world_size
+        global_batch = cfg.local_batch_size * launch.world_size
         print(
             f"{mode}: {len(norm_layers)} x {norm_layers[0]}, statistics over "
             f"{normalized_over} samples per channel; "
             f"launcher {launch.launcher}, {dist.get_backend()} on {device} "
             f"(CUDA_VISIBLE_DEVICES={visible}), world size {launch.world_size}, "
-            f"batch {cfg.batch_size} x {launch.world_size} = {global_batch}",
+            f"batch {cfg.local_batch_size} x {launch.world_size} = {global_batch}",
             flush=True,
         )
     step, images_seen = 0, 0

@@ -62,7 +62,7 @@ def train_and_save(cfg, launch, device, model, optimizer, data, folder):
         data.train, num_replicas=launch.world_size, rank=launch.rank, seed=cfg.seed
     )
     for step, (images, labels) in enumerate(
-        DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler)
+        DataLoader(data.train, batch_size=cfg.local_batch_size, sampler=sampler)
     ):
         if step == cfg.max_steps:
             break

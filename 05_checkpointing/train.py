@@ -112,7 +112,7 @@ def resumable_loaders(cfg, launch, data, device):
     generator = torch.Generator()
     train_loader = DataLoader(
         data.train,
-        batch_size=cfg.batch_size,
+        batch_size=cfg.local_batch_size,
         sampler=train_sampler,
         num_workers=cfg.num_workers,
         # not fork(), which can copy a lock that gloo's or NCCL's threads hold (common/data.py)
@@ -124,7 +124,7 @@ def resumable_loaders(cfg, launch, data, device):
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
     test_loader = DataLoader(
         test_shard,
-        batch_size=cfg.batch_size,
+        batch_size=cfg.local_batch_size,
         num_workers=cfg.num_workers,
         multiprocessing_context=worker_start_method(cfg.num_workers),
         generator=generator,
@@ -142,7 +142,7 @@ def save_checkpoint(cfg, launch, device, training, progress, loss_and_count, mod
     if launch.rank == 0:
         state = {name: part.state_dict() for name, part in training.items()}
         state.update(dataclasses.asdict(progress), model_args=model_args, ranks=ranks)
-        state.update(world_size=launch.world_size, batch_size=cfg.batch_size)
+        state.update(world_size=launch.world_size, batch_size=cfg.local_batch_size)
         path = ckpt.save(state, cfg.checkpoints, progress.step, cfg.keep_last)
         print(f"saved {path}", flush=True)
     dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
@@ -162,10 +162,10 @@ def resume(cfg, launch, device, training):
     if launch.rank != 0:
         state = ckpt.load(choice[0], map_location=device)
     with exit_on_bad_input():  # the same on every rank: rank 0 says it, all exit with code 2
-        if state["batch_size"] != cfg.batch_size:
+        if state["batch_size"] != cfg.local_batch_size:
             raise ConfigError(
                 f"{choice[0]} was written with batch size {state['batch_size']} per rank; a "
-                f"resume needs the same (now {cfg.batch_size}), or another --checkpoint-dir"
+                f"resume needs the same (now {cfg.local_batch_size}), or another --checkpoint-dir"
             )
     for name, part in training.items():
         part.load_state_dict(state[name])
@@ -242,11 +242,11 @@ def train(cfg, launch):
 
     if launch.rank == 0:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
-        global_batch = cfg.batch_size * launch.world_size
+        global_batch = cfg.local_batch_size * launch.world_size
         print(
             f"launcher {launch.launcher}, {backend} on {device} "
             f"(CUDA_VISIBLE_DEVICES={visible}), world size {launch.world_size}, "
-            f"batch {cfg.batch_size} x {launch.world_size} = {global_batch}",
+            f"batch {cfg.local_batch_size} x {launch.world_size} = {global_batch}",
             flush=True,
         )
     step, images_seen = progress.step, 0
@@ -312,11 +312,11 @@ def train(cfg, launch):
         world_size=launch.world_size,
         launcher=launch.launcher,
         backend=backend,
-        global_batch_size=cfg.batch_size * launch.world_size,
+        global_batch_size=cfg.local_batch_size * launch.world_size,
         # every rank saw as many
         images_per_second=images_seen * launch.world_size / elapsed,
         device=str(device),
-        local_batch_size=cfg.batch_size,
+        local_batch_size=cfg.local_batch_size,
         lr=cfg.lr,
         epochs=epoch + 1,
         steps=step,

@@ -42,7 +42,7 @@ class GanConfig:
 
     epochs: int = field(20, "passes over the training set", min=1)
     max_steps: int = field(0, "stop after this many steps in total (0: no limit)", min=0)
-    batch_size: int = field(32, "real images per rank per step", min=1)
+    local_batch_size: int = field(32, "real images per rank per step", min=1)
     lr: float = field(2e-4, "Adam learning rate of both models", min=0.0)
     latent_dim: int = field(16, "size of G's noise input", min=1)
     detach: bool = field(
@@ -103,7 +103,7 @@ def train(cfg, launch):
         shuffle=True,
         seed=cfg.seed,
     )
-    train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=train_sampler)
+    train_loader = DataLoader(data.train, batch_size=cfg.local_batch_size, sampler=train_sampler)
 
     # Two trained models: each its own DDP wrap (its own gradient all-reduce), its own optimizer.
     device_ids = [device.index] if device.type == "cuda" else None
@@ -117,7 +117,7 @@ def train(cfg, launch):
     if launch.rank == 0:
         print(
             f"launcher {launch.launcher}, {backend} on {device}, world size "
-            f"{launch.world_size}, batch {cfg.batch_size} x {launch.world_size}",
+            f"{launch.world_size}, batch {cfg.local_batch_size} x {launch.world_size}",
             flush=True,
         )
     step = 0

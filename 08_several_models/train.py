@@ -149,7 +149,7 @@ def train(cfg, launch):
     )
     train_loader = DataLoader(
         data.train,
-        batch_size=cfg.batch_size,
+        batch_size=cfg.local_batch_size,
         sampler=train_sampler,
         num_workers=cfg.num_workers,
         # not fork(), which can copy a lock that gloo's or NCCL's threads hold (common/data.py)
@@ -160,7 +160,7 @@ def train(cfg, launch):
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
     test_loader = DataLoader(
         test_shard,
-        batch_size=cfg.batch_size,
+        batch_size=cfg.local_batch_size,
         num_workers=cfg.num_workers,
         multiprocessing_context=worker_start_method(cfg.num_workers),
     )
@@ -180,11 +180,11 @@ def train(cfg, launch):
     torch.manual_seed(cfg.seed + launch.rank)
     if launch.rank == 0:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
-        global_batch = cfg.batch_size * launch.world_size
+        global_batch = cfg.local_batch_size * launch.world_size
         print(
             f"launcher {launch.launcher}, {backend} on {device} "
             f"(CUDA_VISIBLE_DEVICES={visible}), world size {launch.world_size}, "
-            f"batch {cfg.batch_size} x {launch.world_size} = {global_batch}",
+            f"batch {cfg.local_batch_size} x {launch.world_size} = {global_batch}",
             flush=True,
         )
     step, images_seen = 0, 0
@@ -240,11 +240,11 @@ def train(cfg, launch):
         world_size=launch.world_size,
         launcher=launch.launcher,
         backend=backend,
-        global_batch_size=cfg.batch_size * launch.world_size,
+        global_batch_size=cfg.local_batch_size * launch.world_size,
         # every rank saw as many
         images_per_second=images_seen * launch.world_size / elapsed,
         device=str(device),
-        local_batch_size=cfg.batch_size,
+        local_batch_size=cfg.local_batch_size,
         lr=cfg.lr,
         epochs=epoch + 1,
         steps=step,

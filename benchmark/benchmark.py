@@ -20,7 +20,7 @@ largest world size.
 
     python benchmark/benchmark.py --world-sizes 1,2
     python benchmark/benchmark.py --world-sizes 1,2 --model resnet18 --dataset fake \
-        --batch-size 16 --sweep
+        --local-batch-size 16 --sweep
     # flags after -- go to every run
     python benchmark/benchmark.py --world-sizes 1,2 -- --precision bf16
 
@@ -133,7 +133,7 @@ class BenchConfig:
     data_dir: str = field("data", "data folder (--data-dir of the script)")
     model: str = field("small_cnn", "network (--model of the script)")
     image_size: int = field(0, "resize images (0: the data set's size)", min=0)
-    batch_size: int = field(
+    local_batch_size: int = field(
         32, "local batch per rank (fixed over world sizes: weak scaling)", min=1
     )
     warmup: int = field(
@@ -198,8 +198,8 @@ def launch(
         cfg.model,
         "--image-size",
         str(cfg.image_size),
-        "--batch-size",
-        str(cfg.batch_size),
+        "--local-batch-size",
+        str(cfg.local_batch_size),
         "--epochs",
         "1000",
         "--max-steps",
@@ -348,7 +348,8 @@ def main(argv=None):
     started = time.perf_counter()
 
     print(
-        f"benchmark: {cfg.script}, {cfg.model} on {cfg.dataset}, local batch {cfg.batch_size}, "
+        f"benchmark: {cfg.script}, {cfg.model} on {cfg.dataset}, "
+        f"local batch {cfg.local_batch_size}, "
         f"world sizes {sizes}, {cfg.warmup} warm-up + {cfg.steps} measured steps, "
         f"{cfg.repeats} repeat(s), "
         f"{threads} thread(s) per rank on CPU"

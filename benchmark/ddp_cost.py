@@ -12,7 +12,7 @@ setting of DDP that removes work at any world size):
            spread over the repeats.
 
     python benchmark/ddp_cost.py --mode count                      # ResNet-50, 32x32, batch 2, CPU
-    python benchmark/ddp_cost.py --mode time --image-size 224 --batch-size 256 \
+    python benchmark/ddp_cost.py --mode time --image-size 224 --local-batch-size 256 \
         --precision bf16 --channels-last                           # one GPU
 
 One process is a world of one (the cost DDP adds before any communication); under torchrun
@@ -119,7 +119,7 @@ class CostConfig:
     )
     model: str = field("resnet50", "network", choices=MODELS)
     image_size: int = field(32, "images of this size, 3 channels", min=8)
-    batch_size: int = field(2, "local batch per rank", min=1)
+    local_batch_size: int = field(2, "local batch per rank", min=1)
     precision: str = field("fp32", "autocast: fp32 (off), bf16 or fp16", choices=tuple(AMP_DTYPES))
     channels_last: bool = field(False, "channels_last memory format for model and inputs")
     device: str = field("auto", "auto: cuda where there is a GPU", choices=("auto", "cpu", "cuda"))
@@ -283,8 +283,10 @@ def main(argv=None) -> int:
     )
     # one fixed batch on the device: the loader is not what is measured
     generator = torch.Generator().manual_seed(launch.rank)
-    images = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, generator=generator)
-    labels = torch.randint(0, FAKE_CLASSES, (cfg.batch_size,), generator=generator)
+    images = torch.randn(
+        cfg.local_batch_size, 3, cfg.image_size, cfg.image_size, generator=generator
+    )
+    labels = torch.randint(0, FAKE_CLASSES, (cfg.local_batch_size,), generator=generator)
     memory_format = torch.channels_last if cfg.channels_last else torch.preserve_format
     images, labels = images.to(device, memory_format=memory_format), labels.to(device)
     run = count if cfg.mode == "count" else time_windows
@@ -301,7 +303,7 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "ddp_cost.json").write_text(json.dumps(report, indent=2) + "\n")
         print(
-            f"{cfg.model}, {cfg.image_size} px, batch {cfg.batch_size}, {report['device']}, "
+            f"{cfg.model}, {cfg.image_size} px, batch {cfg.local_batch_size}, {report['device']}, "
             f"world size {launch.world_size}, torch {torch.__version__}"
         )
         # benchmark/benchmark.py's table printer (beside this file; imported here, where this

@@ -30,7 +30,7 @@ Call 2: bf16_cl_compile_gpu_pace (--compile; evaluation runs eager, not recompil
 lesson's main command on one rank (exit code and accuracy). Outputs in --output-dir:
 gpu_check_<part>.json (rewritten after every run) and one folder per run. Exit code 1 when a run
 failed, timed out or was skipped for want of time, or a target was missed. A dry run on the CPU:
---device cpu --model small_cnn --image-size 8 --batch-size 8 --workers 0 --warmup 2 --steps 3
+--device cpu --model small_cnn --image-size 8 --local-batch-size 8 --workers 0 --warmup 2 --steps 3
 (the targets are then missed: exit code 1).
 """
 
@@ -66,8 +66,8 @@ LESSONS = [
     ("02_eval", "02_sampler_patterns/distributed_eval.py"),
     ("02_uneven", "02_sampler_patterns/uneven_inputs.py"),
     ("02_weighted", "02_sampler_patterns/weighted_sampler.py"),
-    ("03", "03_grad_accum/train.py --batch-size 8 --accum-steps 4"),
-    ("04", "04_syncbn/train.py --batch-norm sync --batch-size 2"),
+    ("03", "03_grad_accum/train.py --local-batch-size 8 --accum-steps 4"),
+    ("04", "04_syncbn/train.py --batch-norm sync --local-batch-size 2"),
     ("05", "05_checkpointing/train.py --save-every-steps 20"),
     ("05_preempt", "05_checkpointing/preempt.py --time-limit-s 3600"),
     ("06", "06_multinode/train.py"),
@@ -225,7 +225,7 @@ def run_main_py(args, out: Path, timeout: float, gpu_pace: bool) -> dict:
         "-a",
         args.model,
         "-b",
-        str(args.batch_size),
+        str(args.local_batch_size),
         "-j",
         str(args.workers),
         "-p",
@@ -272,8 +272,8 @@ def run_main_py(args, out: Path, timeout: float, gpu_pace: bool) -> dict:
         return dict(row, error=f"printed {len(times)} batches (see {out}/output.log)")
     return dict(
         row,
-        images_per_s=args.batch_size / statistics.mean(window),
-        images_per_s_median=args.batch_size / statistics.median(window),
+        images_per_s=args.local_batch_size / statistics.mean(window),
+        images_per_s_median=args.local_batch_size / statistics.median(window),
         step_ms=1000 * statistics.mean(window),
         gpu_memory_used_mib=memory.peak_mib,
     )
@@ -310,15 +310,15 @@ def run_ours(args, flags: list[str], out: Path, timeout: float, gpu_pace: bool) 
         "fake",
         "--image-size",
         str(args.image_size),
-        "--batch-size",
-        str(args.batch_size),
+        "--local-batch-size",
+        str(args.local_batch_size),
         "--weight-decay",
         "0.0001",  # imagenet/main.py's default
         "--num-workers",
         str(args.workers),
         # one epoch longer than the steps run: the loader's steady state, as main.py's 1.28M
         "--fake-images",
-        str(args.batch_size * (args.warmup + args.steps + 2)),
+        str(args.local_batch_size * (args.warmup + args.steps + 2)),
         "--epochs",
         "1",
         "--max-steps",
@@ -362,8 +362,8 @@ def run_ddp_cost(args, out: Path, timeout: float) -> dict:
         args.model,
         "--image-size",
         str(args.image_size),
-        "--batch-size",
-        str(args.batch_size),
+        "--local-batch-size",
+        str(args.local_batch_size),
         "--precision",
         "bf16",
         "--channels-last",
@@ -511,7 +511,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--image-size", type=int, default=224, help="ours; main.py's is 224")
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--local-batch-size", type=int, default=256)
     parser.add_argument(
         "--workers",
         type=int,

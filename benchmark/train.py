@@ -201,11 +201,16 @@ def train(cfg, launch):
     # num_workers, pin_memory (GPU only), persistent_workers
     # and prefetch_factor (with workers) from the config.
     train_loader = DataLoader(
-        data.train, batch_size=cfg.batch_size, sampler=train_sampler, **loader_kwargs(cfg, device)
+        data.train,
+        batch_size=cfg.local_batch_size,
+        sampler=train_sampler,
+        **loader_kwargs(cfg, device),
     )
     # A strided slice per rank: every test sample once (DistributedSampler pads with repeats).
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
-    test_loader = DataLoader(test_shard, batch_size=cfg.batch_size, **loader_kwargs(cfg, device))
+    test_loader = DataLoader(
+        test_shard, batch_size=cfg.local_batch_size, **loader_kwargs(cfg, device)
+    )
 
     # To this rank's device, then wrap: DDP's hooks all-reduce the gradients in backward().
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size)
@@ -267,11 +272,11 @@ def train(cfg, launch):
 
     if launch.rank == 0:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
-        global_batch = cfg.batch_size * launch.world_size
+        global_batch = cfg.local_batch_size * launch.world_size
         print(
             f"launcher {launch.launcher}, {backend} on {device} "
             f"(CUDA_VISIBLE_DEVICES={visible}), world size {launch.world_size}, "
-            f"batch {cfg.batch_size} x {launch.world_size} = {global_batch}; "
+            f"batch {cfg.local_batch_size} x {launch.world_size} = {global_batch}; "
             f"{type(model).__name__}, precision {cfg.precision}, comm hook {cfg.comm_hook}, "
             f"compile {cfg.compile}, channels_last {cfg.channels_last}, "
             f"activation checkpointing {cfg.activation_checkpointing}",
@@ -381,11 +386,11 @@ def train(cfg, launch):
         world_size=launch.world_size,
         launcher=launch.launcher,
         backend=backend,
-        global_batch_size=cfg.batch_size * launch.world_size,
+        global_batch_size=cfg.local_batch_size * launch.world_size,
         # every rank saw as many
         images_per_second=images_seen * launch.world_size / elapsed,
         device=str(device),
-        local_batch_size=cfg.batch_size,
+        local_batch_size=cfg.local_batch_size,
         lr=cfg.lr,
         epochs=epoch + 1,
         steps=step,

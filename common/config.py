@@ -1,5 +1,5 @@
 """Config: dataclass defaults < YAML file (--config) < flags; every field is a
-YAML key and a flag (`batch_size` -> `--batch-size`). An unknown key, a wrong
+YAML key and a flag (`local_batch_size` -> `--local-batch-size`). An unknown key, a wrong
 type or a bad value is one `error:` line and exit code 2, as with argparse."""
 
 # keep annotations strings: a docstring-less subclass's --help shows its signature
@@ -16,6 +16,11 @@ from common.errors import ConfigError
 from common.launcher import exit_on_bad_input
 
 C = TypeVar("C")
+# Keys renamed since an earlier release, old: new. The old name is refused with one line that names
+# the new one, not taken as an alias: a job file or YAML file written for the old name stops at
+# once, before any process group, and the settings keep one name each (`batch_size` did not say
+# whether it was per rank or for the whole job).
+RENAMED = {"batch_size": "local_batch_size"}
 DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "imagefolder", "fake")
 MODELS = ("small_cnn", "resnet18", "resnet50")
 
@@ -42,7 +47,7 @@ class TrainConfig:
     image_size: int = field(0, "resize images to this size (0: the data set's own size)", min=0)
     epochs: int = field(12, "passes over the training set", min=1)
     max_steps: int = field(0, "stop after this many optimizer steps in total (0: no limit)", min=0)
-    batch_size: int = field(
+    local_batch_size: int = field(
         32, "samples per rank per step (local batch); global = local x world size", min=1
     )
     lr: float = field(0.1, "learning rate", min=0.0)
@@ -81,6 +86,11 @@ def _flag_parser(key: str, kind: type):
     return parse
 
 
+class _Renamed(argparse.Action):  # an old flag: refused, its message (const) naming the new one
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise ConfigError(f"{option_string} is now {self.const}")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # a bad flag is a ConfigError, like a bad YAML key
         raise ConfigError(message)
@@ -112,6 +122,18 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None) -> C:
                 type=str if kind is str else _flag_parser(name, kind), metavar=kind.__name__.upper()
             )
         parser.add_argument(*flags, dest=name, default=argparse.SUPPRESS, help=help_text, **how)
+    for old, new in RENAMED.items():
+        if new in fields:
+            renamed = f"--{new.replace('_', '-')}: {fields[new].metadata['help']}"
+            flags = [f"--{old.replace('_', '-')}", f"--{old}"]
+            parser.add_argument(
+                *flags,
+                nargs="?",
+                action=_Renamed,
+                const=renamed,
+                default=argparse.SUPPRESS,
+                help=argparse.SUPPRESS,
+            )
     # torch.distributed.launch's
     parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
     args = vars(parser.parse_args(argv))
@@ -146,6 +168,11 @@ def _read_yaml(path: Path, fields, kinds) -> dict[str, Any]:
         ) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must be a mapping of keys to values")
+    if renamed := [key for key in raw if RENAMED.get(key) in fields]:
+        new = RENAMED[renamed[0]]
+        raise ConfigError(
+            f"config key '{renamed[0]}' in {path} is now '{new}': {fields[new].metadata['help']}"
+        )
     if unknown := [key for key in raw if key not in fields]:
         raise ConfigError(
             f"unknown config key '{unknown[0]}' in {path} (valid keys: {', '.join(fields)})"

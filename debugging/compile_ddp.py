@@ -45,7 +45,7 @@ class CompileConfig:
         1.0, "DDP's bucket size in MiB (DDPOptimizer needs 1 or more)", min=1.0
     )
     steps: int = field(3, "training steps", min=1)
-    batch_size: int = field(8, "samples per rank and step", min=1)
+    local_batch_size: int = field(8, "samples per rank and step", min=1)
     last_batch: int = field(0, "samples in one more, last step (0: no such step)", min=0)
     timeout_s: float = field(30.0, "process-group timeout", min=1.0)
     output_dir: str = field("runs/compile_ddp", "where summary.json goes")
@@ -102,7 +102,7 @@ def train(cfg, launch):
         model.compile(backend=backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     data = torch.Generator().manual_seed(launch.rank)  # each rank its own batches
-    sizes = [cfg.batch_size] * cfg.steps + ([cfg.last_batch] if cfg.last_batch else [])
+    sizes = [cfg.local_batch_size] * cfg.steps + ([cfg.last_batch] if cfg.last_batch else [])
     for step, size in enumerate(sizes, 1):
         backend.step = step
         x = torch.randn(size, 512, generator=data).to(device)

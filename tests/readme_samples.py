@@ -62,7 +62,7 @@ UNEVEN = f"torchrun --standalone --nproc_per_node=3 {SAMPLER}/uneven_inputs.py -
 # 05's README command (its first), with the flags the sample names
 CHECKPOINTING = (
     "torchrun --standalone --nproc_per_node=2 05_checkpointing/train.py --save-every-steps 20 "
-    "--epochs 2 --batch-size 16 --log-every 30 --output-dir runs/b"
+    "--epochs 2 --local-batch-size 16 --log-every 30 --output-dir runs/b"
 )
 SAMPLES = {
     "01": Sample(
@@ -75,7 +75,7 @@ SAMPLES = {
         "03_grad_accum/README.md",
         "## Output",
         (
-            "torchrun --standalone --nproc_per_node=2 03_grad_accum/train.py --batch-size 8 "
+            "torchrun --standalone --nproc_per_node=2 03_grad_accum/train.py --local-batch-size 8 "
             "--accum-steps 4 --epochs 3",
         ),
         mask=shape,

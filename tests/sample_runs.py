@@ -181,12 +181,12 @@ GATHER = f"torchrun --standalone --nproc_per_node=3 {SAMPLER}/gather_predictions
 # 3 optimizer steps of 2 ranks x batch 4, a progress line per step: the lines 03's sample shows
 GRAD_ACCUM_SHORT = (
     "torchrun --standalone --nproc_per_node=2 03_grad_accum/train.py --max-steps 3 --epochs 1 "
-    "--batch-size 4 --log-every 1"
+    "--local-batch-size 4 --log-every 1"
 )
 # 2 ranks x batch 4, 3 steps, both runs (plain and synchronized): the lines 04's sample shows
 SYNCBN_SHORT = (
     "torchrun --standalone --nproc_per_node=2 04_syncbn/train.py --batch-norm compare "
-    "--batch-size 4 --max-steps 3"
+    "--local-batch-size 4 --max-steps 3"
 )
 
 
@@ -224,7 +224,16 @@ RUNS: dict[str, Callable[[Path], list[Result]]] = {
     # one worker per "node", 4 steps
     "06-two-nodes": nodes(
         "06_multinode/train.py",
-        *("--max-steps", "4", "--epochs", "1", "--batch-size", "16", "--output-dir", "{out}/two"),
+        *(
+            "--max-steps",
+            "4",
+            "--epochs",
+            "1",
+            "--local-batch-size",
+            "16",
+            "--output-dir",
+            "{out}/two",
+        ),
     ),
     # smaller messages and fewer iterations, three settings in the environment
     "06-comm-check": readme_command(

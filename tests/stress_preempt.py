@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 from tests.helpers import clean_env  # noqa: E402
 from tests.slurm_cluster import SlurmCluster  # noqa: E402
 
-TRAIN_ARGS = "--epochs 3 --batch-size 16 --save-every-steps 20 --log-every 1000"
+TRAIN_ARGS = "--epochs 3 --local-batch-size 16 --save-every-steps 20 --log-every 1000"
 SBATCH = ["--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0"]
 
 

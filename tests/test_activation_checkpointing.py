@@ -39,7 +39,7 @@ perf = sys.modules["perf"] = load_script("benchmark/perf.py", "perf")  # as test
 train_script = load_script("benchmark/train.py", "benchmark_train")
 
 SCRIPT = "benchmark/train.py"
-RUN = ["--epochs", "1", "--max-steps", "6", "--batch-size", "16", "--log-every", "1000"]
+RUN = ["--epochs", "1", "--max-steps", "6", "--local-batch-size", "16", "--log-every", "1000"]
 MIB = 2**20
 VARIANTS = {  # name: flags; "none" is the run without checkpointing, "lr" the negative control
     "none": [],
@@ -237,7 +237,7 @@ def test_more_settings_that_work_in_one_process(tmp_path):
                 *RUN,
                 "--max-steps",
                 "3",
-                "--batch-size",
+                "--local-batch-size",
                 "32",
                 "--output-dir",
                 str(tmp_path / name),

@@ -136,18 +136,22 @@ STEPS = ("--max-steps", "8", "--lr", "0.05")
 def ddp_two_ranks(tmp_path_factory):
     """2 ranks x local batch 16, 8 steps, under torchrun: compared with other launches below."""
     out = tmp_path_factory.mktemp("ddp_b16")
-    torchrun(SCRIPT, "--batch-size", "16", *STEPS, "--output-dir", out, nproc=2)
+    torchrun(SCRIPT, "--local-batch-size", "16", *STEPS, "--output-dir", out, nproc=2)
     return load_params(out / "model.pt")
 
 
 @pytest.mark.min_torch
 def test_two_ranks_equal_one_process_with_twice_the_batch(ddp_two_ranks, tmp_path):
     """DDP averages gradients, so 2 ranks x batch b == 1 process x batch 2b on the same samples."""
-    warm_ranks(SCRIPT, "--batch-size", "32", *STEPS, "--output-dir", tmp_path / "one", nproc=1)
+    warm_ranks(
+        SCRIPT, "--local-batch-size", "32", *STEPS, "--output-dir", tmp_path / "one", nproc=1
+    )
     one = load_params(tmp_path / "one" / "model.pt")
     assert_same_params(ddp_two_ranks, one)
     # The comparison is sensitive: one process with the local batch (16) ends elsewhere.
-    warm_ranks(SCRIPT, "--batch-size", "16", *STEPS, "--output-dir", tmp_path / "small", nproc=1)
+    warm_ranks(
+        SCRIPT, "--local-batch-size", "16", *STEPS, "--output-dir", tmp_path / "small", nproc=1
+    )
     small = load_params(tmp_path / "small" / "model.pt")
     assert max((small[k] - one[k]).abs().max().item() for k in one) > 1e-3
 
@@ -179,7 +183,7 @@ def test_mp_spawn_variant_matches_torchrun(ddp_two_ranks, tmp_path):
     """The README's command, as written, with a smaller batch and fewer steps."""
     result = run(
         command_argv(SPAWN)
-        + ["--batch-size", "16", *STEPS, "--output-dir", str(tmp_path / "spawn")],
+        + ["--local-batch-size", "16", *STEPS, "--output-dir", str(tmp_path / "spawn")],
         timeout=120,
         check=True,
     )
@@ -317,7 +321,7 @@ def test_runs_unchanged_under_mpiexec(tmp_path, flavour):
         REPO / SCRIPT,
         "--max-steps",
         "3",
-        "--batch-size",
+        "--local-batch-size",
         "16",
         "--output-dir",
         tmp_path,
@@ -444,7 +448,7 @@ def test_01_copied_out_trains_another_model_on_other_data(tmp_path):
             "1",
             "--max-steps",
             "3",
-            "--batch-size",
+            "--local-batch-size",
             "16",
             "--output-dir",
             "out",
@@ -555,7 +559,7 @@ def test_01_trains_on_an_imagefolder_tree_unpatched(tmp_path):
         tmp_path / "tree",
         "--image-size",
         "16",
-        "--batch-size",
+        "--local-batch-size",
         "4",
         "--max-steps",
         "2",

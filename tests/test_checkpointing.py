@@ -48,7 +48,16 @@ SCRIPT = "05_checkpointing/train.py"
 PREEMPT = "05_checkpointing/preempt.py"  # train.py plus stopping on a signal or a deadline
 EXPORT = "python 05_checkpointing/export_model.py runs/latest/checkpoints model.pt"
 # 2 epochs of 45 steps (digits, 2 ranks x 16), a checkpoint every 10 steps and at each epoch's end.
-ARGS = ("--epochs", "2", "--batch-size", "16", "--save-every-steps", "10", "--log-every", "100")
+ARGS = (
+    "--epochs",
+    "2",
+    "--local-batch-size",
+    "16",
+    "--save-every-steps",
+    "10",
+    "--log-every",
+    "100",
+)
 TRAIN_SIZE = 1438  # digits training set: 719 per rank, no padding
 STEPS_PER_EPOCH = 45  # ceil(719 / 16)
 TOTAL_STEPS = 2 * STEPS_PER_EPOCH
@@ -415,7 +424,14 @@ def _error_lines(result) -> list[str]:
 def test_resume_with_another_batch_size_is_refused(reference, tmp_path):
     shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
     result = torchrun(
-        SCRIPT, *ARGS, "--batch-size", "8", "--output-dir", str(tmp_path), check=False, timeout=120
+        SCRIPT,
+        *ARGS,
+        "--local-batch-size",
+        "8",
+        "--output-dir",
+        str(tmp_path),
+        check=False,
+        timeout=120,
     )
     assert result.returncode != 0
     lines = _error_lines(result)
@@ -634,7 +650,7 @@ def cifar(tmp_path_factory) -> tuple[Path, tuple[str, ...]]:
         str(data_dir),
         "--epochs",
         "3",
-        "--batch-size",
+        "--local-batch-size",
         "8",
         "--log-every",
         "100",

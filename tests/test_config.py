@@ -8,9 +8,9 @@ from common.errors import ConfigError
 
 def test_flags_override_yaml_which_overrides_defaults(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("batch_size: 8\nlr: 1\nmodel: resnet18\n")
+    path.write_text("local_batch_size: 8\nlr: 1\nmodel: resnet18\n")
     cfg = parse_config(TrainConfig, ["--config", str(path), "--lr", "0.5", "--no-download"])
-    assert (cfg.batch_size, cfg.lr, cfg.model, cfg.download, cfg.epochs) == (
+    assert (cfg.local_batch_size, cfg.lr, cfg.model, cfg.download, cfg.epochs) == (
         8,
         0.5,
         "resnet18",
@@ -21,22 +21,23 @@ def test_flags_override_yaml_which_overrides_defaults(tmp_path):
 
 
 def test_both_flag_spellings():
-    assert parse_config(TrainConfig, ["--batch_size", "3"]).batch_size == 3
-    assert parse_config(TrainConfig, ["--batch-size", "4"]).batch_size == 4
+    assert parse_config(TrainConfig, ["--local_batch_size", "3"]).local_batch_size == 3
+    assert parse_config(TrainConfig, ["--local-batch-size", "4"]).local_batch_size == 4
 
 
 @pytest.mark.parametrize(
     "yaml_text,message",
     [
         ("bach_size: 3\n", "unknown config key 'bach_size'"),
-        ("batch_size: '3'\n", "'batch_size' must be int, got str"),
-        ("batch_size: 2.5\n", "'batch_size' must be int, got float"),
+        ("batch_size: 3\n", "'batch_size' in .* is now 'local_batch_size'"),
+        ("local_batch_size: '3'\n", "'local_batch_size' must be int, got str"),
+        ("local_batch_size: 2.5\n", "'local_batch_size' must be int, got float"),
         ("download: 1\n", "'download' must be bool"),
         ("lr: fast\n", "'lr' must be float"),
-        ("batch_size: -4\n", "'batch_size' must be >= 1"),
+        ("local_batch_size: -4\n", "'local_batch_size' must be >= 1"),
         ("dataset: imagenet1k\n", "'dataset' must be one of"),
         ("- a list\n", "must be a mapping"),
-        ("batch_size: [1\n", "not valid YAML"),
+        ("local_batch_size: [1\n", "not valid YAML"),
     ],
 )
 def test_bad_yaml_is_a_config_error_naming_the_key(tmp_path, yaml_text, message):
@@ -49,7 +50,7 @@ def test_bad_yaml_is_a_config_error_naming_the_key(tmp_path, yaml_text, message)
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--batch-size", "x"], "'batch_size' must be int"),
+        (["--local-batch-size", "x"], "'local_batch_size' must be int"),
         (["--epochs", "0"], "'epochs' must be >= 1"),
         (["--bogus", "1"], "unrecognized arguments: --bogus"),
         (["--config", "/nonexistent.yaml"], "cannot read config file"),

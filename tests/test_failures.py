@@ -33,7 +33,7 @@ SCRIPTS = sorted(p.relative_to(REPO).as_posix() for p in REPO.glob("0*/train.py"
 # main: tests/test_lessons.py): it runs against 01, and 05's preempt.py, which has signal handlers
 # of its own.
 FAILURE_SCRIPTS = ["01_basic_ddp/train.py", "05_checkpointing/preempt.py"]
-FAST = ("--max-steps", "6", "--epochs", "1", "--batch-size", "16", "--log-every", "100")
+FAST = ("--max-steps", "6", "--epochs", "1", "--local-batch-size", "16", "--log-every", "100")
 
 
 def _injected_at(output: str) -> float:
@@ -273,7 +273,9 @@ def test_rank_raising_under_mpiexec_ends_the_job(tmp_path, flavour):
 # one line must contain: the key or file, and the fix).
 # {tmp} is replaced by the test's temporary folder.
 BAD_INPUT = [
-    ("negative_batch", ["--batch-size", "-4"], {}, ["batch_size", ">= 1", "-4"]),
+    ("negative_batch", ["--local-batch-size", "-4"], {}, ["local_batch_size", ">= 1", "-4"]),
+    # renamed: refused, naming the new flag (common/config.py, RENAMED)
+    ("old_batch_flag", ["--batch-size", "32"], {}, ["--batch-size is now --local-batch-size"]),
     (
         "unknown_yaml_key",
         ["--config", "{tmp}/bad.yaml"],
@@ -365,13 +367,13 @@ def test_bad_input_is_one_line_and_exit_code_2(script, case, tmp_path, python_st
 @pytest.mark.parametrize("script", FAILURE_SCRIPTS)
 def test_bad_input_under_torchrun_is_said_exactly_once(script, tmp_path):
     result = torchrun(
-        script, "--batch-size", "-4", "--output-dir", str(tmp_path), check=False, timeout=120
+        script, "--local-batch-size", "-4", "--output-dir", str(tmp_path), check=False, timeout=120
     )
     out = result.output
     assert result.returncode != 0
     # once, by rank 0; the other rank exits quietly
-    assert out.count("batch_size") == 1, out[-3000:]
-    assert re.search(r"^error: config key 'batch_size' must be >= 1, got -4$", out, re.M)
+    assert out.count("local_batch_size") == 1, out[-3000:]
+    assert re.search(r"^error: config key 'local_batch_size' must be >= 1, got -4$", out, re.M)
     assert re.search(r"exitcode\s+: 2", out)
     # no traceback from the ranks (torchrun's own is all)
     assert not re.search(r"^\[rank\d\]: Traceback", out, re.M)

@@ -44,7 +44,7 @@ from tests.launcher_tools import need_root, need_tools
 from common.launcher import master_port
 
 TRAIN = "01_basic_ddp/train.py"
-SHORT = ("--max-steps", "1", "--epochs", "1", "--batch-size", "16")
+SHORT = ("--max-steps", "1", "--epochs", "1", "--local-batch-size", "16")
 
 
 # --- torchrun's summary: exit codes of ranks killed
@@ -718,6 +718,10 @@ def test_a_forked_worker_copies_a_python_list_as_it_reads_it():
 KILLED_WORKER = """
 import os, signal, torch
 from torch.utils.data import DataLoader, Dataset
+
+# Batches travel by file name, not by a file descriptor that the main process fetches from the
+# worker: a busy machine could otherwise see that fetch fail first, with a ConnectionResetError.
+torch.multiprocessing.set_sharing_strategy("file_system")
 
 class Numbers(Dataset):
     def __len__(self):

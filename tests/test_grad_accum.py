@@ -51,7 +51,7 @@ def runs(tmp_path_factory, sample_run):
             str(result_file),
             SCRIPT,
             *steps,
-            "--batch-size",
+            "--local-batch-size",
             "4",
             "--accum-steps",
             str(K),
@@ -63,7 +63,7 @@ def runs(tmp_path_factory, sample_run):
     warm_ranks(
         BASIC,
         *steps,
-        "--batch-size",
+        "--local-batch-size",
         str(2 * 4 * K),
         "--output-dir",
         str(out["reference"]),
@@ -124,13 +124,13 @@ def clip_runs(tmp_path_factory):
     (tests/inject/sitecustomize.py)."""
     root = tmp_path_factory.mktemp("clip")
     steps = ("--max-steps", "3", "--epochs", "1", "--max-grad-norm", MAX_NORM)
-    accum = ("--batch-size", "4", "--accum-steps", str(K))
+    accum = ("--local-batch-size", "4", "--accum-steps", str(K))
     out = {name: root / name for name in ("fp32", "one_process", "fp16", "fp16_overflow")}
     warm_ranks(SCRIPT, *steps, *accum, "--output-dir", str(out["fp32"]))
     warm_ranks(
         SCRIPT,
         *steps,
-        "--batch-size",
+        "--local-batch-size",
         str(2 * 4 * K),
         "--output-dir",
         str(out["one_process"]),
@@ -176,7 +176,7 @@ def test_clipping_without_unscale_clips_the_scaled_gradient(tmp_path, clip_runs)
     # `common` is found through PYTHONPATH
     variant.write_text(source.replace(UNSCALE, ""))
     steps = ("--max-steps", "3", "--epochs", "1", "--max-grad-norm", MAX_NORM)
-    fp16 = (*steps, "--batch-size", "4", "--accum-steps", str(K), "--precision", "fp16")
+    fp16 = (*steps, "--local-batch-size", "4", "--accum-steps", str(K), "--precision", "fp16")
     warm_ranks(variant, *fp16, "--output-dir", str(tmp_path / "out"))
     assert read_summary(tmp_path / "out")["grad_scale"] == 2.0**16  # no step was skipped
     one_process = load_model(clip_runs["one_process"])
@@ -197,7 +197,7 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(clip_runs):
     assert relative_difference(weights, load_model(clip_runs["fp16"])) > 1e-3
 
 
-SHORT_WINDOW = ("--batch-size", "400", "--accum-steps", "3", "--epochs", "1")
+SHORT_WINDOW = ("--local-batch-size", "400", "--accum-steps", "3", "--epochs", "1")
 LOSS_WEIGHT = "scaler.scale(loss * len(labels) / window_samples).backward()"  # the script's line
 
 
@@ -206,7 +206,14 @@ def one_step_on_everything(tmp_path_factory):
     """01 in one process taking one step on all 1438 training samples."""
     reference = tmp_path_factory.mktemp("one_step")
     warm_ranks(
-        BASIC, "--batch-size", "2400", "--epochs", "1", "--output-dir", str(reference), nproc=1
+        BASIC,
+        "--local-batch-size",
+        "2400",
+        "--epochs",
+        "1",
+        "--output-dir",
+        str(reference),
+        nproc=1,
     )
     assert read_summary(reference)["steps"] == 1
     return load_model(reference)
@@ -307,7 +314,7 @@ def test_accum_steps_1_is_01s_loop(runs, tmp_path):
         "3",
         "--epochs",
         "1",
-        "--batch-size",
+        "--local-batch-size",
         "4",
         "--output-dir",
         str(tmp_path),
@@ -321,7 +328,7 @@ def test_the_scaled_rate_counts_the_effective_batch_and_warm_up_counts_optimizer
     4x --lr. --warmup-steps 4 with 2 optimizer steps (4 micro-batches) done: LinearLR from 1/4 of
     the rate stands at 1/4 + 3/4 x 2/4 = 0.625 of it. A warm-up stepped per micro-batch would be
     over (1.0), one that ignored accumulation would scale by 2."""
-    flags = ["--batch-size", "8", "--accum-steps", "2", "--lr", "0.1", "--lr-base-batch", "8"]
+    flags = ["--local-batch-size", "8", "--accum-steps", "2", "--lr", "0.1", "--lr-base-batch", "8"]
     flags += ["--warmup-steps", "4", "--max-steps", "2", "--epochs", "1"]
     warm_ranks(SCRIPT, *flags, "--output-dir", str(tmp_path))
     summary = read_summary(tmp_path)

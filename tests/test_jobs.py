@@ -33,7 +33,7 @@ from tests.slurm_cluster import TOOLS as SLURM_TOOLS, SlurmCluster
 
 JOBS = sorted(p for p in (REPO / "jobs").glob("*.*") if p.suffix in (".sh", ".sbatch", ".pbs"))
 SLURM_JOBS = ["slurm_srun.sbatch", "slurm_torchrun.sbatch"]
-SMALL = "--max-steps 3 --epochs 1 --batch-size 16"
+SMALL = "--max-steps 3 --epochs 1 --local-batch-size 16"
 
 
 @pytest.mark.parametrize("job", JOBS, ids=lambda p: p.name)
@@ -368,7 +368,7 @@ def test_01_trains_under_srun_with_the_pmi2_plugin(cluster, tmp_path):
 # under each job file, on the two-node cluster --
 
 # Long enough (8 epochs of 45 steps) to be stopped mid-run; a checkpoint every 20 steps.
-PREEMPT_ARGS = "--epochs 8 --batch-size 16 --save-every-steps 20 --log-every 1000"
+PREEMPT_ARGS = "--epochs 8 --local-batch-size 16 --save-every-steps 20 --log-every 1000"
 SLURM_DELIVERIES = ("signal", "requeue")
 
 
@@ -526,7 +526,7 @@ def test_crashed_job_is_not_requeued(cluster, tmp_path, crash):
     else:
         (tmp_path / "run" / "checkpoints").mkdir(parents=True)
         (tmp_path / "run" / "checkpoints" / "REQUEUE").write_text("SIGUSR1 at step 12\n")
-        failure, said = dict(TRAIN_ARGS=f"{SMALL} --batch-size 0"), "error: "
+        failure, said = dict(TRAIN_ARGS=f"{SMALL} --local-batch-size 0"), "error: "
     env = clean_env(PYTHON=PYTHON, RUN_DIR=str(tmp_path / "run"), **failure)
     job = cluster.sbatch(
         ["-o", str(tmp_path / "out"), *SBATCH_SMALL, "jobs/slurm_srun.sbatch"], env, REPO
@@ -954,7 +954,7 @@ def test_pbs_crash_is_not_resubmitted_and_restarts_are_capped(tmp_path):
     (stale / "run" / "checkpoints").mkdir(parents=True)
     (stale / "run" / "checkpoints" / "REQUEUE").write_text("time limit at step 12\n")
     env = pbs_chain_env(stale, "pbs_mpiexec.pbs", "4328.pbs01")
-    env["TRAIN_ARGS"] += " --batch-size 0"
+    env["TRAIN_ARGS"] += " --local-batch-size 0"
     result = run(["bash", REPO / "jobs/pbs_mpiexec.pbs"], 120, env=env, cwd=stale)
     assert result.returncode != 0 and "error: " in result.output, result.output[-3000:]
     assert not (stale / "qsub.calls").exists()

@@ -852,7 +852,7 @@ def test_two_ranks_meet_at_an_ipv6_master_addr(tmp_path):
     procs = [
         start(
             [PYTHON, "01_basic_ddp/train.py", "--max-steps", "2", "--epochs", "1"]
-            + ["--batch-size", "16", "--output-dir", str(tmp_path)],
+            + ["--local-batch-size", "16", "--output-dir", str(tmp_path)],
             env=clean_env(
                 RANK=str(rank),
                 WORLD_SIZE="2",

@@ -101,7 +101,9 @@ def test_the_logged_loss_is_the_exact_mean_over_all_ranks_samples(patience_run):
     first_batches = []
     for rank in range(2):
         sampler = DistributedSampler(data.train, 2, rank, shuffle=True, seed=cfg.seed)
-        first_batches.append(next(iter(DataLoader(data.train, cfg.batch_size, sampler=sampler))))
+        first_batches.append(
+            next(iter(DataLoader(data.train, cfg.local_batch_size, sampler=sampler)))
+        )
     images = torch.cat([batch[0] for batch in first_batches])
     labels = torch.cat([batch[1] for batch in first_batches])
     with torch.no_grad():

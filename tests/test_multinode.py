@@ -33,7 +33,7 @@ from tests.launcher_tools import need_root, need_tools, openmpi_env, unavailable
 
 TRAIN = REPO / "06_multinode" / "train.py"
 COMM = REPO / "06_multinode" / "comm_check.py"
-SMALL = ("--max-steps", "4", "--epochs", "1", "--batch-size", "16")
+SMALL = ("--max-steps", "4", "--epochs", "1", "--local-batch-size", "16")
 
 
 @pytest.mark.launchers

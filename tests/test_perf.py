@@ -54,7 +54,7 @@ perf = sys.modules["perf"] = load_script("benchmark/perf.py", "perf")
 
 SCRIPT = "benchmark/train.py"
 CPU = torch.device("cpu")
-SMALL = ["--epochs", "1", "--batch-size", "8", "--log-every", "1000"]
+SMALL = ["--epochs", "1", "--local-batch-size", "8", "--log-every", "1000"]
 # 3 channels: channels_last differs from the default layout
 FAKE = ["--dataset", "fake", "--image-size", "8"]
 HAS_C_COMPILER = any(shutil.which(cc) for cc in ("cc", "gcc", "clang"))
@@ -202,7 +202,7 @@ def test_no_broadcast_buffers_evaluates_and_saves_the_ranks_average(tmp_path):
             *FAKE,
             "--model",
             "resnet18",
-            "--batch-size",
+            "--local-batch-size",
             "4",
             "--max-steps",
             "2",
@@ -314,7 +314,7 @@ def count_all_reduces(here, output_dir, *flags) -> int:
 def test_no_ddp_baseline_makes_no_gradient_all_reduce(here, tmp_path):
     """All-reduces counted by the profiler: DDP adds at least one per step, --no-ddp none
     (what remains are the per-epoch sums, the same whatever the number of steps)."""
-    flags = ["--batch-size", "64"]  # digits: few ops to profile
+    flags = ["--local-batch-size", "64"]  # digits: few ops to profile
     ddp = [
         count_all_reduces(here, tmp_path / f"ddp{n}", *flags, "--max-steps", str(n)) for n in (1, 3)
     ]
@@ -387,7 +387,7 @@ def test_compile_with_inductor(tmp_path):
             "1",
             "--max-steps",
             "1",
-            "--batch-size",
+            "--local-batch-size",
             "359",
             "--compile",
             "--output-dir",
@@ -801,7 +801,16 @@ def test_gpu_check_dry_runs_both_calls_and_checks_the_targets(tmp_path):
     stand_in = write_main_py_stand_in(tmp_path)
     out = tmp_path / "out"
     cmd = [PYTHON, "benchmark/gpu_check.py", "--imagenet-main", str(stand_in), "--device", "cpu"]
-    cmd += ["--model", "small_cnn", "--image-size", "8", "--batch-size", "8", "--workers", "1"]
+    cmd += [
+        "--model",
+        "small_cnn",
+        "--image-size",
+        "8",
+        "--local-batch-size",
+        "8",
+        "--workers",
+        "1",
+    ]
     cmd += ["--warmup", "2", "--steps", "4", "--repeats", "2", "--output-dir", str(out)]
     result = run(cmd, timeout=300, env=clean_env())
     assert result.returncode == 1, result.stdout + result.stderr
@@ -832,7 +841,8 @@ def test_gpu_check_dry_runs_both_calls_and_checks_the_targets(tmp_path):
         step = summary["profile"]["mean_step_s"]
         assert runs[name]["images_per_s"] == pytest.approx(8 / step), name
         assert (
-            "--batch-size 8" in runs[name]["command"] and "--num-workers 1" in runs[name]["command"]
+            "--local-batch-size 8" in runs[name]["command"]
+            and "--num-workers 1" in runs[name]["command"]
         )
         assert (summary["profile"]["warmup_steps"], summary["profile"]["steps"]) == (2, 4), name
         gpu_pace = name.endswith("gpu_pace")
@@ -1083,7 +1093,7 @@ def test_the_defaults_train_as_01_does(here, tmp_path):
 
 def check_the_defaults_train_as_01_does(here, tmp_path):
     lesson = load_script("01_basic_ddp/train.py", "basic_train")
-    flags = [*SMALL, "--batch-size", "64", "--max-steps", "3"]
+    flags = [*SMALL, "--local-batch-size", "64", "--max-steps", "3"]
     lesson.train(
         parse_config(TrainConfig, [*flags, "--output-dir", str(tmp_path / "01")]),
         LaunchInfo("single", 0, 0, 1, 1, "127.0.0.1", free_port()),

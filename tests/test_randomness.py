@@ -25,7 +25,7 @@ LESSON = "01_basic_ddp/train.py"
 ARGS = (
     "--dataset",
     "cifar10",
-    "--batch-size",
+    "--local-batch-size",
     "4",
     "--epochs",
     "1",
@@ -127,7 +127,7 @@ def test_with_random_augmentation_ranks_do_not_equal_one_process_on_the_global_b
     same samples in each step (test_basic_ddp.py shows them equal on the
     digits, which have no augmentation), but crop and flip them differently."""
     args = [*ARGS]
-    args[args.index("--batch-size") + 1] = str(2 * BATCH)
+    args[args.index("--local-batch-size") + 1] = str(2 * BATCH)
     warm_ranks(
         "tests/perf_cifar.py",
         "run",

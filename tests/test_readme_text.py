@@ -198,14 +198,16 @@ def test_a_venv_sees_the_site_pythons_torch_only_with_system_site_packages(tmp_p
 
 def test_the_defaults_and_choices_the_readme_quotes():
     """ "Troubleshooting": `--timeout-s` (60 s); "Data sets": digits is the
-    default, then the other five; "Concepts": --batch-size is per rank."""
+    default, then the other five; "Concepts": --local-batch-size is per rank."""
     defaults = TrainConfig()
     assert f"`--timeout-s` ({defaults.timeout_s:.0f} s)" in README
     assert defaults.dataset == "digits" and "`--dataset digits` (default;" in README
     for name in DATASETS[1:]:
         assert re.search(rf"`{name}`", readme_section("## Data sets")), name
-    help_text = TrainConfig.__dataclass_fields__["batch_size"].metadata["help"]
-    assert "per rank" in help_text and "`--batch-size` is per rank (the local batch)" in README
+    help_text = TrainConfig.__dataclass_fields__["local_batch_size"].metadata["help"]
+    assert (
+        "per rank" in help_text and "`--local-batch-size` is per rank (the local batch)" in README
+    )
 
     # debugging/README.md: 60 s by default, 10 s in the demos
     demo = load_script("debugging/demo_bugs.py", "demo_bugs")
@@ -254,7 +256,7 @@ def test_04s_defaults_are_the_readmes():
         sys.path.remove(folder)
     assert (
         syncbn_config.batch_norm,
-        syncbn_config.batch_size,
+        syncbn_config.local_batch_size,
         syncbn_config.epochs,
         syncbn_config.lr,
     ) == ("compare", 4, 3, 0.01)

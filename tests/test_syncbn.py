@@ -117,7 +117,7 @@ def test_script_sync_run_equals_one_process_and_plain_run_does_not(tmp_path, sam
         SCRIPT,
         "--batch-norm",
         "plain",
-        "--batch-size",
+        "--local-batch-size",
         "8",
         "--max-steps",
         "3",
