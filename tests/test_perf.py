@@ -1150,18 +1150,6 @@ def test_profile_is_the_median_over_steps_of_the_mean_over_ranks(monkeypatch):
     assert profile["mean_step_s"] == pytest.approx((5 + 5.5 + 5) / 3)  # every step counts
 
 
-def test_gradient_as_bucket_view_puts_the_gradients_into_the_bucket(one_rank_group):
-    """The help's "gradients are views into the buckets": one storage for all gradients of a
-    one-bucket model with the knob, one per parameter without it (negative control)."""
-    for view in (True, False):
-        torch.manual_seed(0)
-        model = DistributedDataParallel(SmallCNN(), gradient_as_bucket_view=view)
-        for _ in range(2):  # views from the first iteration on (DDP's docstring)
-            model(torch.randn(4, 1, 8, 8)).sum().backward()
-        storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
-        assert len(storages) == (1 if view else len(list(model.parameters())))
-
-
 # The reducer's copy of a fresh .grad into its bucket (divided by the world size on the way), a
 # record_function in torch's reducer.cpp; and its copy back out of the bucket without bucket views.
 COPY_INTO_BUCKET = "torch::distributed::reducer::mul_out"

@@ -114,20 +114,6 @@ def test_polaris_switch_off_unsets_the_nccl_settings_alcfs_module_exports(tmp_pa
     assert alcf.items() <= read_env(tmp_path / "on" / "after").items()
 
 
-@pytest.mark.parametrize("site", sorted(SITE_JOBS))
-def test_site_file_without_module_command_is_one_error_line(site, tmp_path):
-    env = site_env(tmp_path, with_module=False)
-    env["PATH"] = "/usr/bin:/bin"  # no `module` anywhere
-    result = run(
-        ["bash", "-c", f"set -euo pipefail; source jobs/sites/{site}.sh; echo after"], 30, env=env
-    )
-    assert result.returncode == 2 and "after" not in result.stdout
-    assert result.stderr.strip().splitlines() == [
-        f"error: SITE={site} needs the 'module' command: start the job file as a login shell "
-        "(#!/bin/bash -l)"
-    ]
-
-
 # -- the job files with SITE=..., under stubs of the launchers ------------------------------------
 
 
@@ -426,28 +412,3 @@ def test_site_header_blocks_fit_the_site(path):
 
 # -- srun passes --cpus-per-task on
 # -----------------------------------------------------------------
-
-
-def srun_commands(text: str) -> list[str]:
-    """Every srun command line of a shell file, continuation lines joined, comments left out."""
-    joined = re.sub(r"\s*\\\n\s*", " ", text)
-    return [
-        line.strip()
-        for line in joined.splitlines()
-        if not line.lstrip().startswith("#") and re.search(r"(^|[\s;&|(])srun\s", line)
-    ]
-
-
-def test_every_srun_passes_cpus_per_task():
-    """srun does not inherit --cpus-per-task in Slurm 22.05-23.02: each rank would get one core."""
-    files = [REPO / "jobs" / n for n in SLURM_JOBS] + SITE_FILES
-    commands = [c for f in files for c in srun_commands(f.read_text())]
-    assert len(commands) == len(SLURM_JOBS)
-    assert all('--cpus-per-task="${SLURM_CPUS_PER_TASK:-1}"' in c for c in commands), commands
-    # Negative control: the check sees an srun without it, across a continuation line.
-    sample = srun_commands(
-        "x=1\nsrun --kill-on-bad-exit=1 \\\n    python t.py &\n# srun in a comment\n"
-    )
-    assert (
-        sample == ["srun --kill-on-bad-exit=1 python t.py &"] and "--cpus-per-task" not in sample[0]
-    )

@@ -493,22 +493,6 @@ def test_08_quotes_torchs_error_for_the_g_step_without_detach():
     assert quoted == [f"[rank0]: {GAN_G_STEP_ERROR}"]
 
 
-def test_barrier_without_device_ids_uses_the_current_device_as_the_guide_says():
-    """The guide: torch 2.14.1's barrier() without device_ids takes the current device (the one
-    torch.cuda.set_device chose) and warns once; before (up to 2.7) it took global rank mod the
-    local device count. Read from the installed distributed_c10d.py's barrier()."""
-    import inspect
-
-    import torch.distributed.distributed_c10d as c10d
-
-    source = inspect.getsource(c10d.barrier)
-    code = source.split('"""')[-1]  # the body, after the docstring (which still says rank mod)
-    assert "Use the current device set by the user" in code and "opts.device = device" in code
-    assert "get_rank() %" not in code and "rank %" not in code
-    warning = "barrier(): using the device under current context"
-    assert warning in code and warning in GUIDE.read_text()
-
-
 # --- the heartbeat monitor (debugging/README.md, "ProcessGroupNCCL's watchdog got stuck")
 
 HEARTBEAT_MESSAGES = [
