@@ -785,8 +785,14 @@ print("ends without destroy_process_group()", flush=True)
 
 def test_gloo_says_nothing_when_destroy_process_group_is_not_called():
     """The warning is ProcessGroupNCCL's (tests/test_torch_text.py): a gloo run that ends without
-    destroy_process_group() exits 0 and prints nothing of the kind."""
-    result = run([PYTHON, "-c", NO_DESTROY], 120, check=True)
+    destroy_process_group() prints nothing of the kind. Its group's threads still run at
+    interpreter shutdown, so now and then the exit aborts instead (the guide's "terminate called
+    without an active exception" entry, a separate matter): either way, no warning."""
+    result = run([PYTHON, "-c", NO_DESTROY], 120)
+    aborted = "terminate called without an active exception"
+    assert result.returncode == 0 or (result.returncode == -6 and aborted in result.stderr), (
+        result.output[-3000:]
+    )
     assert "ends without destroy_process_group()" in result.stdout
     assert "destroy_process_group" not in result.stderr and "leak" not in result.stderr, (
         result.stderr
