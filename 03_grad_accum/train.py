@@ -93,9 +93,12 @@ class Accumulation:
     precision, gradient clipping and warm-up meet accumulation."""
 
     def __init__(self, cfg, world_size, optimizer, train_loader, device):
-        self.cfg, self.optimizer, self.device = cfg, optimizer, device
+        self.cfg = cfg
+        self.optimizer = optimizer
+        self.device = device
         # micro-batches per rank per epoch, and the samples they hold
-        self.micro_batches, self.samples = len(train_loader), len(train_loader.sampler)
+        self.micro_batches = len(train_loader)
+        self.samples = len(train_loader.sampler)
         # samples per optimizer step
         self.effective_batch = cfg.local_batch_size * world_size * cfg.accum_steps
         # Linear scaling rule (SGD): a larger batch, a proportionally larger learning rate.
@@ -115,7 +118,8 @@ class Accumulation:
     def backward(self, model, i, images, labels):
         """Forward and backward of micro-batch i of the epoch. Returns its loss, and whether it
         is its window's last: the one whose backward all-reduced, after which step() steps."""
-        cfg, scaler, amp_dtype = self.cfg, self.scaler, self.amp_dtype
+        cfg = self.cfg
+        amp_dtype = self.amp_dtype
         window_start = i - i % cfg.accum_steps
         # an epoch's last window may be short
         window_end = min(window_start + cfg.accum_steps, self.micro_batches)
@@ -133,13 +137,15 @@ class Accumulation:
             # the window's samples makes the sum the window's mean gradient: loss / accum_steps
             # for a full window, and still exact in an epoch's shorter last window. (Not / world
             # size: DDP already averages.)
-            scaler.scale(loss * len(labels) / window_samples).backward()
+            self.scaler.scale(loss * len(labels) / window_samples).backward()
         return loss, sync
 
     def step(self, model):
         """The window's optimizer step. The sync backward before it averaged the window's
         gradient over the ranks."""
-        cfg, scaler, optimizer = self.cfg, self.scaler, self.optimizer
+        cfg = self.cfg
+        scaler = self.scaler
+        optimizer = self.optimizer
         if cfg.max_grad_norm:
             # Clip here, after the all-reduce, never inside no_sync: each rank would clip its own
             # partial sum. The norm is the same on every rank, so all clip alike. Unscale first,
