@@ -171,3 +171,10 @@ def readme_commands() -> list[Command]:
         for path in tracked_files("*.md")
         for command in markdown_commands(path.read_text(), path.relative_to(REPO).as_posix())
     ]
+
+
+def readme_words(heading: str | None = None, path: Path = REPO / "README.md") -> str:
+    """The top README (or one section of it) with its line breaks as spaces: what a prose check
+    searches for a sentence that the Markdown may wrap anywhere."""
+    text = path.read_text()
+    return " ".join((markdown_section(text, heading) if heading else text).split())

@@ -42,6 +42,7 @@ from tests.helpers import (
     tracked_files,
 )
 from tests.markdown import (
+    readme_words,
     markdown_blocks,
     markdown_commands,
     markdown_headings,
@@ -58,11 +59,7 @@ from tests.sample_runs import Ran, shared_runs
 pytestmark = pytest.mark.readme_text
 
 README_TEXT = (REPO / "README.md").read_text()
-README = " ".join(README_TEXT.split())  # line breaks as spaces
-
-
-def readme_section(heading: str) -> str:
-    return " ".join(markdown_section(README_TEXT, heading).split())
+README = readme_words()
 
 
 def test_distributed_sampler_pads_the_last_ranks_with_the_epochs_first_samples():
@@ -203,7 +200,7 @@ def test_the_defaults_and_choices_the_readme_quotes():
     assert f"`--timeout-s` ({defaults.timeout_s:.0f} s)" in README
     assert defaults.dataset == "digits" and "`--dataset digits` (default;" in README
     for name in DATASETS[1:]:
-        assert re.search(rf"`{name}`", readme_section("## Data sets")), name
+        assert re.search(rf"`{name}`", readme_words("## Data sets")), name
     help_text = TrainConfig.__dataclass_fields__["local_batch_size"].metadata["help"]
     assert (
         "per rank" in help_text and "`--local-batch-size` is per rank (the local batch)" in README

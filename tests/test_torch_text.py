@@ -29,7 +29,6 @@ import time
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
@@ -47,22 +46,17 @@ from tests.helpers import (
     torchrun,
     warm_command,
 )
-from tests.markdown import markdown_blocks, markdown_section, readme_sample
+from tests.markdown import readme_words, markdown_blocks, markdown_section, readme_sample
 from tests.sample_runs import shared_runs
 
 # All of it is torch's own text and source, read again after a torch upgrade.
 pytestmark = pytest.mark.torch_text
 
 GUIDE = REPO / "debugging" / "README.md"
-README_TEXT = (REPO / "README.md").read_text()
-README = " ".join(README_TEXT.split())  # line breaks as spaces
+README = readme_words()
 DIR = "02_sampler_patterns"
 DEMO = "debugging/demo_bugs.py"
 demo = load_script(DEMO, "demo_bugs")
-
-
-def readme_section(heading: str) -> str:
-    return " ".join(markdown_section(README_TEXT, heading).split())
 
 
 TORCH_LIB = Path(__import__("torch").__file__).parent / "lib"
@@ -1078,7 +1072,6 @@ def test_ddp_syncs_buffers_without_bumping_their_version_and_forward_sync_buffer
     the buffers' version counters (the 2.12 fix, pytorch/pytorch#175851);
     broadcast_buffers=False also skips the sync at construction,
     forward_sync_buffers=False does not (torch's own FutureWarning says so)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     assert "_unsafe_preserve_version_counter(" in inspect.getsource(DDP._sync_buffers)
     init = inspect.getsource(DDP.__init__)
@@ -1197,7 +1190,7 @@ def test_scaler_step_unscales_before_the_optimizer_step_and_skips_it_on_overflow
 def test_what_the_help_texts_say_about_torch_is_its_documentation():
     """Read from torch 2.14.1: DDP's, DataLoader's and max_memory_allocated's docstrings,
     and inductor's C++ compiler lookup (why --compile on CPU needs a C compiler)."""
-    ddp = " ".join(inspect.getdoc(DistributedDataParallel).split())
+    ddp = " ".join(inspect.getdoc(DDP).split())
     for said in (
         "gradients will be views pointing to different offsets of ``allreduce`` "
         "communication buckets",
@@ -1226,7 +1219,7 @@ def test_the_messages_the_troubleshooting_section_quotes_are_torchs_own():
     `Connection closed by peer` are in torch's CPU library; nccl's watchdog line is made of
     literals of its NCCL library that tests/test_torch_text.py finds there (torch 2.14.1)."""
 
-    troubleshooting = readme_section("## Troubleshooting")
+    troubleshooting = readme_words("## Troubleshooting")
     quoted = "`Timed out waiting 60000ms for recv operation to complete`"
     assert quoted in troubleshooting and "`Connection closed by peer`" in troubleshooting
     found = found_in_library(
@@ -1439,7 +1432,7 @@ def compiled_graphs(ddp_kwargs: dict | None) -> int:
             graphs.append(graph_module) or graph_module.forward
         )
     )
-    run = model if ddp_kwargs is None else DistributedDataParallel(model, **ddp_kwargs)
+    run = model if ddp_kwargs is None else DDP(model, **ddp_kwargs)
     try:
         run(torch.randn(8, 64)).sum().backward()
     finally:
