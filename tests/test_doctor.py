@@ -1,5 +1,6 @@
-"""debugging/doctor.py on scripts with one planted mistake each (tests/doctor_corpus/, the
-mistake's line marked `# planted: KIND`), on correct ports, on the lessons and on the demos.
+"""debugging/doctor.py on scripts with one planted mistake each (tests/planted_ports.py and
+tests/doctor_corpus/, the mistake's line marked `# planted: KIND`), on correct ports, on the
+lessons and on the demos.
 
 lint reads code: cheap, no torch. run starts torchrun twice per script (about 10 s each): only
 the cases the README shows run by default: no sampler, no set_epoch, a rank-0-only break, the
@@ -19,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import PYTHON, REPO, clean_env, command_argv, run
+from tests.planted_ports import CORRECT_PORT, NAMES, write
 
 DOCTOR = str(REPO / "debugging" / "doctor.py")
-CORPUS = REPO / "tests" / "doctor_corpus"
 FINDING = re.compile(r"^problem: (?P<path>\S+):(?P<line>\d+): .* \[(?P<kind>[a-z0-9-]+)\]$")
 
 
@@ -53,8 +54,9 @@ def line_of(path: Path, text: str) -> int:
 # --- lint ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("script", sorted(CORPUS.glob("*.py")), ids=lambda p: p.stem)
-def test_lint_finds_each_planted_mistake_at_its_line_and_nothing_else(script):
+@pytest.mark.parametrize("name", NAMES)
+def test_lint_finds_each_planted_mistake_at_its_line_and_nothing_else(name, tmp_path):
+    script = write(name, tmp_path)
     result = doctor("lint", script)
     expected = planted(script)
     assert findings(result.stdout) == expected, result.output
@@ -135,7 +137,7 @@ def test_lint_refuses_what_is_not_python(tmp_path):
 
 # --- run ----------------------------------------------------------------------------------------
 
-PORT = CORPUS / "correct_port.py"
+PORT = CORRECT_PORT
 SHORT = ("--steps", "8", "--deadline", "60")  # 6 steps an epoch: 8 reach the second
 
 
@@ -160,7 +162,7 @@ def test_run_passes_a_correct_port_and_explains_its_dropout_losses(tmp_path):
 
 def test_run_finds_ranks_reading_the_same_samples(tmp_path):
     result = doctor(
-        "run", *SHORT, "--", CORPUS / "no_sampler.py", "--batch-size", "8", cwd=tmp_path
+        "run", *SHORT, "--", write("no_sampler", tmp_path), "--batch-size", "8", cwd=tmp_path
     )
     assert result.returncode == 1, result.output
     assert re.search(r"problem: in epoch 1 \d+ samples went to more than one rank", result.stdout)
@@ -169,7 +171,7 @@ def test_run_finds_ranks_reading_the_same_samples(tmp_path):
 
 def test_run_finds_an_epoch_that_repeats_the_first(tmp_path):
     result = doctor(
-        "run", *SHORT, "--", CORPUS / "no_set_epoch.py", "--batch-size", "8", cwd=tmp_path
+        "run", *SHORT, "--", write("no_set_epoch", tmp_path), "--batch-size", "8", cwd=tmp_path
     )
     assert result.returncode == 1, result.output
     assert "problem: epoch 2 draws the same order as epoch 1" in result.stdout
@@ -177,7 +179,7 @@ def test_run_finds_an_epoch_that_repeats_the_first(tmp_path):
 
 
 def test_run_names_the_rank_0_break_within_the_deadline(tmp_path):
-    script = CORPUS / "rank0_break.py"
+    script = write("rank0_break", tmp_path)
     started = time.monotonic()
     result = doctor(
         "run",

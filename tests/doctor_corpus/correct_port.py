@@ -1,4 +1,4 @@
-"""A correct DDP port: the reference the planted mistakes in this folder start from."""
+"""A correct DDP port: the reference the planted mistakes start from (tests/planted_ports.py)."""
 
 import argparse
 import os

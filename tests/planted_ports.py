@@ -1,0 +1,193 @@
+"""The doctor's planted mistakes that are a few lines of a correct port.
+
+Each is tests/doctor_corpus/correct_port.py with the edits below, written out by `write()`. The
+mistakes that need a script of their own (helpers, loader workers) are whole files in
+tests/doctor_corpus/. In both, the mistake's line carries `# planted: KIND`, the kind the doctor
+must name at that line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CORPUS = Path(__file__).parent / "doctor_corpus"
+CORRECT_PORT = CORPUS / "correct_port.py"
+NO_SET_EPOCH = ("        sampler.set_epoch(epoch)\n", "")
+
+# name: (what is planted, the docstring; [(text of the correct port, what replaces it), ...])
+EDITS: dict[str, tuple[str, list[tuple[str, str]]]] = {
+    "data_parallel": (
+        "nn.DataParallel inside a DDP script.",
+        [("DDP(model)", "DDP(nn.DataParallel(model))  # planted: data-parallel")],
+    ),
+    "ddp_forward_on_rank_0": (
+        "the DDP model evaluated on rank 0 alone; its forward broadcasts BatchNorm's buffers.",
+        [
+            ("nn.ReLU(), nn.Dropout(args.dropout)", "nn.BatchNorm1d(16), nn.ReLU()"),
+            (
+                "    if rank == 0:\n",
+                "    if rank == 0:\n"
+                "        model.eval()\n"
+                "        with torch.no_grad():\n"
+                "            logits = model(dataset.tensors[0])"
+                "  # planted: ddp-forward-in-rank-branch\n"
+                '        print(f"mean prediction {logits.argmax(1).float().mean():.2f}")\n',
+            ),
+        ],
+    ),
+    "every_rank_saves": (
+        "every rank saves the model to the same file.",
+        [
+            (
+                '    if rank == 0:\n        torch.save(model.module.state_dict(), "model.pt")',
+                '    torch.save(model.module.state_dict(), "model.pt")'
+                "  # planted: every-rank-writes",
+            )
+        ],
+    ),
+    "forward_through_module": (
+        "the training forward goes through model.module, around DDP.",
+        [("model(inputs), labels)", "model.module(inputs), labels)  # planted: forward-skips-ddp")],
+    ),
+    "gpu_zero": (
+        ".cuda() without an index and no torch.cuda.set_device (GPU only: lint).",
+        [
+            ('"gloo"', '"nccl"'),
+            ("DDP(model)", "DDP(model.cuda())  # planted: every-rank-on-gpu-0"),
+            (
+                "            loss = F.cross_entropy(model(inputs), labels)",
+                "            inputs = inputs.cuda()  # planted: every-rank-on-gpu-0\n"
+                "            loss = F.cross_entropy(model(inputs), labels.to(inputs.device))",
+            ),
+        ],
+    ),
+    "mean_over_whole_dataset": (
+        "test() divides this rank's sum over its shard by the whole test set's size.",
+        [
+            (
+                "\n\ndef main():",
+                "\n\n@torch.no_grad()\n"
+                "def test(model, test_loader):\n"
+                "    test_loss = 0.0\n"
+                "    for inputs, labels in test_loader:\n"
+                "        test_loss += F.cross_entropy(model(inputs), labels, "
+                'reduction="sum").item()\n'
+                "    test_loss /= len(test_loader.dataset)  # planted: mean-over-whole-dataset\n"
+                '    print(f"test loss {test_loss:.4f}")\n'
+                "\n\ndef main():",
+            ),
+            (
+                "sampler=sampler)\n",
+                "sampler=sampler)\n"
+                "    test_set = make_data(32)\n"
+                "    test_loader = DataLoader(\n"
+                "        test_set, batch_size=args.batch_size, "
+                "sampler=DistributedSampler(test_set, shuffle=False)\n"
+                "    )\n",
+            ),
+            (
+                "                break\n",
+                "                break\n        test(model, test_loader)\n",
+            ),
+        ],
+    ),
+    "model_before_seed": (
+        "the model is built before torch.manual_seed.",
+        [
+            (
+                "    torch.manual_seed(0)\n"
+                "    model = nn.Sequential(nn.Linear(8, 16), "
+                "nn.ReLU(), nn.Dropout(args.dropout), nn.Linear(16, 2))\n",
+                "    layers = [nn.Linear(8, 16), "
+                "nn.ReLU(), nn.Dropout(args.dropout), nn.Linear(16, 2)]\n"
+                "    model = nn.Sequential(*layers)  # planted: model-before-seed\n"
+                "    torch.manual_seed(0)\n",
+            )
+        ],
+    ),
+    "no_destroy": (
+        "no dist.destroy_process_group() at the end.",
+        [
+            ('("gloo")', '("gloo")  # planted: no-destroy'),
+            ("    del model\n    dist.destroy_process_group()\n", ""),
+        ],
+    ),
+    "no_sampler": (
+        "the training loader has no DistributedSampler.",
+        [
+            ("DistributedSampler, TensorDataset", "TensorDataset"),
+            (
+                "    sampler = DistributedSampler(dataset, num_replicas=world_size, "
+                "rank=rank, seed=0)\n"
+                "    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)\n",
+                "    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)"
+                "  # planted: no-sampler\n",
+            ),
+            NO_SET_EPOCH,
+        ],
+    ),
+    "no_set_epoch": (
+        "no sampler.set_epoch(epoch), so every epoch repeats the first's order.",
+        [
+            (
+                "DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=0)",
+                "DistributedSampler(dataset, world_size, rank, seed=0)  # planted: no-set-epoch",
+            ),
+            NO_SET_EPOCH,
+        ],
+    ),
+    "rank0_break": (
+        "the dry run's break sits in rank 0's logging branch: only rank 0 leaves the loop.",
+        [
+            (
+                "            if args.dry_run:\n                break\n",
+                "                if args.dry_run:\n                    break"
+                "  # planted: rank-control-flow\n",
+            )
+        ],
+    ),
+    "shuffle_and_sampler": (
+        "shuffle=True beside the sampler (DataLoader refuses it).",
+        [
+            (
+                "    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)\n",
+                "    loader = DataLoader(  # planted: shuffle-and-sampler\n"
+                "        dataset, batch_size=args.batch_size, sampler=sampler, shuffle=True\n"
+                "    )\n",
+            )
+        ],
+    ),
+    "unsharded_sampler": (
+        "a RandomSampler, which hands every rank the whole data set.",
+        [
+            ("DistributedSampler, TensorDataset", "RandomSampler, TensorDataset"),
+            (
+                "DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=0)",
+                "RandomSampler(dataset)",
+            ),
+            (
+                "DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)",
+                "DataLoader(dataset, args.batch_size, sampler=sampler)"
+                "  # planted: unsharded-sampler",
+            ),
+            NO_SET_EPOCH,
+        ],
+    ),
+}
+
+NAMES = sorted([path.stem for path in CORPUS.glob("*.py")] + list(EDITS))
+
+
+def write(name: str, folder: Path) -> Path:
+    """The script `name` as a file in `folder`: a whole corpus file, or the port with its edits."""
+    if name not in EDITS:
+        return CORPUS / f"{name}.py"
+    planted, edits = EDITS[name]
+    lines = CORRECT_PORT.read_text().split("\n", 1)
+    text = f'"""Planted: {planted}"""\n' + lines[1]
+    for old, new in edits:
+        assert text.count(old) == 1, f"{name}: {old!r} is not once in {CORRECT_PORT.name}"
+        text = text.replace(old, new)
+    path = folder / f"{name}.py"
+    path.write_text(text)
+    return path
