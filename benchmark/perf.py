@@ -165,7 +165,7 @@ def check_knobs(cfg) -> None:
         # Under DDP, torch.compile's DDPOptimizer splits the
         # graph at DDP's buckets and asserts that they are
         # no smaller than DDP's first bucket (1 MiB) (torch
-        # 2.14.1; tests/test_perf.py runs it unrefused).
+        # 2.14.1; tests/test_torch_text.py runs it unrefused).
         raise ConfigError(
             "compile: --bucket-cap-mb below 1 fails in torch.compile under DDP (its DDPOptimizer "
             "needs buckets of at least DDP's first one, 1 MiB); use 1 or more, or drop --compile"

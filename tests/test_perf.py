@@ -1,7 +1,7 @@
 """benchmark/train.py, the script with every performance knob, and benchmark/benchmark.py.
 
 Every knob is read back from summary.json's "perf" (taken from the objects the script built) or
-watched from outside while the script trains: one real 2-rank torchrun with most knobs combined,
+watched from outside while the script trains: one 2-rank run with most knobs combined,
 the rest in this process as a world of one (gloo on loopback), where spies watch the comm hook,
 the GradScaler, the all-reduces and torch.compile.
 """
@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -42,7 +41,6 @@ from tests.helpers import (
     relative_difference,
     run,
     summary_fields,
-    torchrun,
     warm_ranks,
 )
 
@@ -57,10 +55,38 @@ CPU = torch.device("cpu")
 SMALL = ["--epochs", "1", "--local-batch-size", "8", "--log-every", "1000"]
 # 3 channels: channels_last differs from the default layout
 FAKE = ["--dataset", "fake", "--image-size", "8"]
-HAS_C_COMPILER = any(shutil.which(cc) for cc in ("cc", "gcc", "clang"))
 BATCHED_GRAD_COPY = "batched_grad_copy" in perf.DDP_ARGUMENTS  # DDP's, from torch 2.13 on
 
 train_script = load_script(SCRIPT, "benchmark_train")
+bench = load_script("benchmark/benchmark.py", "benchmark_main")
+
+# summary.json's "perf" with no knob set (fp32, the default): every DDP setting as DDP's own; each
+# run adds its own peak_memory_bytes_per_rank
+DEFAULT_PERF = {
+    "ddp": "DistributedDataParallel",
+    "autocast_dtype": "float32",
+    "grad_scaler_enabled": False,
+    "grad_scale": None,
+    "compiled": False,
+    "channels_last_weights": False,
+    "channels_last_inputs": False,
+    "ddp_bucket_cap_bytes": 25 * 1024 * 1024,
+    "ddp_gradient_as_bucket_view": False,
+    "ddp_static_graph": False,
+    "ddp_find_unused_parameters": False,
+    "ddp_comm_hook": None,
+    "ddp_broadcast_buffers": True,
+    "ddp_batched_grad_copy": False,
+    "loader_num_workers": 0,
+    "loader_pin_memory": False,
+    "loader_persistent_workers": False,
+    "loader_prefetch_factor": None,
+    "activation_checkpointing_blocks": 0,
+    "activation_checkpointing_use_reentrant": None,
+    "cudnn_benchmark": True,  # the default; it acts on GPUs only
+    "peak_memory": "cpu_max_rss",
+    "buffers_identical": True,
+}
 
 
 @pytest.fixture
@@ -89,8 +115,8 @@ def error_lines(result) -> list[str]:
 
 def test_every_knob_on_two_ranks(tmp_path):
     """fp16 + GradScaler, channels_last, fp16 hook, 1 MiB buckets, bucket views, no buffer
-    broadcast, batched gradient copies, static graph, loader settings, activation checkpointing,
-    step profile, progress lines and TensorBoard, on 2 warm ranks (tests/warm_ranks.py); on
+    broadcast, batched gradient copies, static graph, loader settings, step profile, progress
+    lines and TensorBoard, on 2 warm ranks (tests/warm_ranks.py); on
     CIFAR-10-format files through tests/perf_cifar.py (as the benchmark README's CIFAR figures
     were taken)."""
     write_cifar10(tmp_path / "data" / "cifar10", per_batch=20, test_size=30)
@@ -130,8 +156,6 @@ def test_every_knob_on_two_ranks(tmp_path):
         "--prefetch-factor",
         "3",
         "--no-persistent-workers",
-        "--activation-checkpointing",
-        "non_reentrant",
         "--profile-warmup",
         "3",  # the 3 batches the worker queues
         "--profile-steps",
@@ -141,32 +165,25 @@ def test_every_knob_on_two_ranks(tmp_path):
         timeout=240,
     )
     summary = read_summary(out)
+    # the keys left at DEFAULT_PERF's values: pin_memory (for GPUs only), persistent_workers
+    # (--no-persistent-workers), find_unused_parameters, compiled, cudnn_benchmark; activation
+    # checkpointing on 2 ranks: tests/test_activation_checkpointing.py
     assert summary["perf"] == {
-        "ddp": "DistributedDataParallel",
+        **DEFAULT_PERF,
         "autocast_dtype": "float16",
         "grad_scaler_enabled": True,
         "grad_scale": summary["perf"]["grad_scale"],
-        "compiled": False,
         "channels_last_weights": True,
         "channels_last_inputs": True,
         "ddp_bucket_cap_bytes": 1024 * 1024,
         "ddp_gradient_as_bucket_view": True,
         "ddp_static_graph": True,
-        "ddp_find_unused_parameters": False,
         "ddp_comm_hook": "fp16_compress_hook",
         "ddp_broadcast_buffers": False,
         "ddp_batched_grad_copy": BATCHED_GRAD_COPY,
         "loader_num_workers": 1,
-        "loader_pin_memory": False,  # pinning is for GPUs only
-        "loader_persistent_workers": False,
         "loader_prefetch_factor": 3,
-        # the classifier
-        "activation_checkpointing_blocks": 1,
-        "activation_checkpointing_use_reentrant": False,
-        "cudnn_benchmark": True,  # the default; it acts on GPUs only
-        "peak_memory": "cpu_max_rss",
         "peak_memory_bytes_per_rank": summary["perf"]["peak_memory_bytes_per_rank"],
-        "buffers_identical": True,
     }
     assert summary["perf"]["grad_scale"] > 1
     assert (summary["world_size"], summary["steps"], summary["backend"], summary["device"]) == (
@@ -175,7 +192,6 @@ def test_every_knob_on_two_ranks(tmp_path):
         "gloo",
         "cpu",
     )
-    assert len(summary["perf"]["peak_memory_bytes_per_rank"]) == 2
     assert summary["replicas_identical"] and math.isfinite(summary["final_train_loss"])
     profile = summary["profile"]
     assert (profile["warmup_steps"], profile["steps"]) == (3, 2)
@@ -184,8 +200,6 @@ def test_every_knob_on_two_ranks(tmp_path):
     # 3 progress lines + epoch
     assert result.stdout.count("images/s") == 4 and "data-wait" in result.stdout
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
-    keys = torch.load(out / "model.pt", weights_only=True).keys()
-    assert keys and not any(k.startswith("module.") for k in keys)
 
 
 def test_no_broadcast_buffers_evaluates_and_saves_the_ranks_average(tmp_path):
@@ -261,33 +275,7 @@ def test_precision_scaler_and_hook_in_process(here, tmp_path, monkeypatch, preci
             p["ddp_find_unused_parameters"] is True and p["ddp_bucket_cap_bytes"] == 2 * 1024 * 1024
         )
     if precision == "fp32":
-        assert p == {
-            "ddp": "DistributedDataParallel",
-            "autocast_dtype": "float32",
-            "grad_scaler_enabled": False,
-            "grad_scale": None,
-            "compiled": False,
-            "channels_last_weights": False,
-            "channels_last_inputs": False,
-            "ddp_bucket_cap_bytes": 25 * 1024 * 1024,
-            "ddp_gradient_as_bucket_view": False,
-            "ddp_static_graph": False,
-            "ddp_find_unused_parameters": False,
-            "ddp_comm_hook": None,
-            "ddp_broadcast_buffers": True,
-            "ddp_batched_grad_copy": False,
-            "loader_num_workers": 0,
-            "loader_pin_memory": False,
-            "loader_persistent_workers": False,
-            "loader_prefetch_factor": None,
-            "activation_checkpointing_blocks": 0,
-            "activation_checkpointing_use_reentrant": None,
-            "cudnn_benchmark": True,
-            "peak_memory": "cpu_max_rss",
-            "peak_memory_bytes_per_rank": p["peak_memory_bytes_per_rank"],
-            "buffers_identical": True,
-        }
-        assert len(p["peak_memory_bytes_per_rank"]) == 1 and p["peak_memory_bytes_per_rank"][0] > 0
+        assert p == {**DEFAULT_PERF, "peak_memory_bytes_per_rank": p["peak_memory_bytes_per_rank"]}
         assert summary["profile"] == {
             "warmup_steps": 5,
             "steps": 0,
@@ -296,40 +284,9 @@ def test_precision_scaler_and_hook_in_process(here, tmp_path, monkeypatch, preci
             "images_per_second": summary["profile"]["images_per_second"],
             "data_wait_fraction": summary["profile"]["data_wait_fraction"],
         }
-        base = set(read_summary_keys_of_01())
+        # 01's fields (01_basic_ddp/train.py's write_summary) and the three of its own
+        base = summary_fields("01_basic_ddp/train.py")
         assert set(summary) == base | {"perf", "profile", "train_samples"}
-
-
-def read_summary_keys_of_01() -> list[str]:
-    """The keys 01_basic_ddp/train.py writes to summary.json."""
-    return sorted(summary_fields("01_basic_ddp/train.py"))
-
-
-def count_all_reduces(here, output_dir, *flags) -> int:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        here(output_dir, *flags)
-    return sum(e.name == "gloo:all_reduce" for e in prof.events())
-
-
-def test_no_ddp_baseline_makes_no_gradient_all_reduce(here, tmp_path):
-    """All-reduces counted by the profiler: DDP adds at least one per step, --no-ddp none
-    (what remains are the per-epoch sums, the same whatever the number of steps)."""
-    flags = ["--local-batch-size", "64"]  # digits: few ops to profile
-    ddp = [
-        count_all_reduces(here, tmp_path / f"ddp{n}", *flags, "--max-steps", str(n)) for n in (1, 3)
-    ]
-    base = [
-        count_all_reduces(here, tmp_path / f"base{n}", *flags, "--no-ddp", "--max-steps", str(n))
-        for n in (1, 3)
-    ]
-    assert ddp[1] - ddp[0] >= 2
-    assert base[0] == base[1] and base[0] < ddp[0]
-    perf_of = read_summary(tmp_path / "base3")["perf"]
-    assert (
-        perf_of["ddp"] == "NoDDP"
-        and perf_of["ddp_comm_hook"] is None
-        and perf_of["ddp_bucket_cap_bytes"] is None
-    )
 
 
 def test_compile_in_place_before_the_wrap(here, tmp_path, monkeypatch):
@@ -337,7 +294,7 @@ def test_compile_in_place_before_the_wrap(here, tmp_path, monkeypatch):
     module, so model.pt's keys are the plain module's. Evaluation runs the
     module's own forward, eager: no graph is compiled for eval mode, where calling
     the compiled module would compile again (the control). A counting
-    backend stands in for inductor (no C++ compilation here)."""
+    backend stands in for inductor (which compiles in the gpu_check.py dry run's call 2)."""
     graphs, built, during_eval = [], [], []
     real_compile, real_build = torch.compile, train_script.build_model
     real_evaluate = train_script.evaluate
@@ -372,34 +329,6 @@ def test_compile_in_place_before_the_wrap(here, tmp_path, monkeypatch):
     with torch.no_grad():
         built[0].eval()(torch.zeros(2, 1, 8, 8))  # the control: eval mode through the compiled call
     assert len(graphs) > compiled_for_training
-    SmallCNN(1, 10).load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
-
-
-@pytest.mark.skipif(not HAS_C_COMPILER, reason="torch.compile's inductor needs a C compiler on CPU")
-def test_compile_with_inductor(tmp_path):
-    """The real thing, one process: train and evaluation
-    batches of 359 (one shape each, few compilations)."""
-    result = run(
-        [
-            PYTHON,
-            REPO / SCRIPT,
-            "--epochs",
-            "1",
-            "--max-steps",
-            "1",
-            "--local-batch-size",
-            "359",
-            "--compile",
-            "--output-dir",
-            tmp_path,
-        ],
-        timeout=420,
-        env=clean_env(OMP_NUM_THREADS="2", TORCH_LOGS="graph_code"),
-        check=True,
-    )
-    assert "TRACED GRAPH" in result.stderr  # dynamo traced the model
-    summary = read_summary(tmp_path)
-    assert summary["perf"]["compiled"] is True and math.isfinite(summary["final_train_loss"])
     SmallCNN(1, 10).load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
 
 
@@ -496,22 +425,6 @@ def test_step_profile_splits_each_step(one_rank_group):
     assert 0 < images_per_s < 24 / 0.18 and 0 < data_wait < 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_step_profile_on_a_gpu_marks_cuda_events(one_rank_group):
-    """On a GPU the marks are CUDA events (the GPU's time
-    line), read after a synchronize per profiled step."""
-    device = torch.device("cuda", 0)
-    model = SmallCNN().to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    timer = perf.StepTimer(model, optimizer, device, warmup=0, steps=2)
-    loader = [(torch.zeros(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))] * 2
-    for images, labels in timer.iterate(loader):
-        torch.nn.functional.cross_entropy(model(images.to(device)), labels.to(device)).backward()
-        optimizer.step()
-        assert all(isinstance(mark, torch.cuda.Event) for mark in timer.marks.values())
-    assert len(timer.rows) == 2 and all(part >= 0 for row in timer.rows for part in row)
-
-
 class FakeCudaEvent:
     """torch.cuda.Event's timing interface on a clock of its own, which each recorded event
     moves on by 1 ms (a test moves it further); it counts the events made."""
@@ -592,32 +505,19 @@ def test_the_window_is_timed_with_events_read_once_after_it(monkeypatch):
             "prefetch_factor 2); measured steps would be served from that queue: use "
             "--profile-warmup 8 or more",
         ),
+        (["--device", "cuda"], "device: cuda was asked for"),
+        (["--compile", "--device", "cpu"], "compile: torch.compile on CPU needs a C/C++ compiler"),
+        (["--batched-grad-copy"], "batched_grad_copy: DDP has it from torch 2.13 on"),
     ],
 )
-def test_bad_knob_combinations_are_refused(flags, message):
+def test_bad_knob_combinations_are_refused(monkeypatch, flags, message):
+    """Before any process group. Stood in: a machine without a GPU and without a C compiler, and a
+    torch older than 2.13, whose DDP has no batched_grad_copy."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(perf.shutil, "which", lambda name: None)
+    monkeypatch.setattr(perf, "DDP_ARGUMENTS", {})
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_config(train_script.PerfConfig, flags)
-
-
-def test_batched_grad_copy_is_refused_on_a_torch_without_it(monkeypatch):
-    """DDP's batched_grad_copy came with torch 2.13: older torch is told so, before any group."""
-    monkeypatch.setattr(perf, "DDP_ARGUMENTS", {})
-    with pytest.raises(ConfigError, match="batched_grad_copy: DDP has it from torch 2.13 on"):
-        parse_config(train_script.PerfConfig, ["--batched-grad-copy"])
-
-
-@pytest.mark.skipif(
-    torch.cuda.is_available(), reason="refuses --device cuda only where there is no GPU"
-)
-def test_cuda_without_a_gpu_is_refused():
-    with pytest.raises(ConfigError, match="device: cuda was asked for"):
-        parse_config(train_script.PerfConfig, ["--device", "cuda"])
-
-
-def test_compile_without_a_compiler_is_refused(monkeypatch):
-    monkeypatch.setattr(perf.shutil, "which", lambda name: None)
-    with pytest.raises(ConfigError, match="C/C.. compiler"):
-        parse_config(train_script.PerfConfig, ["--compile", "--device", "cpu"])
 
 
 def test_compile_with_small_buckets_is_refused(monkeypatch):
@@ -658,36 +558,41 @@ def test_bf16_is_refused_on_gpus_before_ampere_and_read_without_a_cuda_context(m
     assert parse_config(train_script.PerfConfig, flags).precision == "bf16"
 
 
-def test_cpu_takes_bf16_and_fp16():
-    for precision in ("bf16", "fp16"):
-        cfg = parse_config(train_script.PerfConfig, ["--precision", precision, "--device", "cpu"])
-        assert cfg.precision == precision
-
-
-def test_refusals_are_one_line_and_exit_2_before_the_process_group(tmp_path):
-    result = torchrun(
-        SCRIPT,
-        "--no-ddp",
-        "--bucket-cap-mb",
-        "5",
-        "--output-dir",
-        str(tmp_path),
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode != 0 and "exitcode  : 2" in result.stderr, result.output[-3000:]
-    assert error_lines(result) == [
-        "error: ddp: bucket_cap_mb configure DDP, which --no-ddp leaves out "
-        "(drop them or drop --no-ddp)"
-    ], result.stderr
-    # torchrun prints its own ChildFailedError summary; the script itself shows no traceback.
-    assert 'train.py", line' not in result.output and not (tmp_path / "summary.json").exists()
-    result = run(
-        [PYTHON, REPO / SCRIPT, "--backend", "nccl", "--device", "cpu", "--output-dir", tmp_path],
-        timeout=60,
-    )
-    assert result.returncode == 2 and len(error_lines(result)) == 1, result.output
-    assert "Traceback" not in result.output
+@pytest.mark.parametrize(
+    "script,flags,message",
+    [
+        (
+            SCRIPT,
+            ["--no-ddp", "--bucket-cap-mb", "5"],
+            "error: ddp: bucket_cap_mb configure DDP, which --no-ddp leaves out "
+            "(drop them or drop --no-ddp)",
+        ),
+        ("benchmark/benchmark.py", ["--world-sizes", "2,4"], "must include 1"),
+        (
+            "benchmark/benchmark.py",
+            ["--sweep", "--sweep-knobs", "turbo"],
+            "sweep_knobs: unknown turbo",
+        ),
+        # no imagenet/main.py where the throughput call needs it
+        ("benchmark/gpu_check.py", ["--imagenet-main", "/no/main.py"], "error: --imagenet-main"),
+        # a warm-up shorter than the batches the loader queues
+        (
+            "benchmark/gpu_check.py",
+            ["--part", "compile", "--workers", "30"],
+            "error: --warmup 50 is less",
+        ),
+    ],
+)
+def test_bad_input_is_one_error_line_and_exit_code_2_before_any_run(
+    tmp_path, script, flags, message
+):
+    """Each script's bad input: one `error:` line and exit code 2, no traceback, nothing written.
+    (Under torchrun only rank 0 says it: common's exit_on_bad_input, which benchmark/train.py's
+    load_config goes through as the lessons' do: tests/test_failures.py.)"""
+    out = tmp_path / "out"
+    result = run([PYTHON, REPO / script, *flags, "--output-dir", out], timeout=60)
+    assert result.returncode == 2 and error_lines(result) == [result.stderr.strip()], result.output
+    assert message in result.stderr and not out.exists()
 
 
 # --- helpers
@@ -726,7 +631,6 @@ def test_no_ddp_stand_in():
 def test_benchmark_keeps_the_run_with_the_median_step_time():
     """benchmark/README.md: the median run; with an even
     number of repeats the faster of the two middle runs."""
-    bench = load_script("benchmark/benchmark.py", "benchmark_main")
     runs = [{"step_ms": ms, "run": i} for i, ms in enumerate([30.0, 10.0, 20.0, 50.0])]
     assert bench.median_run(runs[:3])["run"] == 2  # 10, 20, 30: the middle one
     assert bench.median_run(runs)["run"] == 2  # 10, 20, 30, 50: 20, not 30 and not their mean
@@ -796,8 +700,8 @@ def test_gpu_check_dry_runs_both_calls_and_checks_the_targets(tmp_path):
     both scripts with the same loader workers; at GPU pace the loaders of both, main.py's in its
     spawned worker too, read one batch only; main.py is stopped once it printed enough batches;
     DDP's cost comes from ddp_cost.py's interleaved pairs; every target is checked, and a missed
-    one (on a CPU: all of them) is exit code 1. Call 2: --compile alone (the lessons left out
-    here; they ran in the lesson tests)."""
+    one (on a CPU: all of them) is exit code 1. Call 2: --compile alone, inductor compiling
+    benchmark/train.py on the CPU (the lessons left out here; they ran in the lesson tests)."""
     stand_in = write_main_py_stand_in(tmp_path)
     out = tmp_path / "out"
     cmd = [PYTHON, "benchmark/gpu_check.py", "--imagenet-main", str(stand_in), "--device", "cpu"]
@@ -870,14 +774,7 @@ def test_gpu_check_dry_runs_both_calls_and_checks_the_targets(tmp_path):
     row = report["runs"]["bf16_cl_compile_gpu_pace"]
     assert "error" not in row and "--compile" in row["command"], row
     assert read_summary(out / "bf16_cl_compile_gpu_pace")["perf"]["compiled"] is True
-    assert [t["target"] for t in report["targets"]] == [
-        "parity",
-        "bf16_channels_last",
-        "loader",
-        "ddp_defaults",
-        "ddp_knobs",
-    ]
-    assert all(t["met"] is None for t in report["targets"])  # their runs are in the other call
+    # no target missed: their runs are in the other call (check_targets: the test below)
     assert compiled.returncode == 0, compiled.stdout
 
 
@@ -925,18 +822,6 @@ def test_gpu_check_ends_within_its_budget(tmp_path):
     assert list(runs) == ["bf16_cl_compile_gpu_pace", "lessons"] and result.returncode == 1
 
 
-def test_gpu_check_refuses_bad_input_with_one_line(tmp_path):
-    """No imagenet/main.py where the throughput call needs it, and a warm-up shorter than the
-    batches the loader queues: one error line each, exit code 2, before any run."""
-    missing = [PYTHON, "benchmark/gpu_check.py", "--imagenet-main", str(tmp_path / "no.py")]
-    short = [PYTHON, "benchmark/gpu_check.py", "--part", "compile", "--workers", "30"]
-    for cmd, start in ((missing, "error: --imagenet-main"), (short, "error: --warmup 50 is less")):
-        result = run(cmd + ["--output-dir", str(tmp_path / "out")], 60)
-        assert result.returncode == 2 and result.stderr.strip().startswith(start)
-        assert "\n" not in result.stderr.strip()
-    assert not (tmp_path / "out").exists()
-
-
 BENCHMARK = "python benchmark/benchmark.py --world-sizes 1,2"
 BENCHMARK_SWEEP = "python benchmark/benchmark.py --world-sizes 1,2 --sweep -- --precision bf16"
 
@@ -966,7 +851,6 @@ def test_benchmark_table_and_sweep(tmp_path):
         str(out),
     ]
     result = run(argv[:cut] + shortening + argv[cut:], timeout=420, cwd=REPO, check=True)
-    bench = load_script("benchmark/benchmark.py", "benchmark_main")
     assert bench.BenchConfig.__dataclass_fields__["script"].default == SCRIPT
     assert bench.BenchConfig.__dataclass_fields__["output_dir"].default == "runs/benchmark"
     runs = sorted(p.name for p in out.iterdir() if (p / "summary.json").exists())
@@ -989,18 +873,14 @@ def test_benchmark_table_and_sweep(tmp_path):
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == bench.SCALING_COLUMNS
     assert [int(r["world_size"]) for r in rows] == [1, 2]
-    one = float(rows[0]["no_ddp_images_per_s"])  # one rank without DDP
+    # the figures from the runs' summaries (their formulas, and the efficiency's base:
+    # test_benchmark_ab_figures_are_side_by_side_pairs_with_their_spread)
     for r in rows:
         n, ips = int(r["world_size"]), float(r["images_per_s"])
-        assert float(r["scaling_efficiency"]) == pytest.approx(ips / (n * one), rel=1e-9)
         assert float(r["images_per_s_per_rank"]) == pytest.approx(ips / n, rel=1e-9)
         summary = read_summary(out / f"ws{n}_ddp_r0")
-        batch = summary["global_batch_size"]
-        assert ips == pytest.approx(batch / (float(r["step_ms"]) / 1000), rel=1e-9)
-        # the headline: the window's mean step; the median step beside it
+        # the headline: the window's mean step
         assert float(r["step_ms"]) == pytest.approx(1000 * summary["profile"]["mean_step_s"])
-        median_ips = batch / summary["profile"]["median_s"]["step"]
-        assert float(r["images_per_s_median"]) == pytest.approx(median_ips, rel=1e-9)
         parts = [float(r[f"{part}_ms"]) for part in bench.PARTS]
         assert (
             all(p >= 0 for p in parts)
@@ -1008,7 +888,7 @@ def test_benchmark_table_and_sweep(tmp_path):
             and float(r["no_ddp_images_per_s"]) > 0
         )
         # the columns are the profile's parts
-        median = read_summary(out / f"ws{n}_ddp_r0")["profile"]["median_s"]
+        median = summary["profile"]["median_s"]
         assert parts == pytest.approx([1000 * median[part] for part in bench.PARTS], rel=1e-9)
         no_ddp_step = 1000 * read_summary(out / f"ws{n}_noddp_r0")["profile"]["mean_step_s"]
         assert float(r["no_ddp_step_ms"]) == pytest.approx(no_ddp_step, rel=1e-9)
@@ -1016,7 +896,7 @@ def test_benchmark_table_and_sweep(tmp_path):
             float(r["step_ms"]) - no_ddp_step, rel=1e-9, abs=1e-9
         )
         # the largest rank's
-        peaks = read_summary(out / f"ws{n}_ddp_r0")["perf"]["peak_memory_bytes_per_rank"]
+        peaks = summary["perf"]["peak_memory_bytes_per_rank"]
         assert len(peaks) == n and float(r["peak_memory_mib"]) == pytest.approx(
             max(peaks) / 2**20, rel=1e-9
         )
@@ -1026,9 +906,6 @@ def test_benchmark_table_and_sweep(tmp_path):
         "default",
         "bf16_compress",
     ]
-    assert float(sweep[1]["images_per_s_ratio"]) == pytest.approx(
-        float(sweep[1]["images_per_s"]) / float(sweep[0]["images_per_s"]), rel=1e-9
-    )
     # default / knob: > 1 is less exposed
     assert float(sweep[1]["exposed_comm_ratio"]) == pytest.approx(
         float(sweep[0]["exposed_comm_ms"]) / float(sweep[1]["exposed_comm_ms"]), rel=1e-9
@@ -1060,22 +937,6 @@ def test_benchmark_table_and_sweep(tmp_path):
     assert "scaling_efficiency" in result.stdout and "sweep at world size 2" in result.stdout
 
 
-@pytest.mark.parametrize(
-    "flags,message",
-    [
-        (["--world-sizes", "2,4"], "must include 1"),
-        (["--sweep", "--sweep-knobs", "turbo"], "sweep_knobs: unknown turbo"),
-    ],
-)
-def test_benchmark_refuses_bad_input(tmp_path, flags, message):
-    result = run(
-        [PYTHON, REPO / "benchmark" / "benchmark.py", *flags, "--output-dir", tmp_path], timeout=60
-    )
-    assert result.returncode == 2 and len(error_lines(result)) == 1 and message in result.stderr, (
-        result.output
-    )
-
-
 # --- what the scripts' docstrings say (benchmark/README.md's tables: tests/test_readme_text.py)
 # ---------------------------------------------------------------------------------------------
 
@@ -1085,27 +946,23 @@ def test_the_defaults_train_as_01_does(here, tmp_path):
     bitwise; a different run (lr) differs."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a small model on a busy machine: one thread is faster
-    try:
-        check_the_defaults_train_as_01_does(here, tmp_path)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def check_the_defaults_train_as_01_does(here, tmp_path):
     lesson = load_script("01_basic_ddp/train.py", "basic_train")
     flags = [*SMALL, "--local-batch-size", "64", "--max-steps", "3"]
-    lesson.train(
-        parse_config(TrainConfig, [*flags, "--output-dir", str(tmp_path / "01")]),
-        LaunchInfo("single", 0, 0, 1, 1, "127.0.0.1", free_port()),
-    )
-    summary = here(tmp_path / "bench", *flags)
+    try:
+        lesson.train(
+            parse_config(TrainConfig, [*flags, "--output-dir", str(tmp_path / "01")]),
+            LaunchInfo("single", 0, 0, 1, 1, "127.0.0.1", free_port()),
+        )
+        summary = here(tmp_path / "bench", *flags)
+        here(tmp_path / "lr", *flags, "--lr", "0.09")  # the negative control, below
+    finally:
+        torch.set_num_threads(threads)
     # --backend auto, --device auto: no GPU here
     assert (summary["backend"], summary["device"]) == ("gloo", "cpu")
     reference = load_model(tmp_path / "01")
     for name, tensor in load_model(tmp_path / "bench").items():
         assert torch.equal(tensor, reference[name]), name
     # negative control: the comparison tells runs apart
-    here(tmp_path / "lr", *flags, "--lr", "0.09")
     assert relative_difference(load_model(tmp_path / "lr"), reference) > 1e-4
 
 
@@ -1181,49 +1038,6 @@ def test_the_benchmark_copies_each_gradient_into_its_bucket_once_under_bucket_vi
 ddp_cost = load_script("benchmark/ddp_cost.py", "ddp_cost")
 
 
-def test_ddp_cost_counts_what_each_knob_takes_away(one_rank_group, tmp_path):
-    """benchmark/README.md, "What DDP adds to a step": ddp_cost.py's counts per step against no
-    DDP, on ResNet-18 (62 parameter tensors, 3 buckets of 25 MiB). DDP's defaults copy each
-    gradient into its bucket and out, and broadcast the buffers; each knob takes its part away;
-    gradients kept and zeroed in place (benchmark/train.py's old way) copy nothing but zero, add
-    to and divide every gradient: more kernels than the defaults."""
-    cfg = ddp_cost.with_defaults(
-        parse_config(ddp_cost.CostConfig, ["--model", "resnet18", "--image-size", "16"])
-    )
-    assert (cfg.warmup, cfg.steps) == (3, 2)  # counting's defaults
-    images, labels = torch.randn(2, 3, 16, 16), torch.tensor([1, 2])
-    counted = ddp_cost.count(cfg, list(ddp_cost.VARIANTS), CPU, images, labels)
-    added = {
-        name: {column: counted[name][f"added_{column}"] for column in ddp_cost.COLUMNS}
-        for name in counted
-    }
-    tensors = len(list(ddp_cost.build_model("resnet18", 1000, 3, 16).parameters()))
-    default = added["default"]
-    assert tensors == 62 and added["no_ddp"] == dict.fromkeys(ddp_cost.COLUMNS, 0)
-    assert default["all_reduces"] == 3 and default["broadcasts"] >= 1
-    assert default["gradient_copies"] == 2 * tensors and default["gradient_zero_add_div"] == 0
-    no_broadcast = added["no_broadcast_buffers"]
-    assert no_broadcast["broadcasts"] == 0 and no_broadcast["kernels"] < default["kernels"]
-    view = added["gradient_as_bucket_view"]
-    assert view["gradient_copies"] == tensors  # into the bucket; out of it no more
-    assert view["kernels"] == default["kernels"] - tensors
-    zeroed = added["gradient_as_bucket_view_zeroed"]
-    assert zeroed["gradient_copies"] == 0 and zeroed["gradient_zero_add_div"] == 3 * tensors
-    assert zeroed["kernels"] > default["kernels"]
-    assert added["bucket_100mb"]["all_reduces"] == 1
-    assert added["static_graph"]["host_reads"] == tensors
-    if "batched_grad_copy" in added:  # torch 2.13 and newer
-        batched = added["batched_grad_copy"]
-        # one batched copy into each bucket, then each gradient out of it
-        assert batched["gradient_copies"] == tensors + default["all_reduces"]
-    knobs = added["knobs"]
-    assert (knobs["all_reduces"], knobs["broadcasts"]) == (1, 0)
-    if "batched_grad_copy" in added:  # one bucket: one batched copy and one divide
-        assert knobs["kernels"] <= 2 and knobs["gradient_copies"] == 1
-    else:  # older torch: each gradient copied into the one bucket
-        assert knobs["gradient_copies"] == tensors
-
-
 def test_ddp_cost_times_the_variants_interleaved_with_the_spread(monkeypatch):
     """ddp_cost.py --mode time: each variant's window --repeats times, round-robin, warm-up steps
     first; the cost is the median over the repeats of the variant's window against no DDP's window
@@ -1260,7 +1074,6 @@ def test_benchmark_passes_leading_arguments_extra_flags_threads_and_timeout(monk
     benchmark's own; OMP_NUM_THREADS is the threads per rank; a run
     longer than --timeout-s ends the benchmark with one error line. (The
     command is captured here; test_benchmark_table_and_sweep runs it.)"""
-    bench = load_script("benchmark/benchmark.py", "benchmark_main")
     cfg = parse_config(
         bench.BenchConfig,
         [
@@ -1306,19 +1119,19 @@ def test_benchmark_passes_leading_arguments_extra_flags_threads_and_timeout(monk
     assert kwargs["timeout"] == 7 and kwargs["env"]["OMP_NUM_THREADS"] == "3"
 
 
-def test_benchmark_repeats_round_robin():
+def test_benchmark_repeats_round_robin(monkeypatch):
     """--repeats 3: every job once, then every job again (so
     slow phases of a busy machine hit all of them)."""
-    bench = load_script("benchmark/benchmark.py", "benchmark_main")
     order = []
-    bench.launch = lambda cfg, nproc, name, flags, extra, threads: order.append(name) or name
-    bench.figures = lambda name: {"step_ms": float(len(order)), "run": name}
+    monkeypatch.setattr(
+        bench, "launch", lambda cfg, nproc, name, flags, extra, threads: order.append(name) or name
+    )
+    monkeypatch.setattr(bench, "figures", lambda name: {"step_ms": float(len(order)), "run": name})
     cfg = parse_config(bench.BenchConfig, ["--repeats", "3"])
     result = bench.run_all(cfg, [("a", 1, []), ("b", 2, [])], [], 1)
     assert order == ["a_r0", "b_r0", "a_r1", "b_r1", "a_r2", "b_r2"]
     # every repeat, in order: A/B figures pair repeat r of both
     assert [row["run"] for row in result["a"]] == ["a_r0", "a_r1", "a_r2"]
-    assert bench.median_run(result["b"])["run"] == "b_r1"  # the median step time
 
 
 def test_benchmark_ab_figures_are_side_by_side_pairs_with_their_spread(monkeypatch, tmp_path):
@@ -1327,7 +1140,6 @@ def test_benchmark_ab_figures_are_side_by_side_pairs_with_their_spread(monkeypat
     DDP's mean step against no DDP's in the same repeat, the smallest and largest beside it; a
     knob's images/s ratio the same way; scaling efficiency is against one rank without DDP;
     --min-efficiency makes a lower efficiency exit code 1. Runs stood in by their profiles."""
-    bench = load_script("benchmark/benchmark.py", "benchmark_main")
     mean_steps = {  # seconds, repeats 0, 1, 2
         "ws1_ddp": [0.11, 0.12, 0.10],
         "ws1_noddp": [0.10, 0.10, 0.10],
