@@ -27,6 +27,8 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
+from common.data import digits
+from common.models import build_model
 from tests.cifar_files import write_cifar10
 from tests.sample_runs import record_env
 from tests.helpers import (
@@ -35,10 +37,12 @@ from tests.helpers import (
     clean_env,
     free_port,
     kill_group,
+    load_model,
     load_script,
     read_summary,
     command_argv,
     run,
+    start,
     torchrun,
     warm_command,
     warm_ranks,
@@ -76,48 +80,35 @@ def batches(output_dir: Path, rank: int) -> list[tuple[int, list[int]]]:
     ]
 
 
-def assert_every_sample_once_per_epoch(output_dir: Path, epochs: int) -> None:
-    for epoch in range(epochs):
-        seen = sorted(
-            i
-            for rank in (0, 1)
-            for e, batch in batches(output_dir, rank)
-            if e == epoch
-            for i in batch
-        )
-        assert seen == list(range(TRAIN_SIZE)), (
-            f"epoch {epoch}: {len(seen)} reads, {len(set(seen))} distinct"
-        )
+def epoch_reads(output_dir: Path, epoch: int, world_size: int) -> Counter:
+    """How often each sample index was loaded in `epoch`,
+    over all ranks of the runs recorded in output_dir."""
+    return Counter(
+        i
+        for rank in range(world_size)
+        for e, batch in batches(output_dir, rank)
+        if e == epoch
+        for i in batch
+    )
 
 
-def params(output_dir: Path) -> dict:
-    return torch.load(Path(output_dir) / "model.pt", weights_only=True)
+def read_once_problems(reads: Counter, repeats: list[int]) -> str:
+    """'' when every training sample was read exactly
+    once, except those in `repeats`, read twice."""
+    expected = Counter(range(TRAIN_SIZE)) + Counter(repeats)
+    missing, extra = expected - reads, reads - expected
+    return (
+        f"never read: {sum(missing.values())}, read too often: {sum(extra.values())}"
+        if missing or extra
+        else ""
+    )
 
 
-def assert_same_params(a: Path, b: Path) -> None:
-    pa, pb = params(a), params(b)
+def differing_params(a: Path, b: Path) -> list[str]:
+    """The tensors of the model.pt in `a` that are not bitwise those in `b` (the same keys)."""
+    pa, pb = load_model(a), load_model(b)
     assert pa.keys() == pb.keys()
-    for k in pa:
-        assert torch.equal(pa[k], pb[k]), (
-            f"{k} differs: max |diff| {(pa[k] - pb[k]).abs().max().item()}"
-        )
-
-
-def wait_for_batches(
-    output_dir: Path, rank: int, n: int, proc: subprocess.Popen, timeout: float = 120
-) -> None:
-    """Poll the record until `rank` has loaded `n` training batches."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if len(batches(output_dir, rank)) >= n:
-            return
-        if proc.poll() is not None:
-            pytest.fail(
-                f"run ended (code {proc.returncode}) before batch {n}:\n{proc.communicate()}"
-            )
-        time.sleep(0.01)
-    kill_group(proc)
-    pytest.fail(f"batch {n} not reached in {timeout}s")
+    return [k for k in pa if not torch.equal(pa[k], pb[k])]
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +123,7 @@ def reference(tmp_path_factory) -> Path:
         and summary["replicas_identical"]
     )
     assert len(batches(out, 0)) == len(batches(out, 1)) == TOTAL_STEPS
-    assert_every_sample_once_per_epoch(out, 2)
+    assert [read_once_problems(epoch_reads(out, epoch, 2), []) for epoch in (0, 1)] == ["", ""]
     # --keep-last 3 by default: the newest three of the
     # saves every 10 steps and at each epoch's end.
     assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == [
@@ -155,20 +146,16 @@ def stopped_and_resumed(sample_run) -> tuple[Path, str, str]:
 def test_stop_mid_epoch_and_resume_reads_every_sample_once_and_is_bitwise_identical(
     reference, stopped_and_resumed
 ):
-    output_dir, first, second = stopped_and_resumed
-    # 12 steps into epoch 2
+    output_dir, first, _ = stopped_and_resumed
+    # 12 steps into epoch 2 (the resumed run's lines: its README sample, tests/test_readme_text.py)
     assert f"saved {output_dir / 'checkpoints' / 'ckpt-00000057.pt'}" in first
-    assert (
-        f"resumed from {output_dir / 'checkpoints' / 'ckpt-00000057.pt'}: step 57, epoch 2"
-        in second
-    )
     summary, ref = read_summary(output_dir), read_summary(reference)
     assert summary["resumed_from_step"] == 57 and summary["steps"] == TOTAL_STEPS
-    assert_same_params(reference, output_dir)
+    assert differing_params(reference, output_dir) == []
     # the epoch's loss sums were restored too
     assert summary["final_train_loss"] == ref["final_train_loss"]
-    # The two runs together loaded every sample exactly once per epoch, in the uninterrupted order.
-    assert_every_sample_once_per_epoch(output_dir, 2)
+    # The two runs together loaded every sample exactly once per epoch (as the reference run did),
+    # in the uninterrupted order.
     for rank in (0, 1):
         assert batches(output_dir, rank) == batches(reference, rank)
 
@@ -205,132 +192,45 @@ def test_sigkilled_worker_is_restarted_by_torchrun_and_resumes(reference, tmp_pa
     assert re.search(r"failed \(exitcode: -?\d+\) local_rank: [01]", result.stderr), result.stderr[
         -3000:
     ]
-    assert (
-        f"resumed from {tmp_path / 'checkpoints' / 'ckpt-00000050.pt'}: step 50, epoch 2"
-        in result.stdout
-    )
     assert read_summary(tmp_path)["resumed_from_step"] == 50
-    assert_same_params(reference, tmp_path)
-
-
-def _launch_env_ranks(
-    output_dir: Path, extra_args=(), make_env=None, logs=None
-) -> list[subprocess.Popen]:
-    """Two ranks started directly (as srun or mpiexec would), in one new process group, with
-    tests/record's environment unless `make_env`; output piped, or written to logs[rank]."""
-    make_env = make_env or (lambda **numbers: record_env(output_dir, **numbers))
-    port = str(free_port())
-    procs = []
-    for rank in (0, 1):
-        env = make_env(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
-        output = (
-            dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            if logs is None
-            else dict(stdout=open(logs[rank], "w"), stderr=subprocess.STDOUT)
-        )
-        procs.append(
-            subprocess.Popen(
-                [PYTHON, str(REPO / PREEMPT), *ARGS, *extra_args, "--output-dir", str(output_dir)],
-                cwd=REPO,
-                env=env,
-                text=True,
-                process_group=0 if rank == 0 else procs[0].pid,
-                **output,
-            )
-        )
-    return procs
+    assert differing_params(reference, tmp_path) == []
 
 
 @pytest.mark.launchers
-@pytest.mark.parametrize("target", ["group-SIGTERM", "rank1-SIGUSR1"])
-def test_preemption_signal_saves_and_exits_with_requeue_code(reference, tmp_path, target):
-    procs = _launch_env_ranks(tmp_path)
+def test_preemption_signal_saves_and_exits_with_requeue_code(tmp_path):
+    """Two ranks started directly (as srun or mpiexec would); only rank 1 is told (SIGUSR1): the
+    all-reduced flag must still stop both at the same step. A signal to every process of a job,
+    as Slurm and PBS send it: tests/test_jobs.py; the requeued run's resume: the torchrun test
+    below."""
+    port = str(free_port())
+    numbers = dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    procs = [
+        start(
+            [PYTHON, REPO / PREEMPT, *ARGS, "--output-dir", tmp_path],
+            env=record_env(tmp_path, RANK=str(rank), LOCAL_RANK=str(rank), **numbers),
+        )
+        for rank in (0, 1)
+    ]
     try:
-        wait_for_batches(tmp_path, 0, 5, procs[0])
-        if target == "group-SIGTERM":  # what Slurm and PBS do: every process of the job gets it
-            os.killpg(procs[0].pid, signal.SIGTERM)
-        else:  # only one rank is told; the all-reduced flag must still stop both at the same step
-            procs[1].send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 120
+        while len(batches(tmp_path, 0)) < 5 and time.monotonic() < deadline:
+            assert procs[0].poll() is None, procs[0].communicate()  # ended before batch 5
+            time.sleep(0.01)
+        procs[1].send_signal(signal.SIGUSR1)
         outputs = [p.communicate(timeout=120) for p in procs]
     finally:
-        kill_group(procs[0])
+        for p in procs:
+            kill_group(p)
     assert [p.returncode for p in procs] == [REQUEUE, REQUEUE], outputs
     latest = ckpt.read_latest(tmp_path / "checkpoints")
     state = ckpt.load(latest)  # complete, loadable with weights_only=True
     stopped = state["step"]
     assert 5 <= stopped < TOTAL_STEPS and latest.name == ckpt.checkpoint_name(stopped)
-    assert (
-        f"{target.split('-')[1]}: checkpoint at step {stopped} saved; exiting with code 75"
-        in outputs[0][0]
-    )
+    assert f"SIGUSR1: checkpoint at step {stopped} saved; exiting with code 75" in outputs[0][0]
     assert len(state["ranks"]) == 2
     # Rank 0 left the note the job files requeue on.
-    assert (
-        tmp_path / "checkpoints" / "REQUEUE"
-    ).read_text() == f"{target.split('-')[1]} at step {stopped}\n"
+    assert (tmp_path / "checkpoints" / "REQUEUE").read_text() == f"SIGUSR1 at step {stopped}\n"
     # Both ranks stopped after the same step: each loaded exactly `stopped` training batches.
-    assert len(batches(tmp_path, 0)) == len(batches(tmp_path, 1)) == stopped
-    # the requeued job resumes from it and ends like the uninterrupted run
-    if target == "group-SIGTERM":
-        torchrun(
-            PREEMPT, *ARGS, "--output-dir", str(tmp_path), env=record_env(tmp_path), timeout=180
-        )
-        # each new run deletes it at start
-        assert not (tmp_path / "checkpoints" / "REQUEUE").exists()
-        assert read_summary(tmp_path)["resumed_from_step"] == stopped
-        assert_same_params(reference, tmp_path)
-        for rank in (0, 1):
-            assert batches(tmp_path, rank) == batches(reference, rank)
-
-
-def torchrun_preempt(output_dir: Path, launcher_args=(), extra_args=()) -> list:
-    """The command that starts preempt.py under torchrun, two workers, as its README does."""
-    return [
-        PYTHON,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        *launcher_args,
-        str(REPO / PREEMPT),
-        *ARGS,
-        *extra_args,
-        "--output-dir",
-        str(output_dir),
-    ]
-
-
-@pytest.mark.launchers
-def test_sigterm_to_torchrun_reaches_the_workers_which_save(tmp_path):
-    """`kill -TERM <torchrun pid>`: torchrun passes SIGTERM on to its workers, which save and exit
-    75; torchrun itself exits with 1, so a job script must remember that it sent the signal."""
-    cmd = torchrun_preempt(tmp_path)
-    proc = subprocess.Popen(
-        [str(c) for c in cmd],
-        cwd=REPO,
-        env=record_env(tmp_path),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        wait_for_batches(tmp_path, 0, 5, proc)
-        proc.send_signal(signal.SIGTERM)  # torchrun only
-        out, err = proc.communicate(timeout=120)
-    finally:
-        kill_group(proc)
-    assert proc.returncode == 1, out[-2000:] + err[-2000:]
-    assert "Received 15 death signal, shutting down workers" in err
-    stopped = ckpt.load(ckpt.read_latest(tmp_path / "checkpoints"))["step"]
-    assert f"SIGTERM: checkpoint at step {stopped} saved; exiting with code 75" in out
     assert len(batches(tmp_path, 0)) == len(batches(tmp_path, 1)) == stopped
 
 
@@ -342,62 +242,53 @@ def slow_data_env(**extra: str) -> dict[str, str]:
 
 
 @pytest.mark.launchers
-@pytest.mark.parametrize("target", ["torchrun-agent", "every-process"])
-def test_time_limit_signal_with_loader_workers_saves_and_resumes_bitwise(
-    reference, tmp_path, target
-):
-    """The time-limit warning (SIGUSR1) with two loader workers a rank, as the job files deliver
-    it: to torchrun's agent, which passes it on to each worker's whole process group
-    (--signals-to-handle, as jobs/slurm_torchrun.sbatch starts it), or to every process of the
-    step, as srun does (one process group here). Before, the signal ended the loader workers, or
-    their forkserver, and the ranks failed ("DataLoader worker ... exited unexpectedly") unsaved."""
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
+def test_time_limit_signal_with_loader_workers_saves_and_resumes_bitwise(reference, tmp_path, sig):
+    """A signal to torchrun's agent, with two loader workers a rank: torchrun passes it on to each
+    worker's whole process group, the time-limit warning SIGUSR1 when told to (--signals-to-handle,
+    as jobs/slurm_torchrun.sbatch starts it), SIGTERM (`kill -TERM <torchrun pid>`) by default.
+    The workers save and exit 75; torchrun itself exits with 1, so a job script must remember that
+    it sent the signal. Before, the signal ended the loader workers, or their forkserver, and the
+    ranks failed ("DataLoader worker ... exited unexpectedly") unsaved. SIGUSR1 to every process
+    of the step, as srun sends it: tests/test_jobs.py."""
     workers = ["--num-workers", "2", "--log-every", "1"]
+    told = ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"] if sig == "SIGUSR1" else []
     log = tmp_path / "out.log"
-    if target == "torchrun-agent":
-        signals = "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-        cmd = torchrun_preempt(tmp_path, [signals], workers)
-        procs = [
-            subprocess.Popen(
-                cmd,
-                cwd=REPO,
-                env=slow_data_env(),
-                stdout=open(log, "w"),
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        ]
-    else:
-        procs = _launch_env_ranks(tmp_path, workers, slow_data_env, [log, tmp_path / "rank1.log"])
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *told]
+    cmd += [REPO / PREEMPT, *ARGS, *workers, "--output-dir", tmp_path]
+    proc = start(cmd, env=slow_data_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while "epoch 1 step 5 " not in log.read_text() and time.monotonic() < deadline:
-            assert procs[0].poll() is None, log.read_text()[-3000:]
+            assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.2)
-        if target == "torchrun-agent":
-            procs[0].send_signal(signal.SIGUSR1)
-        else:
-            os.killpg(procs[0].pid, signal.SIGUSR1)
-        codes = [p.wait(timeout=120) for p in procs]
+        proc.send_signal(signal.Signals[sig])  # torchrun only
+        code = proc.wait(timeout=120)
     finally:
-        for p in procs:
-            kill_group(p)
+        kill_group(proc)
     out = log.read_text()
-    saved = re.search(r"^SIGUSR1: checkpoint at step (\d+) saved; exiting with code 75", out, re.M)
+    assert code == 1, out[-3000:]
+    assert f"Received {signal.Signals[sig].value} death signal, shutting down workers" in out
+    saved = re.search(rf"^{sig}: checkpoint at step (\d+) saved; exiting with code 75", out, re.M)
     assert saved, out[-3000:]
     stopped = int(saved.group(1))
     assert ckpt.load(ckpt.read_latest(tmp_path / "checkpoints"))["step"] == stopped
-    assert (tmp_path / "checkpoints" / "REQUEUE").read_text() == f"SIGUSR1 at step {stopped}\n"
-    # torchrun exits 1 after a forwarded signal; ranks started directly exit 75
-    assert codes == ([1] if target == "torchrun-agent" else [REQUEUE, REQUEUE]), out[-3000:]
+    assert (tmp_path / "checkpoints" / "REQUEUE").read_text() == f"{sig} at step {stopped}\n"
     # the requeued job, with fast data: it ends as the uninterrupted run without workers
     torchrun(PREEMPT, *ARGS, *workers, "--output-dir", tmp_path, timeout=180, env=clean_env())
+    assert not (tmp_path / "checkpoints" / "REQUEUE").exists()  # each new run deletes it at start
     assert read_summary(tmp_path)["resumed_from_step"] == stopped
-    assert_same_params(reference, tmp_path)
+    assert differing_params(reference, tmp_path) == []
 
 
-def test_truncated_latest_checkpoint_falls_back_to_the_previous_one(reference, tmp_path):
+def test_a_finished_run_does_nothing_and_a_truncated_latest_falls_back_to_the_previous_one(
+    reference, tmp_path
+):
     folder = tmp_path / "checkpoints"
     shutil.copytree(reference / "checkpoints", folder)
+    result = warm_ranks(SCRIPT, *ARGS, "--output-dir", str(tmp_path), timeout=120)
+    assert f"nothing to do: step {TOTAL_STEPS} is the end of this run" in result.stdout
+    assert not (tmp_path / "summary.json").exists()
     latest = ckpt.read_latest(folder)
     assert latest.name == ckpt.checkpoint_name(TOTAL_STEPS)
     data = latest.read_bytes()
@@ -406,18 +297,7 @@ def test_truncated_latest_checkpoint_falls_back_to_the_previous_one(reference, t
     warnings = [line for line in result.output.splitlines() if "unusable" in line]
     assert len(warnings) == 1 and "ckpt-00000090.pt" in warnings[0], result.output
     assert f"resumed from {folder / 'ckpt-00000080.pt'}: step 80" in result.stdout
-    assert_same_params(reference, tmp_path)  # 80 -> 90 replayed exactly
-
-
-def test_finished_run_started_again_does_nothing(reference, tmp_path):
-    shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
-    result = warm_ranks(SCRIPT, *ARGS, "--output-dir", str(tmp_path), timeout=120)
-    assert f"nothing to do: step {TOTAL_STEPS} is the end of this run" in result.stdout
-    assert not (tmp_path / "summary.json").exists()
-
-
-def _error_lines(result) -> list[str]:
-    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert differing_params(reference, tmp_path) == []  # 80 -> 90 replayed exactly
 
 
 @pytest.mark.launchers
@@ -434,7 +314,7 @@ def test_resume_with_another_batch_size_is_refused(reference, tmp_path):
         timeout=120,
     )
     assert result.returncode != 0
-    lines = _error_lines(result)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, result.output[-3000:]
     assert lines[0] == (
         f"error: {tmp_path / 'checkpoints' / 'ckpt-00000090.pt'} was written with batch size "
@@ -459,18 +339,6 @@ RESHARDED_STEPS = {
 }
 
 
-def epoch_reads(output_dir: Path, epoch: int, world_size: int) -> Counter:
-    """How often each sample index was loaded in `epoch`,
-    over all ranks of the runs recorded in output_dir."""
-    return Counter(
-        i
-        for rank in range(world_size)
-        for e, batch in batches(output_dir, rank)
-        if e == epoch
-        for i in batch
-    )
-
-
 def epoch_order(reference: Path, epoch: int) -> list[int]:
     """The epoch's global order as the uninterrupted 2-rank run read it: position p is rank p % 2's
     (p // 2)-th sample (no padding: 1438 is even)."""
@@ -478,18 +346,6 @@ def epoch_order(reference: Path, epoch: int) -> list[int]:
         [i for e, batch in batches(reference, rank) if e == epoch for i in batch] for rank in (0, 1)
     ]
     return [i for pair in zip(*per_rank) for i in pair]
-
-
-def read_once_problems(reads: Counter, repeats: list[int]) -> str:
-    """'' when every training sample was read exactly
-    once, except those in `repeats`, read twice."""
-    expected = Counter(range(TRAIN_SIZE)) + Counter(repeats)
-    missing, extra = expected - reads, reads - expected
-    return (
-        f"never read: {sum(missing.values())}, read too often: {sum(extra.values())}"
-        if missing or extra
-        else ""
-    )
 
 
 @pytest.fixture(scope="module")
@@ -567,9 +423,7 @@ def test_resume_on_another_number_of_processes_reads_the_rest_of_the_epoch(
     assert summary["world_size"] == new_world and summary["resumed_from_step"] == STOP_STEP
     assert summary["steps"] == RESHARDED_STEPS[new_world] and summary["epochs"] == 2
     assert summary["replicas_identical"]
-    params_now, params_uninterrupted = params(tmp_path), params(reference)
-    # not bitwise
-    assert any(not torch.equal(params_now[k], params_uninterrupted[k]) for k in params_now)
+    assert differing_params(tmp_path, reference)  # not bitwise
 
     # The interrupted epoch: the first run read the first
     # 384 samples of the epoch's order; the resumed run
@@ -594,16 +448,14 @@ def test_resume_on_another_number_of_processes_reads_the_rest_of_the_epoch(
         ]
     )
 
-    # The next epoch is a plain epoch on the new ranks:
-    # DistributedSampler's split, every sample read.
+    # The next epoch is a plain epoch on the new ranks: DistributedSampler's split, every sample
+    # read (apart from DistributedSampler's own padding).
     for rank in range(new_world):
         plain = DistributedSampler(
             range(TRAIN_SIZE), num_replicas=new_world, rank=rank, shuffle=True, seed=0
         )
         plain.set_epoch(1)
         assert [i for e, batch in batches(tmp_path, rank) if e == 1 for i in batch] == list(plain)
-    next_padding = epoch_order(reference, 1)[: -TRAIN_SIZE % new_world]  # DistributedSampler's own
-    assert read_once_problems(epoch_reads(tmp_path, 1, new_world), next_padding) == ""
 
     # The learning rate is not rescaled: the global batch changed, the LR did not.
     saved_lr = saved["optimizer"]["param_groups"][0]["lr"]
@@ -684,8 +536,6 @@ def test_every_ranks_rng_state_is_restored(cifar, tmp_path):
     run_dir = tmp_path / "resumed"
     cifar_run(args, run_dir, "--max-steps", "10")  # 3 steps into epoch 2
     mid = ckpt.load(run_dir / "checkpoints" / ckpt.checkpoint_name(10))
-    # The ranks draw different augmentations, so their saved RNG states differ.
-    assert not torch.equal(mid["ranks"][0]["torch"], mid["ranks"][1]["torch"])
     control = tmp_path / "rank0_rng_everywhere"
     ckpt.save(
         {**mid, "ranks": [mid["ranks"][0], {**mid["ranks"][1], "torch": mid["ranks"][0]["torch"]}]},
@@ -696,12 +546,13 @@ def test_every_ranks_rng_state_is_restored(cifar, tmp_path):
 
     result = cifar_run(args, run_dir)
     assert "resumed from" in result.stdout and read_summary(run_dir)["resumed_from_step"] == 10
-    assert_same_params(reference, run_dir)  # both ranks continued their own random streams
-    # Control: rank 1 given rank 0's RNG state crops and flips differently, and the result differs.
+    # both ranks continued their own random streams
+    assert differing_params(reference, run_dir) == []
+    # Control: rank 1 given rank 0's RNG state crops and flips differently, and the result differs
+    # (so the ranks' saved states differ: they draw different augmentations).
     cifar_run(args, control)
     assert read_summary(control)["resumed_from_step"] == 10
-    pa, pb = params(reference), params(control)
-    assert any(not torch.equal(pa[k], pb[k]) for k in pa)
+    assert differing_params(reference, control)
 
 
 # --- checkpoint.py on its own ---------------------------------------------------------------------
@@ -720,41 +571,24 @@ def _checkpoint_like(step: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage"])
-def test_corrupt_latest_is_reported_in_one_line_and_previous_used(tmp_path, damage):
+def test_corrupt_latest_is_reported_in_one_line_and_previous_used(tmp_path):
+    """A garbage file (a truncated one: the run above that resumes from step 80)."""
     for step in (10, 20, 30):
         ckpt.save(_checkpoint_like(step), tmp_path, step, keep=3)
     latest = ckpt.read_latest(tmp_path)
     assert latest.name == "ckpt-00000030.pt"
-    if damage == "truncate":
-        latest.write_bytes(latest.read_bytes()[:100])
-    else:
-        latest.write_bytes(os.urandom(latest.stat().st_size))
+    latest.write_bytes(os.urandom(latest.stat().st_size))
     messages = []
     path, state = ckpt.find_resumable(tmp_path, log=messages.append)
-    assert path.name == "ckpt-00000020.pt" and state["step"] == 20
-    assert (
-        len(messages) == 1
-        and "\n" not in messages[0]
-        and "ckpt-00000030.pt is unusable" in messages[0]
-    )
-    # The README's line: warning: checkpoint .../ckpt-00000090.pt
-    # is unusable (...); trying the previous one
+    assert path.name == "ckpt-00000020.pt" and state["step"] == 20 and len(messages) == 1
+    # The README's line, one line (`.` matches no newline): warning: checkpoint
+    # .../ckpt-00000090.pt is unusable (...); trying the previous one
     assert re.fullmatch(
         rf"warning: checkpoint {re.escape(str(latest))} is unusable \(.+\); trying the "
         r"previous one",
         messages[0],
     ), messages[0]
     assert latest.exists()  # nothing is deleted
-
-
-def test_keep_last_k_and_latest_pointer(tmp_path):
-    for step in range(1, 8):
-        ckpt.save(_checkpoint_like(step), tmp_path, step, keep=3)
-        assert ckpt.read_latest(tmp_path).name == ckpt.checkpoint_name(step)
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [
-        ckpt.checkpoint_name(s) for s in (7, 6, 5)
-    ]
 
 
 SAVE_LOOP = """
@@ -774,7 +608,6 @@ for step in range(start, start + 1000):
 def test_kill_during_save_never_leaves_latest_pointing_at_a_partial_file(tmp_path):
     """SIGKILL a process that saves 32 MB checkpoints in a loop, at random moments, three times."""
     code = SAVE_LOOP.format(folder=str(REPO / "05_checkpointing"), out=str(tmp_path))
-    partial = set()  # temporary files left by a kill in the middle of a write
     for _ in range(3):
         proc = subprocess.Popen(
             [PYTHON, "-c", code], env=clean_env(), stdout=subprocess.PIPE, text=True
@@ -783,7 +616,6 @@ def test_kill_during_save_never_leaves_latest_pointing_at_a_partial_file(tmp_pat
         time.sleep(random.uniform(0.3, 1.5))
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-        partial |= {p.name for p in tmp_path.iterdir() if ".tmp-" in p.name}
         latest = ckpt.read_latest(tmp_path)
         # killed before the first save completed: then there is no complete file either
         if latest is None:
@@ -799,10 +631,6 @@ def test_kill_during_save_never_leaves_latest_pointing_at_a_partial_file(tmp_pat
             and ckpt.load(newest)["step"] == state["step"] + 1
         )
     assert ckpt.read_latest(tmp_path) is not None, "no save completed in three attempts"
-    # the next save removes the leftovers
-    ckpt.save(_checkpoint_like(10_000), tmp_path, 10_000, keep=2)
-    assert not any(".tmp-" in p.name for p in tmp_path.iterdir())
-    print(f"kills that hit a write in progress: {len(partial)}/3")
 
 
 class _Evil:
@@ -819,8 +647,6 @@ def test_weights_only_refuses_a_checkpoint_with_a_pickled_object(tmp_path):
     evil = folder / ckpt.checkpoint_name(20)
     torch.save({**_checkpoint_like(20), "extra": _Evil(str(marker))}, evil)
     (folder / "latest").write_text(evil.name + "\n")
-    with pytest.raises(ValueError, match="weights_only"):
-        ckpt.load(evil)
     messages = []
     path, _ = ckpt.find_resumable(folder, log=messages.append)
     assert path.name == "ckpt-00000010.pt" and len(messages) == 1 and "weights_only" in messages[0]
@@ -834,10 +660,6 @@ def test_weights_only_refuses_a_checkpoint_with_a_pickled_object(tmp_path):
 
 
 def _digits_test_outputs(state_dict: dict) -> torch.Tensor:
-    sys.path.insert(0, str(REPO))
-    from common.data import digits
-    from common.models import build_model
-
     model = build_model("small_cnn", 10, 1, 8)
     model.load_state_dict(state_dict)  # strict: a plain, unwrapped model
     model.eval()
@@ -846,20 +668,23 @@ def _digits_test_outputs(state_dict: dict) -> torch.Tensor:
         return model(images)
 
 
-def test_exported_state_dict_loads_into_a_plain_model(reference, tmp_path):
+@pytest.fixture
+def export(monkeypatch):
+    """export_model.py, imported here (it imports its neighbour by the name `checkpoint`)."""
+    monkeypatch.setitem(sys.modules, "checkpoint", ckpt)
+    return load_script("05_checkpointing/export_model.py", "export_model")
+
+
+def test_exported_state_dict_loads_into_a_plain_model(reference, tmp_path, export):
     """The README's export command as written, from a folder whose runs/latest is the reference
     run and whose 05_checkpointing is the lesson's."""
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "latest").symlink_to(reference, target_is_directory=True)
     (tmp_path / "05_checkpointing").symlink_to(REPO / "05_checkpointing", target_is_directory=True)
     run(command_argv(EXPORT), 60, cwd=tmp_path, check=True)
-    exported = tmp_path / "model.pt"
-    sd = torch.load(exported, weights_only=True)
-    assert not any(k.startswith("module.") for k in sd)
-    outputs = _digits_test_outputs(sd)
-    assert torch.equal(outputs, _digits_test_outputs(params(reference)))  # what training ended with
-    from common.data import digits
-
+    outputs = _digits_test_outputs(load_model(tmp_path))  # no "module." prefix: a strict load
+    # what training ended with
+    assert torch.equal(outputs, _digits_test_outputs(load_model(reference)))
     labels = digits().test.tensors[1]
     accuracy = (outputs.argmax(1) == labels).sum().item() / len(labels)
     assert accuracy == pytest.approx(read_summary(reference)["eval_accuracy"], abs=1e-12)
@@ -870,28 +695,10 @@ def test_exported_state_dict_loads_into_a_plain_model(reference, tmp_path):
     torch.save(prefixed, tmp_path / "old.pt")
     torch.save(prefixed["model"], tmp_path / "old_bare.pt")
     for source in ("old.pt", "old_bare.pt"):
-        run(
-            [
-                PYTHON,
-                REPO / "05_checkpointing/export_model.py",
-                tmp_path / source,
-                tmp_path / f"x_{source}",
-            ],
-            60,
-            check=True,
-        )
+        export.main([str(tmp_path / source), str(tmp_path / f"x_{source}")])
         assert torch.equal(
             _digits_test_outputs(torch.load(tmp_path / f"x_{source}", weights_only=True)), outputs
         )
-
-
-def test_export_from_a_folder_without_checkpoints_is_one_error_line(tmp_path):
-    result = run(
-        [PYTHON, REPO / "05_checkpointing/export_model.py", tmp_path, tmp_path / "model.pt"], 60
-    )
-    assert result.returncode == 2 and _error_lines(result) == [
-        f"error: no usable checkpoint in {tmp_path}"
-    ]
 
 
 DCP_SAVE = "torchrun --standalone --nproc_per_node=2 05_checkpointing/dcp_example.py --mode save"
@@ -914,7 +721,6 @@ def test_dcp_save_on_two_ranks_loads_on_one(tmp_path):
     )
     # --max-steps 10
     assert f"saved {tmp_path / 'checkpoint'} from 2 rank(s) after 10 steps" in saved.stdout
-    assert (tmp_path / "checkpoint" / ".metadata").is_file()
     # Both ranks wrote a file, and together the state
     # once (deduplicated), though both hold all of it.
     files = sorted((tmp_path / "checkpoint").glob("*.distcp"))
@@ -931,9 +737,7 @@ def test_dcp_save_on_two_ranks_loads_on_one(tmp_path):
         f"loaded {tmp_path / 'checkpoint'} into 1 rank(s): parameters equal True, momentum "
         "buffers equal True" in loaded.stdout
     )
-    summary = read_summary(tmp_path)
-    assert summary["world_size"] == 1 and summary["params_equal"] and summary["momentum_equal"]
-    assert summary["momentum_buffers"] == 8
+    assert read_summary(tmp_path)["momentum_buffers"] == 8
     # dcp_to_torch: one file holding the same model weights as the reference run's.
     run(
         command_argv(DCP_TO_TORCH),
@@ -1070,20 +874,26 @@ def test_checkpoint_py_is_file_io_only_and_a_failed_write_leaves_only_a_tmp_file
     assert (tmp_path / "latest").read_text() == "ckpt-00000050.pt\n"  # a one-line text file
 
 
-@pytest.mark.parametrize("case", ["missing file", "garbage file", "weights that do not fit"])
-def test_export_bad_input_is_one_error_line_and_exit_code_2(case, tmp_path, capsys, monkeypatch):
-    # export_model.py imports its neighbour by that name
-    monkeypatch.setitem(sys.modules, "checkpoint", ckpt)
-    export = load_script("05_checkpointing/export_model.py", "export_model")
+EXPORT_ERRORS = {  # each case's line begins so
+    "missing file": "{source}: no such file",
+    "garbage file": "{source} cannot be loaded with weights_only=True: ",
+    "weights that do not fit": "{source} does not fit ",
+    "folder without checkpoints": "no usable checkpoint in {source}\n",
+}
+
+
+@pytest.mark.parametrize("case", EXPORT_ERRORS)
+def test_export_bad_input_is_one_error_line_and_exit_code_2(case, tmp_path, capsys, export):
     source = tmp_path / "in.pt"
     if case == "garbage file":
         source.write_bytes(os.urandom(1000))
     elif case == "weights that do not fit":
         torch.save({"fc.weight": torch.zeros(2, 2)}, source)
+    elif case == "folder without checkpoints":
+        source.mkdir()
     with pytest.raises(SystemExit) as exc:
         export.main([str(source), str(tmp_path / "out.pt")])
     err = capsys.readouterr().err
-    assert (
-        exc.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(f"error: {source}")
-    ), err
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: " + EXPORT_ERRORS[case].format(source=source)), err
     assert not (tmp_path / "out.pt").exists()

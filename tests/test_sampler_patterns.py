@@ -66,6 +66,21 @@ def test_a_wrong_flag_is_one_error_line_before_any_process_group(script, capsys)
     assert exit_info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    "script,args,said",
+    [
+        ("weighted_sampler.py", ["--dataset", "fake"], "dataset: fake does not list its labels"),
+        ("sharded_loading.py", ["--shards-dir", "{tmp}/missing"], "no shards in .*prepare_shards"),
+    ],
+)
+def test_input_a_script_cannot_use_is_one_error_line(script, args, said, tmp_path):
+    """Labels the weighted sampler cannot read; no shards to load."""
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    result = run([PYTHON, REPO / DIR / script, *args, "--output-dir", tmp_path], timeout=60)
+    assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1
+    assert re.match(f"error: {said}", result.stderr), result.stderr
+
+
 # ---------------------------------------------------------------- 1. partition viewer
 
 
@@ -104,10 +119,6 @@ def test_partition_viewer_prints_what_distributed_sampler_gives(viewer):
             sampler.set_epoch(case["epoch"])
             assert case["indices"][r] == list(sampler)
             assert f"rank {r}: {list(sampler)}" in stdout
-    # The 10-sample, 3-rank split without shuffling, as printed.
-    assert "N = 10 samples, W = 3 ranks:" in stdout
-    assert "rank 1: [1, 4, 7, 0]   <- repeats [0]" in stdout
-    assert "rank 2: [2, 5, 8]" in stdout and "never read this epoch: [9]" in stdout
 
 
 @pytest.mark.parametrize("n,w", [(10, 3), (10, 4), (7, 7), (5, 8), (16, 4), (1, 2)])
@@ -123,13 +134,12 @@ def test_partition_counts_follow_the_formulas(tmp_path, n, w):
         reads = Counter(i for shard in shards for i in shard)
         if case["drop_last"]:
             assert [len(s) for s in shards] == [n // w] * w
-            assert all(c == 1 for c in reads.values())  # disjoint: no index on two ranks
-            assert len(reads) == n // w * w  # the rest (n mod w) is never read this epoch
+            # disjoint: no index on two ranks, so the rest (n mod w) is never read this epoch
+            assert all(c == 1 for c in reads.values())
         else:
             assert [len(s) for s in shards] == [math.ceil(n / w)] * w
-            assert set(reads) == set(range(n))  # the union covers the data set
-            # exactly the padding is repeated
-            assert sum(reads.values()) - n == math.ceil(n / w) * w - n
+            # the union covers the data set, so exactly the padding is repeated
+            assert set(reads) == set(range(n))
 
 
 def test_shuffle_is_the_same_on_every_rank_and_changes_with_set_epoch(viewer):
@@ -138,15 +148,11 @@ def test_shuffle_is_the_same_on_every_rank_and_changes_with_set_epoch(viewer):
     for (drop_last, epoch), case in shuffled.items():
         orders = case["order"]  # the full permutation, as each rank derived it on its own
         assert all(order == orders[0] for order in orders)
-        assert sorted(orders[0]) == list(range(n))
         padded = orders[0] + orders[0][: math.ceil(n / w) * w - n]
         kept = padded if not drop_last else orders[0][: n // w * w]
         # each rank: every W-th index of the order
         assert case["indices"] == [kept[r::w] for r in range(w)]
-    # set_epoch reshuffles
-    assert shuffled[(False, 0)]["order"][0] != shuffled[(False, 1)]["order"][0]
-    assert shuffled[(False, 0)]["order"][0] != list(range(n))
-    # the order: identity, or randperm seeded with seed + epoch (seed 0 here)
+    # the order: identity, or randperm seeded with seed + epoch (seed 0 here): set_epoch reshuffles
     for case in viewer[1]["results"]:
         expected = torch.randperm(
             n, generator=torch.Generator().manual_seed(0 + case["epoch"])
@@ -184,11 +190,8 @@ def test_without_set_epoch_or_with_different_seeds_the_split_goes_wrong():
 
 
 def test_plain_dataloader_duplicates_and_distributed_sampler_does_not(sample_run):
-    result = sample_run("02-no-sampler").ok()  # the README's command
-    tmp_path = result.output_dir
-    assert re.search(r"no_sampler: .*50% of the compute repeated", result.stdout)
-    assert re.search(r"distributed_sampler: .*\b0% of the compute repeated", result.stdout)
-    s = read_summary(tmp_path)
+    # the README's command (its printed lines: its sample, tests/test_readme_text.py)
+    s = read_summary(sample_run("02-no-sampler").ok().output_dir)
     n = s["dataset_size"]
     plain, fixed = s["no_sampler"], s["distributed_sampler"]
     assert plain["samples_per_rank"] == [n, n]  # every rank reads the whole data set ...
@@ -208,10 +211,9 @@ def test_distributed_eval_equals_one_process(tmp_path, sample_run, world_size):
     # 3 ranks: the README's command (40 training steps,
     # the default); 1 and 2 ranks: 8 steps, to save time.
     if world_size == 3:
-        result = sample_run("02-eval").ok()
-        tmp_path = result.output_dir
+        tmp_path = sample_run("02-eval").ok().output_dir
     else:
-        result = warm_ranks(
+        warm_ranks(
             f"{DIR}/distributed_eval.py",
             "--max-steps",
             "8",
@@ -223,11 +225,9 @@ def test_distributed_eval_equals_one_process(tmp_path, sample_run, world_size):
     s = read_summary(tmp_path)
     n = s["test_size"]
     assert n % 2 and n % 3  # an odd size: neither 2 nor 3 ranks divide it
-    # the README's table, line for line, mean_of_rank_means off the exact value included
+    # the README's table is its sample (tests/test_readme_text.py); ranks of 120, 120 and 119
+    # samples: the mean of their means is off the exact value
     if world_size == 3:
-        assert re.search(r"exact +359 ", result.stdout) and re.search(
-            r"sampler_padded +360 ", result.stdout
-        )
         assert s["mean_of_rank_means"]["accuracy"] != s["exact"]["accuracy"]
 
     # Reference computed here, in one process, from the weights the run saved.
@@ -249,8 +249,6 @@ def test_distributed_eval_equals_one_process(tmp_path, sample_run, world_size):
     assert s["sampler_padded"]["count"] == math.ceil(n / world_size) * world_size
     assert s["sampler_drop_last"]["count"] == n // world_size * world_size
     assert s["rank0_only"]["count"] == math.ceil(n / world_size)
-    if world_size > 1:
-        assert s["sampler_padded"]["count"] != n and s["sampler_drop_last"]["count"] != n
     # The same checkpoint, evaluated here as 2 and as 8
     # ranks with drop_last would: 1 and 7 samples unread,
     # two different accuracies, both off the exact one.
@@ -392,10 +390,9 @@ def test_gathering_over_a_padded_distributed_sampler_repeats_samples(
     weights, labels, _, _ = predictions_setup
     flags = ["--weights", str(weights), "--output-dir", str(tmp_path)]
     if world_size == 3:  # the README's command, as written, on the same weights
-        result = sample_run("02-gather-padded").ok()
-        tmp_path = result.output_dir
+        tmp_path = sample_run("02-gather-padded").ok().output_dir
     else:  # on 2 ranks, started warm: the claim is what the script gathers
-        result = warm_command(GATHER_PADDED, *flags, nproc=world_size, timeout=180, check=True)
+        warm_command(GATHER_PADDED, *flags, nproc=world_size, timeout=180, check=True)
     n = len(labels)
     padded_total = math.ceil(n / world_size) * world_size
     rows = read_predictions(tmp_path / "predictions.csv")
@@ -404,7 +401,6 @@ def test_gathering_over_a_padded_distributed_sampler_repeats_samples(
     # the first ones again
     assert sorted(i for i, c in repeats.items() if c > 1) == list(range(padded_total - n))
     assert read_summary(tmp_path)["rows_per_rank"] == [math.ceil(n / world_size)] * world_size
-    assert f"{padded_total} rows for {n} images" in result.stdout
     # Each row carries its index, so dropping rows whose
     # index was seen before gives back the exact file.
     seen, unique = set(), []
@@ -425,12 +421,6 @@ def test_rank_0_sorts_by_index_and_refuses_a_missing_or_repeated_index():
     for broken in (rows[:2], torch.cat([rows, rows[:1]])):  # index 1 missing; index 2 twice
         with pytest.raises(RuntimeError, match="an index is missing or repeated"):
             in_dataset_order(broken, 3)
-    assert in_dataset_order(torch.cat([rows, rows[:1]]), 3, each_once=False)[:, 0].tolist() == [
-        0,
-        1,
-        2,
-        2,
-    ]
 
 
 def test_rows_travel_as_one_float64_tensor_through_gather():
@@ -442,11 +432,6 @@ def test_rows_travel_as_one_float64_tensor_through_gather():
     rows = script.predict(SmallCNN(1, 10), loader, torch.device("cpu"), 10)
     assert rows.dtype == torch.float64 and rows.shape == (5, 10 + 2)  # index, label, C logits
     assert rows[:, 0].tolist() == [0, 1, 2, 3, 4] and rows[:, 1].tolist() == labels[:5].tolist()
-    # integers exact up to 2^53, not beyond
-    big = torch.tensor([2**53, 2**53 + 1], dtype=torch.float64)
-    assert big.long().tolist() == [2**53, 2**53]
-    # ImageNet val: MB on rank 0
-    assert 50_000 * (1000 + 2) * 8 / 1e6 == pytest.approx(400, rel=0.01)
     source = (REPO / DIR / "gather_predictions.py").read_text()
     assert "dist.gather(padded, gathered, dst=0)" in source and "all_gather(counts" in source
     assert "all tensors to be the same size" in inspect.getdoc(torch.distributed.gather)
@@ -460,39 +445,8 @@ def test_rows_travel_as_one_float64_tensor_through_gather():
     )
 
 
-def test_macro_f1_needs_only_the_summed_confusion_matrix():
-    """F1 needs only the confusion matrix, which sums over ranks like the counts of section 3."""
-    macro_f1 = load_script(f"{DIR}/gather_predictions.py", "gather_predictions").macro_f1
-    generator = torch.Generator().manual_seed(0)
-    labels, predictions = (
-        torch.randint(0, 10, (359,), generator=generator),
-        torch.randint(0, 10, (359,), generator=generator),
-    )
-    confusion = sum(
-        torch.bincount(labels[r::3] * 10 + predictions[r::3], minlength=100) for r in range(3)
-    )
-    assert torch.equal(confusion, torch.bincount(labels * 10 + predictions, minlength=100))
-    assert macro_f1(labels, predictions, 10) == pytest.approx(
-        macro_f1_by_precision_and_recall(labels.tolist(), predictions.tolist()), abs=1e-12
-    )
-
-
 @pinned_torch_only("expects nothing on stderr but the error (older gloo logs each connection)")
-def test_gather_predictions_refuses_missing_or_unfitting_weights(tmp_path):
-    missing = run(
-        [
-            PYTHON,
-            REPO / DIR / "gather_predictions.py",
-            "--weights",
-            tmp_path / "none.pt",
-            "--output-dir",
-            tmp_path,
-        ],
-        timeout=120,
-    )
-    assert missing.returncode == 2 and missing.stdout == ""
-    assert missing.stderr.startswith("error: weights: no file") and missing.stderr.count("\n") == 1
-    assert "01_basic_ddp/train.py" in missing.stderr
+def test_gather_predictions_refuses_weights_that_do_not_fit(tmp_path):
     # a head for 7 classes, not 10
     torch.save(SmallCNN(1, 7).state_dict(), tmp_path / "seven_classes.pt")
     # This refusal comes after the process group (of one)
@@ -518,21 +472,24 @@ def test_gather_predictions_refuses_missing_or_unfitting_weights(tmp_path):
     assert unfitting.stderr.count("\n") == 1 and "size mismatch" in unfitting.stderr
 
 
-def test_gather_predictions_refuses_weights_files_that_are_no_state_dict(tmp_path, capsys):
+def test_gather_predictions_refuses_missing_weights_and_files_that_are_no_state_dict(
+    tmp_path, capsys
+):
     read_weights = load_script(f"{DIR}/gather_predictions.py", "gather_predictions").read_weights
     (tmp_path / "notes.pt").write_text("not a checkpoint")
     torch.save(torch.zeros(3), tmp_path / "tensor.pt")
     torch.save({"fc.weight": torch.zeros(2)}, tmp_path / "state.pt")
     assert set(read_weights(tmp_path / "state.pt")) == {"fc.weight"}  # a state_dict passes
-    for name, message in (
-        ("notes.pt", "error: weights: cannot read"),
-        ("tensor.pt", "holds a Tensor, not a state_dict"),
+    for name, said in (
+        ("none.pt", "no file .*`python 01_basic_ddp/train.py`"),
+        ("notes.pt", "cannot read"),
+        ("tensor.pt", ".* holds a Tensor, not a state_dict"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             read_weights(tmp_path / name)
-        assert exit_info.value.code == 2
-        err = capsys.readouterr().err
-        assert err.startswith("error: weights:") and message in err and err.count("\n") == 1
+        out, err = capsys.readouterr()
+        assert exit_info.value.code == 2 and out == "" and err.count("\n") == 1
+        assert re.match(f"error: weights: {said}", err), err
 
 
 # ---------------------------------------------------------------- 5. class-balanced sampler
@@ -543,10 +500,7 @@ TOLERANCE_ALL, TOLERANCE_RANK = 0.03, 0.06  # the README states these
 @pytest.mark.min_torch
 def test_weighted_sampler_is_disjoint_and_balanced(sample_run):
     w = 2
-    result = sample_run("02-weighted").ok()  # the README's command
-    tmp_path = result.output_dir
-    assert "indices read by two ranks: 0" in result.stdout
-    s = read_summary(tmp_path)
+    s = read_summary(sample_run("02-weighted").ok().output_dir)  # the README's command
     labels = torch.tensor(s["labels"])
     k = len(s["class_counts_before"])
     before = torch.tensor(s["class_counts_before"]) / len(labels)
@@ -608,18 +562,6 @@ def test_class_balanced_shares_are_disjoint_with_every_class_split_evenly():
     )
 
 
-def test_weighted_sampler_needs_labels_it_can_read(tmp_path):
-    result = run(
-        [PYTHON, REPO / DIR / "weighted_sampler.py", "--dataset", "fake", "--output-dir", tmp_path],
-        timeout=60,
-    )
-    assert result.returncode == 2 and result.stdout == ""
-    assert (
-        result.stderr.startswith("error: dataset: fake does not list its labels")
-        and result.stderr.count("\n") == 1
-    )
-
-
 # ---------------------------------------------------------------- 6. sharded loading
 
 
@@ -645,9 +587,9 @@ def test_each_rank_opens_only_its_own_shards(tmp_path, sample_run):
     files = [entry["file"] for entry in manifest["shards"]]
     stored = {f: torch.load(shards / f, weights_only=True) for f in files}
     content = {f: set(stored[f]["indices"].tolist()) for f in files}
-    assert sorted(i for f in files for i in content[f]) == list(range(manifest["total"]))
     assert [entry["samples"] for entry in manifest["shards"]] == [len(content[f]) for f in files]
-    # Written in a fixed shuffled order (--seed 0), so every shard mixes the classes.
+    # Written in a fixed shuffled order (--seed 0), each sample in one shard, so every shard mixes
+    # the classes.
     order = torch.randperm(manifest["total"], generator=torch.Generator().manual_seed(0))
     assert torch.equal(torch.cat([stored[f]["indices"] for f in files]), order)
     assert all(len(set(stored[f]["labels"].tolist())) >= 8 for f in files)
@@ -662,8 +604,7 @@ def test_each_rank_opens_only_its_own_shards(tmp_path, sample_run):
     summary = read_summary(out)
     for epoch, ranks in enumerate(summary["epochs"]):
         per_rank = [opened[(epoch, r)] for r in range(w)]
-        assert all(len(set(names)) == len(names) for names in per_rank)  # no file opened twice
-        # disjoint, together all
+        # disjoint, together all, no file opened twice
         assert sorted(n for names in per_rank for n in names) == sorted(files)
         for r, record in enumerate(ranks):
             assert sorted(per_rank[r]) == sorted(record["shards"])
@@ -712,16 +653,6 @@ def test_shards_are_shuffled_within_and_uneven_shard_counts_leave_ranks_unequal(
     assert "indices = torch.randperm(len(self.dataset), generator=g)" in inspect.getsource(
         DistributedSampler
     )
-
-
-def test_sharded_loading_without_shards_is_a_one_line_error(tmp_path):
-    result = run(
-        [PYTHON, REPO / DIR / "sharded_loading.py", "--shards-dir", tmp_path / "missing"],
-        timeout=60,
-    )
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.startswith("error: no shards in") and result.stderr.count("\n") == 1
-    assert "prepare_shards.py" in result.stderr
 
 
 # ---------------------------------------------------------------- 7. uneven inputs
