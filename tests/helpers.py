@@ -519,7 +519,7 @@ def load_model(output_dir: Path) -> dict:
     """The state_dict a run wrote to output_dir/model.pt."""
     import torch
 
-    return torch.load(Path(output_dir) / "model.pt", weights_only=True)
+    return torch.load(Path(output_dir) / "model.pt", map_location="cpu", weights_only=True)
 
 
 def relative_difference(a: dict, b: dict) -> float:

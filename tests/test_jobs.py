@@ -20,6 +20,7 @@ from tests.helpers import (
     clean_env,
     free_port,
     kill_group,
+    load_model,
     read_env,
     read_summary,
     repeated_lines,
@@ -372,12 +373,6 @@ PREEMPT_ARGS = "--epochs 8 --local-batch-size 16 --save-every-steps 20 --log-eve
 SLURM_DELIVERIES = ("signal", "requeue")
 
 
-def load_params(path):
-    import torch
-
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
 def assert_bitwise_equal(a, b):
     import torch
 
@@ -397,7 +392,7 @@ def uninterrupted(tmp_path_factory):
         nproc=2,
         timeout=300,
     )
-    return load_params(out / "model.pt")
+    return load_model(out)
 
 
 def delivery_command(name: str, delivery: str, job_id: str) -> list[str]:
@@ -506,7 +501,7 @@ def test_preempted_job_requeues_once_and_resumes_bitwise(
         sig = delivery_command(name, delivery, "")[1].split("=")[1]
         assert f"SIG{sig}: checkpoint at step {resumed_from} saved" in log, log[-3000:]
         assert saved_at == resumed_from
-    assert_bitwise_equal(load_params(job["run_dir"] / "model.pt"), uninterrupted)
+    assert_bitwise_equal(load_model(job["run_dir"]), uninterrupted)
 
 
 @pytest.mark.parametrize("crash", ["at-step-2", "bad-input-after-a-requeue"])
@@ -639,7 +634,7 @@ def test_preemption_saves_requeues_and_resumes_bitwise(cluster, uninterrupted, t
         f"SIGTERM: checkpoint at step {resumed_from} saved" in output and saved_at == resumed_from
     )
     assert re.search(r"^requeueing job \d+ \(exit code \d+; SIGTERM at step \d+\)$", output, re.M)
-    assert_bitwise_equal(load_params(run_dir / "model.pt"), uninterrupted)
+    assert_bitwise_equal(load_model(run_dir), uninterrupted)
 
 
 def test_time_limit_signal_with_loader_workers_under_srun_requeues_bitwise(
@@ -666,7 +661,7 @@ def test_time_limit_signal_with_loader_workers_under_srun_requeues_bitwise(
         f"SIGUSR1: checkpoint at step {resumed_from} saved" in output and saved_at == resumed_from
     )
     assert "exited unexpectedly" not in output
-    assert_bitwise_equal(load_params(run_dir / "model.pt"), uninterrupted)
+    assert_bitwise_equal(load_model(run_dir), uninterrupted)
 
 
 def test_two_srun_steps_of_one_job_train_side_by_side(cluster, tmp_path):
@@ -898,7 +893,7 @@ def test_pbs_deadline_saves_resubmits_and_the_next_job_resumes_bitwise(
         f"{job_file}: deadline save at step {saved_at}, resumed from step {saved_at}, restart "
         "count 1"
     )
-    assert_bitwise_equal(load_params(tmp_path / "run" / "model.pt"), uninterrupted)
+    assert_bitwise_equal(load_model(tmp_path / "run"), uninterrupted)
 
 
 @pytest.mark.scheduler

@@ -19,11 +19,13 @@ from tests.helpers import (
     PYTHON,
     REPO,
     clean_env,
+    finish,
     free_port,
     full_logs,
     load_script,
     read_summary,
     run,
+    start,
     summary_fields,
     torchrun_nodes,
     wait_all,
@@ -53,9 +55,7 @@ def test_torchrun_two_nodes_c10d_agrees_with_one_node(tmp_path, sample_run):
     # Same global batch and seed: the split into nodes does not change the arithmetic.
     assert two["final_train_loss"] == pytest.approx(one["final_train_loss"], rel=1e-5)
     assert two["replica_checksums"] == one["replica_checksums"]
-    assert re.search(r"^\s+1\s+0\s+\S+\s+cpu\s+\S+$", ran.stdout, re.M), (
-        "placement table row for rank 1 missing"
-    )
+    # the printed table: tests/test_readme_text.py, 06's samples
     # summary.json: 01's fields and four more.
     assert summary_fields(TRAIN) - summary_fields(REPO / "01_basic_ddp" / "train.py") == {
         "placement",
@@ -156,7 +156,7 @@ def test_mpiexec_runs_train_and_comm_check(tmp_path, flavour):
     else:
         env = clean_env(MASTER_PORT=port)  # Hydra passes the whole environment on
         cmd = [tool, "-n", "2"]
-    start = time.perf_counter()
+    began = time.perf_counter()
     run([*cmd, PYTHON, TRAIN, *SMALL, "--output-dir", tmp_path / "train"], 150, env=env, check=True)
     summary = read_summary(tmp_path / "train")
     assert summary["launcher"] == flavour
@@ -173,7 +173,7 @@ def test_mpiexec_runs_train_and_comm_check(tmp_path, flavour):
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
     assert all(r["correct"] for r in report["results"])
     assert "peak busbw" in result.stdout
-    print(f"{flavour}: train + comm_check wall time {time.perf_counter() - start:.1f} s")
+    print(f"{flavour}: train + comm_check wall time {time.perf_counter() - began:.1f} s")
 
 
 # tests/inject/sitecustomize.py: DDP_TEST_SLOW_ALL_REDUCE_S
@@ -211,6 +211,8 @@ def check_avg_bus_bandwidth(part):
 def test_comm_check_prints_busbw_per_size(sample_run):
     """The README's command, as written, with smaller messages and fewer iterations, and three
     settings in its environment (the run the README's sample shows: tests/sample_runs.py)."""
+    import torch
+
     result = sample_run("06-comm-check").ok()
     report = json.loads((result.output_dir / "comm_check.json").read_text())
     sizes = [r["bytes"] for r in report["results"]]
@@ -237,7 +239,7 @@ def test_comm_check_prints_busbw_per_size(sample_run):
     assert (
         node["ranks"] == [0, 1]
         and node["host"] == socket.gethostname()
-        and node["torch"] == torch_version()
+        and node["torch"] == torch.__version__
     )
     assert (
         node["variables"]["FI_PROVIDER"] == "tcp"
@@ -257,12 +259,6 @@ def test_comm_check_prints_busbw_per_size(sample_run):
         "verdict: settings that differ: none; slow nodes: none; all results correct: True"
         in result.stdout
     )
-
-
-def torch_version():
-    import torch
-
-    return torch.__version__
 
 
 @pytest.mark.launchers
@@ -311,8 +307,6 @@ def test_comm_check_two_nodes_environment_groups_and_a_slow_node(sample_run):
     check_avg_bus_bandwidth(report["inter_node"])
     [pair] = report["pairs"]["results"]
     assert sorted(pair["nodes"]) == sorted(nodes) and report["pairs"]["slow_nodes"] == []
-    assert pair["ranks"] == [0, 2]
-    check_figures([pair], ranks=[0, 2])
     assert "slow nodes: cannot tell with 2 nodes" in output
     assert (
         f"verdict: settings that differ: NCCL_IB_HCA; slow nodes: {slow}; all results correct: True"
@@ -492,8 +486,10 @@ def test_slow_nodes_are_below_half_the_median(comm):
 
 
 def test_timed_iterations_are_fewer_above_one_mib_and_at_least_3(comm):
-    """--iters' help (the README samples' iters column: tests/test_readme_text.py)."""
-    assert comm.CommConfig.__dataclass_fields__["iters"].default == 20
+    """--iters' help (the README samples' iters column: tests/test_readme_text.py); the sizes go up
+    to 256 MiB by default (06's README)."""
+    fields = comm.CommConfig.__dataclass_fields__
+    assert fields["iters"].default == 20 and fields["max_bytes"].default == 2**28
     assert [comm.timed_iterations(2**k, 20) for k in (3, 20, 21, 22, 23, 28)] == [
         20,
         20,
@@ -502,13 +498,6 @@ def test_timed_iterations_are_fewer_above_one_mib_and_at_least_3(comm):
         3,
         3,
     ]
-
-
-def test_comm_check_default_reaches_256_mib():
-    result = run([PYTHON, COMM, "--help"], 60, check=True)
-    assert "largest message in bytes (doubling from --min-bytes) (default: 268435456)" in " ".join(
-        result.stdout.split()
-    )
 
 
 def test_comm_check_refuses_cuda_without_a_visible_gpu():
@@ -526,28 +515,16 @@ def test_comm_check_refuses_cuda_without_a_visible_gpu():
 def test_wrong_master_addr_fails_clearly_within_timeout(tmp_path):
     """An unreachable MASTER_ADDR: every rank gives up after
     its timeout, naming the address and what to check."""
-    procs, start = [], time.perf_counter()
-    for rank in range(2):
-        env = clean_env(
-            RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="192.0.2.1", MASTER_PORT="29999"
+    began = time.perf_counter()
+    unreachable = dict(MASTER_ADDR="192.0.2.1", MASTER_PORT="29999")
+    procs = [
+        start(
+            [PYTHON, COMM, "--timeout-s", "3"],
+            env=clean_env(RANK=str(rank), WORLD_SIZE="2", **unreachable),
         )
-        procs.append(
-            subprocess.Popen(
-                [PYTHON, COMM, "--timeout-s", "3"],
-                cwd=REPO,
-                env=env,
-                text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
-        )
-    try:
-        outputs = [p.communicate(timeout=90) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            os.killpg(p.pid, 9)
-        pytest.fail("comm_check hung on an unreachable MASTER_ADDR")
+        for rank in range(2)
+    ]
+    outputs = [finish(p, 90, "comm_check on an unreachable MASTER_ADDR") for p in procs]
     assert [p.returncode for p in procs] == [2, 2]
     error = [line for line in outputs[0][1].splitlines() if line.startswith("error:")]
     assert len(error) == 1, outputs[0][1]
@@ -564,7 +541,7 @@ def test_wrong_master_addr_fails_clearly_within_timeout(tmp_path):
     # (the README's table of errors quotes it: tests/test_readme_text.py)
     unreachable = UNREACHABLE.format(rank=0, host=socket.gethostname(), addr="192.0.2.1:29999", s=3)
     assert error[0].startswith(unreachable), error[0]
-    print(f"wrong MASTER_ADDR: both ranks exited in {time.perf_counter() - start:.1f} s")
+    print(f"wrong MASTER_ADDR: both ranks exited in {time.perf_counter() - began:.1f} s")
 
 
 @pytest.mark.launchers
@@ -636,13 +613,11 @@ def test_two_namespace_hosts_train_across_veth(tmp_path):
             env = clean_env(GLOO_SOCKET_IFNAME=veth[node])
             log = open(tmp_path / f"node{node}.log", "w")
             procs.append(
-                subprocess.Popen(
+                start(
                     ["ip", "netns", "exec", ns[node], "unshare", "--uts", "sh", "-c", inner],
-                    cwd=REPO,
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    start_new_session=True,
                 )
             )
         wait_all(procs, 150, tmp_path, "two-namespace run")
