@@ -4,9 +4,10 @@
 
 Counts the all-reduces with tests/ddp_probe.py's counting communication hook (1 bucket: a tiny
 model): DDP decides in forward() whether the coming backward all-reduces. Then: syncing on the first
-micro-batch leaves the replicas' gradients different; an extra division by the world size shrinks
-the gradient; zeroing the gradients between micro-batches keeps only the last one's; and with
-BatchNorm, accumulated micro-batches do not give the large batch's gradient (a model without does).
+micro-batch leaves the replicas' gradients different; zeroing the gradients between micro-batches
+keeps only the last one's; clipping after every micro-batch misses the large batch's clipped
+gradient; and with BatchNorm, accumulated micro-batches do not give the large batch's gradient (a
+model without does).
 """
 
 import sys
@@ -68,15 +69,6 @@ def main():
             f"sync on the {label} micro-batch: gradients identical on all ranks: "
             f"{all(torch.equal(g, gathered[0]) for g in gathered)}"
         )
-
-    # An extra division by the world size: DDP already averages.
-    model.zero_grad()
-    (model(rank_data[0]).sum() / dist.get_world_size()).backward()
-    wrong = model.module.weight.grad.clone()
-    model.zero_grad()
-    model(rank_data[0]).sum().backward()
-    ratio = (wrong.norm() / model.module.weight.grad.norm()).item()
-    print0(f"extra division by world size: gradient x {ratio:.3f}")
 
     # zero_grad between the micro-batches of a window: only the last micro-batch's gradient is left.
     def window_gradient(zero_in_between: bool) -> torch.Tensor:

@@ -21,6 +21,7 @@ from common.models import build_model
 from tests.helpers import (
     REPO,
     clean_env,
+    load_model,
     read_summary,
     command_argv,
     repeated_lines,
@@ -135,8 +136,7 @@ def test_early_stopping_ends_every_rank_after_the_same_epoch(patience_run):
 
 
 def finite_weights(output_dir) -> bool:
-    state = torch.load(output_dir / "model.pt", weights_only=True)
-    return all(value.isfinite().all() for value in state.values())
+    return all(value.isfinite().all() for value in load_model(output_dir).values())
 
 
 NONFINITE_ENV = dict(
