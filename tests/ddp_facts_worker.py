@@ -9,11 +9,8 @@ do, seen in the installed torch. Each rank prints one line `RESULT <rank> <json>
   forward_sync_buffers=False, nor
   right after a forward without grad or under no_sync());
 - nn.SyncBatchNorm refuses CPU tensors (its forward checks the device);
-- two all-reduces of the same shape called in a different order on the two ranks: gloo pairs them by
-  order, raises nothing and returns mixed sums (debugging/README.md, "Hang mid-epoch");
 - a collective skipped on one rank, with the next one of equal shape and dtype: gloo sums the wrong
-  tensors and
-  raises nothing (debugging/README.md, --bug mismatched_collective);
+  tensors and raises nothing (debugging/README.md, "Hang mid-epoch"; --bug mismatched_collective);
 - DDP(static_graph=True) with no_sync() accumulation fails (PyTorch issue 143580), run last: it
   leaves DDP's reducer in a failed state.
 """
@@ -51,15 +48,19 @@ def gathered(value: str) -> list[str]:
     return values
 
 
+def set_running_means(model: nn.Module, value: float) -> None:
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.fill_(value)
+
+
 def rank_own_model(rank: int) -> nn.Module:
     """A model with BatchNorm buffers, its weights and
     running statistics different on every rank."""
     torch.manual_seed(100 + rank)
     model = SmallCNN(1, 10, width=4, norm="batch")
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.running_mean.fill_(float(rank))
+    set_running_means(model, float(rank))
     return model
 
 
@@ -77,13 +78,6 @@ def wrap_facts(rank: int) -> dict:
         "buffers_after": after[1],
         "params_without_init_sync": gathered(digest(control.parameters())),
     }
-
-
-def set_running_means(model: nn.Module, value: float) -> None:
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.running_mean.fill_(value)
 
 
 def forward_buffer_facts(rank: int) -> dict:
@@ -120,18 +114,6 @@ def forward_buffer_facts(rank: int) -> dict:
             "after_a_forward_after_no_grad": after_no_grad,
             "after_a_forward_after_no_sync": gathered(digest(model2.module.buffers())),
         }
-    return result
-
-
-def collectives_in_a_different_order(rank: int) -> dict:
-    """A loss sum and a sample count all-reduced in the
-    same order on both ranks, then in swapped order."""
-    result = {}
-    for name, swapped in (("same_order", False), ("swapped_on_rank_1", rank == 1)):
-        loss_sum, count = torch.tensor([1.0 + rank]), torch.tensor([10.0 * (rank + 1)])
-        for tensor in (count, loss_sum) if swapped else (loss_sum, count):
-            dist.all_reduce(tensor)
-        result[name] = [loss_sum.item(), count.item()]
     return result
 
 
@@ -181,7 +163,6 @@ def main():
         "wrap": wrap_facts(rank),
         "forward": forward_buffer_facts(rank),
         "syncbn_cpu": syncbn_on_cpu(),
-        "order": collectives_in_a_different_order(rank),
         "equal_shapes_mismatch": skipped_all_reduce_of_equal_shapes(rank),
     }
     dist.barrier()

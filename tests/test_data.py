@@ -16,19 +16,6 @@ from tests.cifar_files import CIFAR_FOLDER, patch_cifar_md5, write_cifar10
 from tests.helpers import UCI_TEST_CLASS_COUNTS, PYTHON, REPO, read_summary, run
 
 
-def test_digits_is_a_fixed_disjoint_split_of_all_1797_images():
-    a, b = digits(), digits()
-    assert (len(a.train), len(a.test)) == (1438, 359)
-    # same split every time, on every rank
-    assert torch.equal(a.train.tensors[0], b.train.tensors[0])
-    train_rows = {tuple(x.flatten().tolist()) for x in a.train.tensors[0]}
-    test_rows = [tuple(x.flatten().tolist()) for x in a.test.tensors[0]]
-    # The digits set has a few duplicate scans; apart from those the split is disjoint.
-    assert sum(r in train_rows for r in test_rows) <= 5
-    assert set(a.test.tensors[1].tolist()) == set(range(10))
-    assert a.train.tensors[0].shape[1:] == (1, 8, 8) and (a.num_classes, a.in_channels) == (10, 1)
-
-
 def test_cifar10_files_load_through_torchvision(tmp_path, monkeypatch):
     root = tmp_path / "cifar10"
     patch_cifar_md5(monkeypatch, write_cifar10(root, per_batch=20, test_size=30))
@@ -117,14 +104,15 @@ def test_the_shipped_digits_are_uci_s_test_set_as_recorded():
     assert np.array_equal(images, np.round(images)) and images.min() == 0 and images.max() == 16
     assert np.bincount(labels).tolist() == UCI_TEST_CLASS_COUNTS
     assert digits_sha256(images, labels) == DIGITS_SHA256
-    # Negative control: one pixel changed changes the digest.
-    changed = images.copy()
-    changed[0, 0, 0] += 1
-    assert digits_sha256(changed, labels) != DIGITS_SHA256
 
 
 def test_the_split_is_the_one_measured_before_the_data_shipped_here():
+    """1,438 training and 359 test images, 8x8, one channel, 10 classes: bitwise the split
+    measured before the data shipped here, so the same on every rank and in every run."""
     data = digits()
+    assert (len(data.train), len(data.test)) == (1438, 359)
+    assert data.train.tensors[0].shape[1:] == (1, 8, 8)
+    assert (data.num_classes, data.in_channels) == (10, 1)
     digest = hashlib.sha256()
     for tensor in (*data.train.tensors, *data.test.tensors):
         digest.update(tensor.numpy().tobytes())

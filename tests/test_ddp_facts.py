@@ -60,18 +60,11 @@ def test_buffers_are_broadcast_from_rank_0_at_the_start_of_forward(facts):
         assert default[after][0] != default[after][1], after
 
 
-def test_collectives_in_a_different_order_silently_mix_tensors_of_the_same_shape(facts):
-    """debugging/README.md, "Hang mid-epoch": with gloo, if the shapes happen to match, ranks
-    that call collectives in a different order get no error, only the wrong sums."""
-    # the control: loss 1 + 2, count 10 + 20
-    assert [f["order"]["same_order"] for f in facts] == [[3.0, 30.0]] * 2
-    # Rank 0's loss sum met rank 1's count, and the other way round.
-    assert [f["order"]["swapped_on_rank_1"] for f in facts] == [[21.0, 12.0], [12.0, 21.0]]
-
-
 def test_a_skipped_all_reduce_of_equal_shapes_silently_sums_the_wrong_tensors(facts):
-    """debugging/README.md: the mismatched-collective demo aborts because the shapes differ; with
-    equal shapes gloo sums rank 0's loss (1) with rank 1's count (20) and raises nothing."""
+    """debugging/README.md, "Hang mid-epoch": a collective skipped on some ranks, if the shapes
+    happen to match, silently mixes the wrong tensors. The mismatched-collective demo aborts because
+    the shapes differ; with equal shapes gloo sums rank 0's loss (1) with rank 1's count (20) and
+    raises nothing (the right sums: loss 1 + 2, count 10 + 20)."""
     assert facts[0]["equal_shapes_mismatch"] == {"loss": 1.0 + 20.0, "count": 10.0 + 0.0}
     assert facts[1]["equal_shapes_mismatch"] == {"count": 20.0 + 1.0, "extra": 0.0 + 10.0}
 

@@ -70,13 +70,13 @@ def assert_exit_explained(entry: re.Match, output: str) -> None:
         assert "terminate called" in output, output[-8000:]
 
 
-def _fail_env(mode: str, step: int = 3, rank: int = 1, **extra: str) -> dict[str, str]:
-    return clean_env(
+def _fail_vars(mode: str) -> dict[str, str]:
+    """tests/inject's variables: rank 1 fails after its 3rd optimizer step, as `mode` says."""
+    return dict(
         PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}",
-        DDP_TEST_FAIL_AT_STEP=str(step),
-        DDP_TEST_FAIL_RANK=str(rank),
+        DDP_TEST_FAIL_AT_STEP="3",
+        DDP_TEST_FAIL_RANK="1",
         DDP_TEST_FAIL_MODE=mode,
-        **extra,
     )
 
 
@@ -94,7 +94,9 @@ def test_rank_raising_mid_training_ends_job_fast_and_torchrun_names_it(script, t
     if script == "01_basic_ddp/train.py":  # the guide's command
         result = run(command_argv(INJECTED_FAILURE) + flags, timeout=180)
     else:
-        result = torchrun(script, *flags, env=_fail_env("raise"), check=False, timeout=180)
+        result = torchrun(
+            script, *flags, env=clean_env(**_fail_vars("raise")), check=False, timeout=180
+        )
     ended = time.time()
     out = result.output
     assert result.returncode == 1  # torchrun's own exit code
@@ -143,7 +145,7 @@ def test_rank_killed_with_sigkill_ends_job_without_restarts(script, tmp_path):
         *FAST,
         "--output-dir",
         str(tmp_path),
-        env=_fail_env("kill"),
+        env=clean_env(**_fail_vars("kill")),
         check=False,
         timeout=180,
         launcher_args=("--max-restarts=0",),
@@ -230,13 +232,7 @@ def test_rank_raising_under_mpiexec_ends_the_job(tmp_path, flavour):
 
     tool = {"openmpi": "mpiexec.openmpi", "mpich": "mpiexec.mpich"}[flavour]
     need_tools(tool)
-    inject = dict(
-        PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}",
-        DDP_TEST_FAIL_AT_STEP="3",
-        DDP_TEST_FAIL_RANK="1",
-        DDP_TEST_FAIL_MODE="raise",
-        MASTER_PORT=str(free_port()),
-    )
+    inject = dict(_fail_vars("raise"), MASTER_PORT=str(free_port()))
     if flavour == "openmpi":
         env = openmpi_env(**inject)
         cmd = [
@@ -415,7 +411,7 @@ def test_without_record_the_summary_has_no_traceback(tmp_path):
         *FAST,
         "--output-dir",
         str(tmp_path / "out"),
-        env=_fail_env("raise"),
+        env=clean_env(**_fail_vars("raise")),
         check=False,
         timeout=180,
     )

@@ -15,10 +15,9 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.cifar_files import write_cifar10
-from tests.helpers import PYTHON, REPO, clean_env, read_summary, run, warm_ranks
+from tests.helpers import REPO, clean_env, load_model, read_summary, relative_difference, warm_ranks
 
 LESSON = "01_basic_ddp/train.py"
 # 40 training images, 20 per rank: 3 steps of 4 images = 12 augmented samples per rank.
@@ -62,8 +61,9 @@ def views(out: Path, rank: int, process: str = "main") -> list[str]:
     return [line.split()[1] for line in lines if line.startswith(process + " ")]
 
 
-def run_lesson(script: str | Path, data_dir: Path, out: Path, *extra: str):
-    # tests/perf_cifar.py runs the script with torchvision's MD5 check of the files off.
+def run_lesson(script: str | Path, data_dir: Path, out: Path, *extra: str, nproc: int = 2):
+    """`script` on 2 ranks (nproc=0: as `python script`), its augmentation recorded.
+    tests/perf_cifar.py runs it with torchvision's MD5 check of the files off."""
     return warm_ranks(
         "tests/perf_cifar.py",
         "run",
@@ -74,6 +74,7 @@ def run_lesson(script: str | Path, data_dir: Path, out: Path, *extra: str):
         "--output-dir",
         str(out),
         *extra,
+        nproc=nproc,
         env=record_env(out),
         timeout=300,
     )
@@ -126,26 +127,10 @@ def test_with_random_augmentation_ranks_do_not_equal_one_process_on_the_global_b
     without random augmentation. Here 2 ranks x 4 and 1 process x 8 read the
     same samples in each step (test_basic_ddp.py shows them equal on the
     digits, which have no augmentation), but crop and flip them differently."""
-    args = [*ARGS]
-    args[args.index("--local-batch-size") + 1] = str(2 * BATCH)
-    warm_ranks(
-        "tests/perf_cifar.py",
-        "run",
-        LESSON,
-        *args,
-        "--data-dir",
-        str(data_dir),
-        "--output-dir",
-        str(tmp_path),
-        nproc=1,
-        env=clean_env(CUDA_VISIBLE_DEVICES=""),
-        timeout=300,
-    )
-    two_ranks, one = (
-        torch.load(out / "model.pt", weights_only=True) for out in (lesson_run[1], tmp_path)
-    )
+    # the later flag wins: one rank with twice the local batch
+    run_lesson(LESSON, data_dir, tmp_path, "--local-batch-size", str(2 * BATCH), nproc=1)
     assert read_summary(tmp_path)["steps"] == read_summary(lesson_run[1])["steps"] == STEPS
-    assert max(((two_ranks[k] - one[k]).norm() / one[k].norm()).item() for k in one) > 1e-3
+    assert relative_difference(load_model(lesson_run[1]), load_model(tmp_path)) > 1e-3
 
 
 def test_05_loader_workers_get_per_rank_seeds(data_dir, tmp_path):
@@ -164,20 +149,5 @@ def test_single_process_baseline_draws_as_rank_0(lesson_run, data_dir, tmp_path)
     """train_single.py reseeds with seed + 0 where 01 reseeds with seed +
     rank, so its augmentation draws are rank 0's (with one process, 01
     and train_single.py train bitwise alike: test_basic_ddp.py)."""
-    run(
-        [
-            PYTHON,
-            REPO / "tests/perf_cifar.py",
-            "run",
-            "01_basic_ddp/train_single.py",
-            *ARGS,
-            "--data-dir",
-            str(data_dir),
-            "--output-dir",
-            str(tmp_path),
-        ],
-        timeout=300,
-        env=record_env(tmp_path),
-        check=True,
-    )
+    run_lesson("01_basic_ddp/train_single.py", data_dir, tmp_path, nproc=0)
     assert views(tmp_path, 0) == views(lesson_run[1], 0)
