@@ -812,6 +812,22 @@ def test_every_relative_link_in_the_readmes_leads_to_a_file_and_heading(tmp_path
     ]
 
 
+def test_every_test_a_readme_names_is_in_the_file_it_names():
+    """ "Proven by `tests/test_x.py::test_y`": test_y is a test of that file. A bare `::test_z`
+    after it names a test of the same file."""
+    problems = [
+        f"{doc.relative_to(REPO)}: {p}" for doc in tracked_files("*.md") for p in unknown_tests(doc)
+    ]
+    assert problems == [], problems
+    # The check itself: a test that is not there, or is in another file, is reported.
+    cycle = "test_common_has_no_import_cycle_even_through_an_import_inside_a_function"
+    text = f"`tests/test_repo.py::test_gone`, `::{cycle}`; `test_config.py::{cycle}`"
+    assert unknown_tests(REPO / "README.md", text) == [
+        "test_repo.py::test_gone",
+        f"test_config.py::{cycle}",
+    ]
+
+
 def test_every_readme_command_is_marked_run_proven_by_or_not_run():
     commands = readme_commands()  # fails on a block without a marker, or a count that differs
     assert len(commands) > 40, commands  # the reader still finds the blocks
@@ -908,3 +924,21 @@ def test_readme_names_the_shortening_flags():
     section = text.split("## README statements, samples and commands", 1)[1].split("\n## ", 1)[0]
     # `short: true` appends these flags (tests/test_readme_commands.py, SHORT)
     assert "`--epochs 1 --max-steps 2`" in section
+
+
+NAMED_TEST = re.compile(r"(?:tests/)?(test_\w+\.py)|::(test_\w+)")
+
+
+def unknown_tests(doc: Path, text: str | None = None) -> list[str]:
+    """The tests that `doc` names (`test_x.py::test_y`, or `::test_y` after a test file's name)
+    and that are not a function of that file."""
+    missing, current = [], None
+    for file, name in NAMED_TEST.findall(doc.read_text() if text is None else text):
+        if file:
+            current = file
+            continue
+        path = REPO / "tests" / str(current)
+        tree = ast.parse(path.read_text()) if path.is_file() else ast.Module(body=[])
+        if name not in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}:
+            missing.append(f"{current}::{name}")
+    return missing
