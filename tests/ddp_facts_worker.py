@@ -1,5 +1,5 @@
-"""Run under torchrun (2 ranks, gloo): what the READMEs say DDP and nn.SyncBatchNorm
-do, seen in the installed torch. Each rank prints one line `RESULT <rank> <json>`.
+"""Run under torchrun (2 ranks, gloo): what the READMEs say DDP does, seen in the installed torch.
+Each rank prints one line `RESULT <rank> <json>`.
 
     torchrun --standalone --nproc_per_node=2 tests/ddp_facts_worker.py
 
@@ -8,7 +8,6 @@ do, seen in the installed torch. Each rank prints one line `RESULT <rank> <json>
 - at the start of forward DDP broadcasts rank 0's buffers again (not with
   forward_sync_buffers=False, nor
   right after a forward without grad or under no_sync());
-- nn.SyncBatchNorm refuses CPU tensors (its forward checks the device);
 - a collective skipped on one rank, with the next one of equal shape and dtype: gloo sums the wrong
   tensors and raises nothing (debugging/README.md, "Hang mid-epoch"; --bug mismatched_collective);
 - DDP(static_graph=True) with no_sync() accumulation fails (PyTorch issue 143580), run last: it
@@ -117,15 +116,6 @@ def forward_buffer_facts(rank: int) -> dict:
     return result
 
 
-def syncbn_on_cpu() -> str:
-    layer = nn.SyncBatchNorm(4).train()
-    try:
-        layer(torch.randn(2, 4, 3, 3))
-    except ValueError as e:
-        return f"ValueError: {e}"
-    return "no error"
-
-
 def static_graph_with_no_sync() -> str:
     """PyTorch issue 143580: the very first micro-batch inside no_sync() with static_graph=True."""
     torch.manual_seed(0)
@@ -162,7 +152,6 @@ def main():
     result = {
         "wrap": wrap_facts(rank),
         "forward": forward_buffer_facts(rank),
-        "syncbn_cpu": syncbn_on_cpu(),
         "equal_shapes_mismatch": skipped_all_reduce_of_equal_shapes(rank),
     }
     dist.barrier()

@@ -1,10 +1,11 @@
-"""What the READMEs say DDP and nn.SyncBatchNorm do, held to the installed torch (2.14.1).
+"""What the READMEs say DDP does, held to the installed torch (2.14.1).
 
-On 2 ranks forked from one warm process (tests/ddp_facts_worker.py, tests/warm_ranks.py): DDP's wrap
-gives every rank rank 0's parameters and buffers; DDP broadcasts rank 0's buffers again at the start
-of forward; nn.SyncBatchNorm refuses CPU tensors; DDP(static_graph=True) with no_sync() accumulation
-fails (PyTorch issue 143580: when a release fixes it, that test fails and the README's warning can
-go). What nn.SyncBatchNorm communicates cannot run without a GPU: it is read from torch's source.
+On 2 ranks forked from one warm process (tests/ddp_facts_worker.py, tests/warm_ranks.py): DDP's
+wrap gives every rank rank 0's parameters and buffers; DDP broadcasts rank 0's buffers again at the
+start of forward; DDP(static_graph=True) with no_sync() accumulation fails (PyTorch issue 143580:
+when a release fixes it, that test fails and the README's warning can go). nn.SyncBatchNorm's
+refusal of CPU tensors, and what it communicates (which cannot run without a GPU):
+tests/test_torch_text.py.
 """
 
 from __future__ import annotations
@@ -67,14 +68,6 @@ def test_a_skipped_all_reduce_of_equal_shapes_silently_sums_the_wrong_tensors(fa
     raises nothing (the right sums: loss 1 + 2, count 10 + 20)."""
     assert facts[0]["equal_shapes_mismatch"] == {"loss": 1.0 + 20.0, "count": 10.0 + 0.0}
     assert facts[1]["equal_shapes_mismatch"] == {"count": 20.0 + 1.0, "extra": 0.0 + 10.0}
-
-
-def test_nn_syncbatchnorm_refuses_cpu_tensors(facts):
-    assert (
-        facts[0]["syncbn_cpu"]
-        == facts[1]["syncbn_cpu"]
-        == ("ValueError: SyncBatchNorm expected input tensor to be on GPU or XPU or privateuseone")
-    )
 
 
 def test_static_graph_with_no_sync_accumulation_fails(facts):

@@ -18,37 +18,39 @@ from tests.helpers import (
 HANGS = "import time\nprint('started', flush=True)\ntime.sleep(3600)  # the line a hang waits on\n"
 
 
-def torchrun_that_hangs(tmp_path):
-    script = tmp_path / "hangs.py"
-    script.write_text(HANGS)
-    return [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]
-
-
-@pytest.mark.launchers  # waits out its timeout under a real torchrun; the warm guard below stays
-def test_a_timeout_records_every_processs_stacks_and_kills_the_whole_tree(tmp_path):
-    cmd = torchrun_that_hangs(tmp_path)
-    with pytest.raises(pytest.fail.Exception) as failure:
-        run(cmd, timeout=25)
-    message = str(failure.value)
-    assert message.startswith("timed out after 25s")
-    # torchrun and both workers, each with the Python line it waits on
-    assert message.count("--- pid ") >= 3, message[-3000:]
-    assert message.count("<module> (hangs.py:3)") == 2, message[-3000:]
-    # native frames too
-    assert "libc.so" in message or "libpython" in message, message[-3000:]
-
-
-def test_warm_ranks_past_the_timeout_record_both_ranks_stacks_and_leave_none(tmp_path):
-    """The same guard for ranks forked from the worker's forkserver (helpers.warm_ranks): the job
-    and both ranks are dumped, then killed; none is left (they are not this process's children)."""
+@pytest.mark.parametrize(
+    "runner",
+    # waits out its timeout under a real torchrun: launchers tier; the warm guard stays by default
+    [pytest.param("torchrun", marks=pytest.mark.launchers), "warm ranks"],
+)
+def test_a_timeout_records_every_processs_stacks_and_leaves_none(tmp_path, runner):
+    """helpers.run on a real torchrun and its two workers, and helpers.warm_ranks on ranks forked
+    from the worker's forkserver (not this process's children): past the timeout, every process
+    is dumped with the Python line it waits on, then killed; none is left."""
     script = tmp_path / "hangs.py"
     script.write_text(HANGS)
     with pytest.raises(pytest.fail.Exception) as failure:
-        warm_ranks(script, timeout=20)
+        if runner == "torchrun":
+            run(
+                [
+                    PYTHON,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    "--nproc_per_node=2",
+                    script,
+                ],
+                20,
+            )
+        else:
+            warm_ranks(script, timeout=20)
     message = str(failure.value)
-    assert message.startswith("timed out after 20s") and message.count("started") == 2, message
+    assert message.startswith("timed out after 20s"), message[-3000:]
+    # torchrun or the warm job, and both ranks, each with the Python line it waits on
     assert message.count("--- pid ") >= 3, message[-3000:]
     assert message.count("(hangs.py:3)") == 2, message[-3000:]
+    if runner == "torchrun":  # native frames too
+        assert "libc.so" in message or "libpython" in message, message[-3000:]
     dumped = [int(pid) for pid in re.findall(r"^--- pid (\d+)", message, re.M)]
     deadline = time.monotonic() + 30
     while [pid for pid in dumped if _alive(pid)] and time.monotonic() < deadline:

@@ -58,11 +58,14 @@ def torch_pulled_in(requirements: list[str], path: list[str] | None = None) -> l
     return named + pulled
 
 
-def test_the_site_requirements_neither_name_nor_pull_in_torch(tmp_path):
-    """`pip install -r requirements-site.txt` leaves the
-    environment's torch and torchvision alone."""
+def test_the_site_and_test_requirements_neither_name_nor_pull_in_torch(tmp_path):
+    """`pip install -r requirements-site.txt -r requirements-test.txt` leaves the environment's
+    torch and torchvision alone (the minimum-torch tier installs them so): neither file names
+    or pulls in torch or torchvision, and the test file holds the whole site file."""
     site = requirement_lines(SITE)
     assert site and torch_pulled_in(site) == []
+    test = requirement_lines(REPO / "requirements-test.txt")
+    assert torch_pulled_in(test) == [] and set(site) < set(test)
     # The installed closure is real: tensorboard brings numpy, among others.
     assert "numpy" in installed_closure(site)
 
@@ -97,15 +100,6 @@ def test_requirements_txt_is_the_installed_pair_plus_the_site_file():
     installed = {name: Version(metadata.version(name)).public for name in TORCH_PACKAGES}
     assert pins == {name: f"{name}=={version}" for name, version in installed.items()}
     assert lines == [pins["torch"], pins["torchvision"], *requirement_lines(SITE)]
-
-
-def test_the_test_requirements_install_on_top_of_any_torch():
-    """`pip install -r requirements-site.txt -r requirements-test.txt` keeps the site's torch (the
-    minimum-torch tier installs them so): the test file neither names nor pulls in torch or
-    torchvision, and holds the whole site file."""
-    lines = requirement_lines(REPO / "requirements-test.txt")
-    assert torch_pulled_in(lines) == []
-    assert set(requirement_lines(SITE)) < set(lines)
 
 
 # --- the minimum torch version

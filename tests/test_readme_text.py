@@ -794,12 +794,18 @@ def test_the_global_batch_tolerance_in_the_readmes_is_the_tested_one():
     assert claim and claim[1] == f"a relative {quoted}", claim and claim[0]
 
 
-def test_every_relative_link_in_the_readmes_leads_to_a_file_and_heading(tmp_path):
+def test_every_link_and_named_test_in_the_readmes_resolves(tmp_path):
+    """Each relative link leads to a file and heading. Each test a README names as its proof
+    ("Proven by `tests/test_x.py::test_y`", and a bare `::test_z` after it for the same file) is a
+    test of that file."""
     problems = [
-        f"{doc.relative_to(REPO)}: {p}" for doc in tracked_files("*.md") for p in link_problems(doc)
+        f"{doc.relative_to(REPO)}: {p}"
+        for doc in tracked_files("*.md")
+        for p in link_problems(doc) + unknown_tests(doc.read_text())
     ]
     assert problems == [], problems
-    # The check itself: a missing file, or heading, is reported; a link in a code block is not.
+    # The checks themselves: a missing file, or heading, is reported; a link in a code block is
+    # not. A test that is not there, or is in another file, is reported.
     doc = tmp_path / "README.md"
     doc.write_text(
         '## "Address already in use" (`EADDRINUSE`)\n\n[a](#address-already-in-use-eaddrinuse) '
@@ -810,22 +816,9 @@ def test_every_relative_link_in_the_readmes_leads_to_a_file_and_heading(tmp_path
         "#address-already-in-use: no such heading",
         "missing.md: no such file",
     ]
-
-
-def test_every_test_a_readme_names_is_in_the_file_it_names():
-    """ "Proven by `tests/test_x.py::test_y`": test_y is a test of that file. A bare `::test_z`
-    after it names a test of the same file."""
-    problems = [
-        f"{doc.relative_to(REPO)}: {p}" for doc in tracked_files("*.md") for p in unknown_tests(doc)
-    ]
-    assert problems == [], problems
-    # The check itself: a test that is not there, or is in another file, is reported.
     cycle = "test_common_has_no_import_cycle_even_through_an_import_inside_a_function"
     text = f"`tests/test_repo.py::test_gone`, `::{cycle}`; `test_config.py::{cycle}`"
-    assert unknown_tests(REPO / "README.md", text) == [
-        "test_repo.py::test_gone",
-        f"test_config.py::{cycle}",
-    ]
+    assert unknown_tests(text) == ["test_repo.py::test_gone", f"test_config.py::{cycle}"]
 
 
 def test_every_readme_command_is_marked_run_proven_by_or_not_run():
@@ -929,11 +922,11 @@ def test_readme_names_the_shortening_flags():
 NAMED_TEST = re.compile(r"(?:tests/)?(test_\w+\.py)|::(test_\w+)")
 
 
-def unknown_tests(doc: Path, text: str | None = None) -> list[str]:
-    """The tests that `doc` names (`test_x.py::test_y`, or `::test_y` after a test file's name)
-    and that are not a function of that file."""
+def unknown_tests(text: str) -> list[str]:
+    """The tests that a README's `text` names (`test_x.py::test_y`, or `::test_y` after a test
+    file's name) and that are not a function of that file."""
     missing, current = [], None
-    for file, name in NAMED_TEST.findall(doc.read_text() if text is None else text):
+    for file, name in NAMED_TEST.findall(text):
         if file:
             current = file
             continue

@@ -1343,9 +1343,15 @@ def test_gan_without_detach_fails_in_the_g_step(tmp_path):
     assert "Trying to backward through the graph a second time" in root_cause(result.output)
 
 
-def test_nn_syncbatchnorm_takes_cuda_xpu_hpu_privateuse1_and_no_cpu_kernel():
+def test_nn_syncbatchnorm_takes_cuda_xpu_hpu_privateuse1_and_no_cpu_kernel(one_rank_group):
     """The devices nn.SyncBatchNorm.forward accepts (torch 2.14.1's source: cuda, hpu, xpu and the
-    PrivateUse1 backend), and why not CPU: its statistics kernel has no CPU implementation."""
+    PrivateUse1 backend), and why not CPU: its statistics kernel has no CPU implementation. In a
+    process group, a CPU tensor is refused with the error 04's README quotes."""
+    refusal = "SyncBatchNorm expected input tensor to be on GPU or XPU or privateuseone"
+    with pytest.raises(ValueError, match=f"^{refusal}$"):
+        nn.SyncBatchNorm(4).train()(torch.randn(2, 4, 3, 3))
+    readme = " ".join((REPO / "04_syncbn" / "README.md").read_text().split())
+    assert f"`ValueError: {refusal}`" in readme
     import inspect
 
     source = inspect.getsource(nn.SyncBatchNorm.forward)
