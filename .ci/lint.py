@@ -1,6 +1,6 @@
-"""Structural rules for the Python files a user runs or copies, moved here from the test suite:
-the numbered lessons and their side scripts (0*/), common/, benchmark/, debugging/, porting/,
-jobs/.
+"""Structural rules for the files a user runs or copies, moved here from the test suite: the
+Python files of the numbered lessons and their side scripts (0*/), common/, benchmark/,
+debugging/, porting/, jobs/, and the Slurm and PBS job files in jobs/.
 Each rule protects someone who copies one of them:
 
   private-torch-api      no torch._x, dist._x, model._x: a private API changes without notice
@@ -23,6 +23,15 @@ Each rule protects someone who copies one of them:
   training-catches       no `try` in a lesson's train.py: a failing rank shows torch's report
   gpu-from-launch        torch.device("cuda", launch.gpu), not the local rank: where a site
                          shows each rank only its own GPU, that GPU is cuda:0
+  slurm-job-settings     a .sbatch file: the time-limit signal (--signal=USR1@N, N >= 300 s) goes
+                         to the ranks early enough to save, and torchrun's shutdown timeout gives
+                         its workers that time (at most N - 60 s); --requeue with
+                         --open-mode=append, so a requeued run adds to the log; srun with
+                         --kill-on-bad-exit=1 (one failed rank ends the step, not the time limit)
+                         and --cpus-per-task passed on (Slurm 22.05-23.02 does not)
+  pbs-job-settings       a .pbs file: WALLTIME_S's default is the #PBS walltime (the deadline the
+                         run saves before); JOB_FILE's default is the file itself (what a saved
+                         run resubmits); no qrerun (it needs operator rights: resubmit instead)
 
 Usage: python .ci/lint.py [PATH ...]   files or folders; without any, the folders above
        python .ci/lint.py --self-test  each rule on a planted mistake and on its corrected twin
@@ -50,7 +59,10 @@ DEFAULT_PATTERNS = (
     "debugging/*.py",
     "porting/*.py",
     "jobs/*.py",
+    "jobs/*.sbatch",
+    "jobs/*.pbs",
 )
+JOB_FILES = (".sbatch", ".pbs")  # read as text: the Python rules see none of them
 
 
 class File(NamedTuple):
@@ -294,22 +306,81 @@ def training_catches(files):
                 yield f, node.lineno, "a lesson's train.py catches no exception"
 
 
+def _first_line(f: File, pattern: str) -> int:
+    """The number of the first line that matches `pattern`, else 1."""
+    lines = f.text.splitlines()
+    return next((n for n, line in enumerate(lines, 1) if re.search(pattern, line)), 1)
+
+
+def slurm_job_settings(files):
+    for f in (f for f in files if f.path.suffix == ".sbatch"):
+        code = "\n".join(code_lines(f))
+        signal = re.search(r"^#SBATCH --signal=USR1@(\d+)$", f.text, re.M)
+        lead = int(signal[1]) if signal else 0
+        if lead < 300:
+            yield f, _first_line(f, "^#SBATCH"), "#SBATCH --signal=USR1@N, N >= 300: time to save"
+        shutdown = re.search(r"TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-(\d+)", code)
+        if "torch.distributed.run" in code and (not shutdown or int(shutdown[1]) > lead - 60):
+            yield (
+                f,
+                _first_line(f, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=|torch.distributed.run"),
+                "torchrun's workers get TORCH_ELASTIC_SHUTDOWN_TIMEOUT, at most the signal's lead "
+                "minus 60 s, to save in",
+            )
+        for option in ("--requeue", "--open-mode=append"):
+            if not re.search(rf"^#SBATCH {option}$", f.text, re.M):
+                yield f, _first_line(f, "^#SBATCH"), f"#SBATCH {option}: a preempted run requeues"
+        for number, line in enumerate(code_lines(f), 1):
+            if line.startswith("srun ") and not (
+                "--kill-on-bad-exit=1" in line
+                and '--cpus-per-task="${SLURM_CPUS_PER_TASK:-1}"' in line
+            ):
+                yield (
+                    f,
+                    number,
+                    'srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}"',
+                )
+
+
+def pbs_job_settings(files):
+    for f in (f for f in files if f.path.suffix == ".pbs"):
+        walltime = re.search(r"^#PBS -l walltime=(\d+):(\d+):(\d+)$", f.text, re.M)
+        seconds = (
+            int(walltime[1]) * 3600 + int(walltime[2]) * 60 + int(walltime[3]) if walltime else 0
+        )
+        if f"WALLTIME_S=${{WALLTIME_S:-{seconds}}}" not in f.text:
+            yield (
+                f,
+                _first_line(f, "^WALLTIME_S="),
+                "WALLTIME_S's default is the #PBS walltime",
+            )
+        if f"JOB_FILE=${{JOB_FILE:-jobs/{f.path.name}}}" not in f.text:
+            yield f, _first_line(f, "^JOB_FILE="), f"JOB_FILE's default is jobs/{f.path.name}"
+        for number, line in enumerate(code_lines(f), 1):
+            if re.search(r"\bqrerun\b", line):
+                yield f, number, "no qrerun: it needs operator rights (resubmit with qsub)"
+
+
 RULES = [
     *(private_torch_api, common_communicates, destroy_process_group, os_exit, record_main),
     *(set_device_first, barrier_device_ids, backend_only_api, forked_loader_workers),
     *(test_hooks, training_catches, gpu_from_launch),
 ]
+JOB_RULES = [slurm_job_settings, pbs_job_settings]
 
 
 def rule_name(rule) -> str:
     return rule.__name__.replace("_", "-")
 
 
-def lint(paths: list[Path], rules=RULES) -> list[str]:
-    files, found = [], []
+def lint(paths: list[Path], rules=RULES + JOB_RULES) -> list[str]:
+    files, jobs, found = [], [], []
     for path in paths:
         name = str(path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path)
         text = path.read_text()
+        if path.suffix in JOB_FILES:
+            jobs.append(File(path, name, text, [], []))
+            continue
         try:
             nodes = list(ast.walk(ast.parse(text, name)))
         except SyntaxError as error:
@@ -318,7 +389,8 @@ def lint(paths: list[Path], rules=RULES) -> list[str]:
         starts = [n for n in nodes if callee(n).endswith("init_process_group")]
         files.append(File(path, name, text, nodes, starts))
     for rule in rules:
-        found += [f"{f.name}:{line}: {rule_name(rule)}: {say}" for f, line, say in rule(files)]
+        checked = jobs if rule in JOB_RULES else files
+        found += [f"{f.name}:{line}: {rule_name(rule)}: {say}" for f, line, say in rule(checked)]
     return found
 
 
@@ -391,6 +463,22 @@ try:
     main()
 except Exception:
     pass
+--- slurm-job-settings jobs/a.sbatch
+#SBATCH --signal=USR1@120  #-
+#SBATCH --signal=USR1@300  #+
+#SBATCH --open-mode=append
+#SBATCH --requeue
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-240}
+srun --kill-on-bad-exit=1 \  #-
+srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \  #+
+    python -m torch.distributed.run train.py
+--- pbs-job-settings jobs/a.pbs
+#PBS -l walltime=01:00:00
+WALLTIME_S=${WALLTIME_S:-7200}  #-
+WALLTIME_S=${WALLTIME_S:-3600}  #+
+JOB_FILE=${JOB_FILE:-jobs/a.pbs}
+qrerun "$PBS_JOBID"  #-
+qsub jobs/a.pbs  # not qrerun: it needs operator rights  #+
 """
 
 
@@ -406,8 +494,8 @@ def self_test() -> list[str]:
                 path = Path(tmp, rule, twin, name)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text("\n".join(line.removesuffix(f"  #{twin}") for line in kept))
-        for rule, name in ((rule, rule_name(rule)) for rule in RULES):
-            mistake, twin = (sorted(Path(tmp, name, t).rglob("*.py")) for t in "-+")
+        for rule, name in ((rule, rule_name(rule)) for rule in RULES + JOB_RULES):
+            mistake, twin = (sorted(Path(tmp, name, t).rglob("*.*")) for t in "-+")
             if not [x for x in lint(mistake, [rule]) if f": {name}: " in x]:
                 failures.append(f"{name}: did not find its planted mistake")
             failures += [f"{name}: flagged its corrected twin: {x}" for x in lint(twin, [rule])]
@@ -418,16 +506,20 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     if argv == ["--self-test"]:
         failures = self_test()
-        print("\n".join(failures) or f"self-test: each of the {len(RULES)} rules can fail")
+        print(
+            "\n".join(failures) or f"self-test: each of the {len(RULES + JOB_RULES)} rules can fail"
+        )
         return 1 if failures else 0
     if bad := [a for a in argv if a.startswith("-") or not Path(a).exists()]:
         print(f"lint.py: not a file or folder: {' '.join(bad)}\n\n{__doc__}", file=sys.stderr)
         return 2
     failures = [] if argv else self_test()
-    roots = [(Path(a), "*.py") for a in argv] or [(REPO, p) for p in DEFAULT_PATTERNS]
+    kinds = ("*.py", *(f"*{suffix}" for suffix in JOB_FILES))
+    roots = [(Path(a), k) for a in argv for k in kinds] or [(REPO, p) for p in DEFAULT_PATTERNS]
     paths = [p for r, glob in roots for p in (sorted(r.glob(glob)) if r.is_dir() else [r])]
+    paths = list(dict.fromkeys(paths))  # a file named on the command line: once
     if not paths:
-        print(f"lint.py: no Python file in {' '.join(argv)}", file=sys.stderr)
+        print(f"lint.py: no Python or job file in {' '.join(argv)}", file=sys.stderr)
         return 2
     found = lint([p.resolve() for p in paths])
     for line in [f"self-test: {failure}" for failure in failures] + found:

@@ -70,42 +70,6 @@ def test_job_file_static(job):
         assert (REPO / (module.replace(".", "/") + ".py")).is_file(), module
 
 
-@pytest.mark.parametrize("name", SLURM_JOBS)
-def test_slurm_file_settings(name):
-    text = (REPO / "jobs" / name).read_text()
-    assert "--kill-on-bad-exit=1" in text
-    # The warning goes to the job steps (the ranks), not only to the batch shell (B:), early
-    # enough for torchrun's shutdown timeout, which it gives its workers to save in.
-    lead = int(re.search(r"^#SBATCH --signal=USR1@(\d+)$", text, re.M).group(1))
-    shutdown = re.search(r"TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-(\d+)", text)
-    assert lead >= 300 and (shutdown is None or int(shutdown.group(1)) <= lead - 60)
-    assert (shutdown is not None) == ("torchrun" in name)
-    assert re.search(r"^#SBATCH --requeue$", text, re.M) and re.search(
-        r"^#SBATCH --open-mode=append$", text, re.M
-    )
-    assert "scontrol show hostnames" in text
-    assert "$((15000 + SLURM_JOB_ID % 15000))" in text  # common.launcher derives the same port
-    # srun does not inherit it (Slurm 22.05-23.02)
-    assert '--cpus-per-task="${SLURM_CPUS_PER_TASK:-1}"' in text
-    assert (
-        "SCRIPT=${SCRIPT:-05_checkpointing/preempt.py}" in text
-    )  # the default: saves on a signal, resumes
-
-
-def test_pbs_file_settings():
-    for name in ("pbs_mpiexec.pbs", "pbs_torchrun.pbs"):
-        text = (REPO / "jobs" / name).read_text()
-        hours, minutes, seconds = re.search(
-            r"^#PBS -l walltime=(\d+):(\d+):(\d+)$", text, re.M
-        ).groups()
-        assert (
-            f"WALLTIME_S=${{WALLTIME_S:-{int(hours) * 3600 + int(minutes) * 60 + int(seconds)}}}"
-            in text
-        ), name
-        assert "qrerun" not in text.split("#PBS")[-1]  # needs operator rights: resubmit instead
-        assert f"JOB_FILE=${{JOB_FILE:-jobs/{name}}}" in text
-
-
 # -- a real two-node Slurm cluster ---------------------------------------------------------------
 
 
