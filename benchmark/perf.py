@@ -333,8 +333,9 @@ class StepTimer:
       forward_backward  batch in hand -> the last parameter gradient computed;
       exposed_comm      last gradient computed -> optimizer.step() starts: DDP's backward() waits
                         there for the buckets still being all-reduced, so this is the communication
-                        NOT hidden behind backward compute (about 0 with --no-ddp); with fp16 it
-                        also holds the GradScaler's unscale and overflow check;
+                        NOT hidden behind backward compute (with --no-ddp nothing is waited
+                        for: less than with DDP); with fp16 it also holds the GradScaler's
+                        unscale and overflow check;
       optimizer         optimizer.step() itself;
       other             after optimizer.step() -> next batch requested (GradScaler update, loss
                         bookkeeping, progress lines);

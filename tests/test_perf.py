@@ -918,13 +918,13 @@ def test_benchmark_table_and_sweep(tmp_path):
     assert no_ddp["perf"]["ddp"] == "NoDDP"
     # no gradient communication: the replicas drift apart
     assert no_ddp["replicas_identical"] is False
-    median = no_ddp["profile"]["median_s"]
-    # nothing to wait for after the last gradient
-    assert median["exposed_comm"] < 0.25 * median["step"]
     ddp = read_summary(out / "ws2_ddp_r0")
     assert ddp["replicas_identical"] is True
-    # Negative control: with DDP, backward() waits there for the last buckets' all-reduce.
-    assert ddp["profile"]["median_s"]["exposed_comm"] > median["exposed_comm"]
+    # After the last gradient, DDP's backward() waits for the last buckets' all-reduce; without
+    # DDP nothing is waited for. Compared within the run: on a loaded machine a rank descheduled
+    # there adds milliseconds to either (2.1 ms of a 7.6 ms step without DDP, once, on 2 cores).
+    exposed = [run["profile"]["median_s"]["exposed_comm"] for run in (ddp, no_ddp)]
+    assert exposed[0] > exposed[1], exposed
     accumulator = EventAccumulator(str(out / "tensorboard"))
     accumulator.Reload()
     tags = set(accumulator.Tags()["scalars"])
