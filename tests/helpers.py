@@ -528,6 +528,14 @@ def relative_difference(a: dict, b: dict) -> float:
     return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm()).item() for k in a)
 
 
+def differing_tensors(a: dict, b: dict) -> list[str]:
+    """The keys of two state dicts (the same keys required) whose tensors are not bitwise equal."""
+    import torch
+
+    assert a.keys() == b.keys()
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
 def command_argv(command: str) -> list[str]:
     """The argv of a README command (the exact text a README's ```bash block shows; the marker
     above the block names the test that runs it, and tests/test_readme_commands.py holds the two

@@ -35,6 +35,7 @@ from tests.helpers import (
     PYTHON,
     REPO,
     clean_env,
+    differing_tensors,
     free_port,
     kill_group,
     load_model,
@@ -105,10 +106,8 @@ def read_once_problems(reads: Counter, repeats: list[int]) -> str:
 
 
 def differing_params(a: Path, b: Path) -> list[str]:
-    """The tensors of the model.pt in `a` that are not bitwise those in `b` (the same keys)."""
-    pa, pb = load_model(a), load_model(b)
-    assert pa.keys() == pb.keys()
-    return [k for k in pa if not torch.equal(pa[k], pb[k])]
+    """The tensors of the model.pt in `a` that are not bitwise those in `b`."""
+    return differing_tensors(load_model(a), load_model(b))
 
 
 @pytest.fixture(scope="module")
