@@ -434,6 +434,12 @@ class Linter:
             for t in source.parent[call].targets
         }
         self.ddp_models = self._ddp_models()
+        # FSDP2 shards a model in place: fully_shard(model), or model = fully_shard(model)
+        self.sharded_models = {
+            _target_name(call.args[0])
+            for source, call in named.get("fully_shard", [])
+            if call.args and isinstance(call.args[0], ast.Name)
+        }
         for source in self.sources:
             _Walk(self, source).statements(source.tree.body, _Context())
         self._check_writes()
@@ -875,6 +881,15 @@ class _Walk:
                     f"{context.guard.lineno}): DDP's forward can broadcast rank 0's buffers, a "
                     "collective the other ranks never make; call its .module",
                 )
+            elif isinstance(call.func, ast.Name) and call.func.id in linter.sharded_models:
+                linter.add(
+                    source,
+                    call,
+                    "ddp-forward-in-rank-branch",
+                    f"a forward of the sharded (FSDP2) model {call.func.id} inside a branch on the "
+                    f"rank (line {context.guard.lineno}): each forward all-gathers the parameters, "
+                    "a collective the other ranks never make; run it on every rank",
+                )
             elif linter._is_collective(source, call):
                 linter.add(
                     source,
@@ -1110,12 +1125,16 @@ class Recorder:
         DataLoader.__iter__ = recorded_loader_iter
 
     def _record_model(self, torch):
+        import functools
+
+        import torch.distributed.fsdp as fsdp
         from torch.nn.parallel import DistributedDataParallel
 
         wrap = DistributedDataParallel.__init__
+        shard = fsdp.fully_shard
         recorder = self
 
-        def recorded_wrap(ddp, module, *args, **kwargs):
+        def note_layers(module):
             # layers that make a correct port's numbers differ from one process's
             layers = {
                 type(m).__name__
@@ -1123,9 +1142,18 @@ class Recorder:
                 if getattr(m, "p", 1) > 0 and (m.training or "Dropout" not in type(m).__name__)
             }
             recorder.note(e="model", layers=sorted(layers))
+
+        def recorded_wrap(ddp, module, *args, **kwargs):
+            note_layers(module)
             return wrap(ddp, module, *args, **kwargs)
 
+        @functools.wraps(shard)  # keeps fully_shard.state
+        def recorded_shard(module, *args, **kwargs):  # FSDP2, each block and the root
+            note_layers(module)
+            return shard(module, *args, **kwargs)
+
         DistributedDataParallel.__init__ = recorded_wrap
+        fsdp.fully_shard = recorded_shard
 
     def _after_step(self, optimizer, args, kwargs):
         import hashlib
@@ -1135,10 +1163,14 @@ class Recorder:
         self.steps += 1
         digest = hashlib.blake2b(digest_size=16)
         sums = []
+        sharded = False
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    flat = p.detach().cpu().contiguous().view(-1)
+                    p = p.detach()
+                    if hasattr(p, "to_local"):  # a DTensor (FSDP2): this rank's shard
+                        p, sharded = p.to_local(), True
+                    flat = p.cpu().contiguous().view(-1)
                     digest.update(flat.view(torch.uint8).numpy().tobytes())
                     sums.append(float(flat.double().sum()))
         self.note(
@@ -1147,6 +1179,7 @@ class Recorder:
             loss=self.loss,
             hash=digest.hexdigest(),
             sums=sums,
+            sharded=sharded,
             optimizer=type(optimizer).__name__,
             batches=[[b[1], b[2]] for b in self.step_batches],
             loader=self.step_batches[-1][0] if self.step_batches else None,
@@ -1446,15 +1479,19 @@ def _compare(ddp: Run, single: Run, nproc: int) -> tuple[list[str], list[str]]:
     problems, notes = [], []
     steps = [ddp.of(rank, "step") for rank in range(nproc)]
     count = min(len(s) for s in steps)
-    for index in range(count):
-        if len({s[index]["hash"] for s in steps}) > 1:
-            problems.append(
-                f"problem: the replicas differ after step {index + 1}: the gradients were not "
-                "averaged alike (a forward through model.module, or a model DDP does not wrap)"
-            )
-            break
+    sharded = count > 0 and steps[0][0].get("sharded", False)
+    if sharded:
+        notes.append("ok: a sharded model (FSDP2): each rank holds its own shard, no replicas")
     else:
-        notes.append(f"ok: the replicas are identical after each of {count} steps")
+        for index in range(count):
+            if len({s[index]["hash"] for s in steps}) > 1:
+                problems.append(
+                    f"problem: the replicas differ after step {index + 1}: the gradients were not "
+                    "averaged alike (a forward through model.module, or a model DDP does not wrap)"
+                )
+                break
+        else:
+            notes.append(f"ok: the replicas are identical after each of {count} steps")
     sample_problems, sample_notes = _samples(ddp, nproc)
     problems += sample_problems
     notes += sample_notes
@@ -1496,6 +1533,8 @@ def _compare(ddp: Run, single: Run, nproc: int) -> tuple[list[str], list[str]]:
             "reduction, the learning rate and what each rank reads"
         )
     first, last = steps[0][count - 1]["sums"], alone[count - 1]["sums"]
+    if sharded:  # each parameter's sum over the ranks' shards
+        first = [sum(values) for values in zip(*(s[count - 1]["sums"] for s in steps))]
     drift = sum((a - b) ** 2 for a, b in zip(first, last)) ** 0.5 / max(
         sum(b * b for b in last) ** 0.5, 1e-12
     )
