@@ -1131,7 +1131,8 @@ class Recorder:
         from torch.nn.parallel import DistributedDataParallel
 
         wrap = DistributedDataParallel.__init__
-        shard = fsdp.fully_shard
+        # FSDP2's public fully_shard: torch 2.6 and newer (the doctor runs on older ones too)
+        shard = getattr(fsdp, "fully_shard", None)
         recorder = self
 
         def note_layers(module):
@@ -1147,13 +1148,14 @@ class Recorder:
             note_layers(module)
             return wrap(ddp, module, *args, **kwargs)
 
-        @functools.wraps(shard)  # keeps fully_shard.state
+        @functools.wraps(shard or note_layers)  # keeps fully_shard.state
         def recorded_shard(module, *args, **kwargs):  # FSDP2, each block and the root
             note_layers(module)
             return shard(module, *args, **kwargs)
 
         DistributedDataParallel.__init__ = recorded_wrap
-        fsdp.fully_shard = recorded_shard
+        if shard is not None:
+            setattr(fsdp, "fully_shard", recorded_shard)
 
     def _after_step(self, optimizer, args, kwargs):
         import hashlib

@@ -71,6 +71,18 @@ SAMPLES = {
         ("torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py",),
         mask=decimals,
     ),
+    "09": Sample(
+        "09_fsdp2/README.md",
+        "Output (rank 0 only",
+        ("torchrun --standalone --nproc_per_node=2 09_fsdp2/train.py",),
+        mask=decimals,
+    ),
+    # the three commands above the table, one after the other
+    "09-memory": Sample(
+        "09_fsdp2/README.md",
+        "Measured, ResNet-18",
+        tuple(f"torchrun --standalone --nproc_per_node={n} 09_fsdp2/memory.py" for n in (1, 2, 4)),
+    ),
     "03": Sample(
         "03_grad_accum/README.md",
         "## Output",

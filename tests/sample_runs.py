@@ -201,6 +201,8 @@ def as_written(command: str, timeout: float = 60) -> Callable:
 
 RUNS: dict[str, Callable[[Path], list[Result]]] = {
     "01": readme_command(SAMPLES["01"].commands[0]),
+    "09": readme_command(SAMPLES["09"].commands[0]),
+    "09-memory": lambda out: [warm_command(c, timeout=180) for c in SAMPLES["09-memory"].commands],
     "02-viewer": readme_command(SAMPLES["02-viewer"].commands[0]),
     "02-no-sampler": readme_command(SAMPLES["02-no-sampler"].commands[0]),
     "02-eval": readme_command(SAMPLES["02-eval"].commands[0]),

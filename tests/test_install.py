@@ -126,6 +126,7 @@ def test_every_torch_use_in_the_code_has_a_known_first_release(tmp_path):
         "import re\nimport torch\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
         "ok = torch.amp.is_autocast_available('cpu')\nmodel = DDP(torch.nn.Linear(1, 1))\n"
         "model.compile()\nPATTERN = re.compile('x')\ntorch.accelerator.current_accelerator()\n"
+        "import torch.distributed.flight_recorder.fr_trace\n"
     )
     uses = python_uses(source, members)
     assert {
@@ -134,7 +135,7 @@ def test_every_torch_use_in_the_code_has_a_known_first_release(tmp_path):
         "torch.accelerator.current_accelerator",
         "torch.nn.parallel.DistributedDataParallel",
     } <= uses
-    assert newest(uses) == "2.4" and Version(newest(uses)) > Version(api_date())
+    assert newest(uses) == "2.10" and Version(newest(uses)) > Version(api_date())
     assert "torch.accelerator.current_accelerator" not in torch_2_0_uses() | NEWER_THAN_2_0.keys()
     assert (
         "re.compile" not in uses and python_uses("import re\nre.compile('x')\n", members) == set()

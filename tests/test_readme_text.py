@@ -747,6 +747,13 @@ def test_05s_sample_is_what_a_stopped_and_resumed_run_prints(sample_run):
     assert re.search(figures, ran.stdouts[1])  # the resumed run prints them
 
 
+def test_09s_samples_are_what_its_commands_print(sample_run):
+    """09's training sample (decimals masked) and its memory table (exact: sizes of tensors do not
+    vary from CPU to CPU) are lines their runs printed."""
+    assert_printed("09", sample_run("09").ok())
+    assert_printed("09-memory", sample_run("09-memory").ok())
+
+
 def shapes(lines, host):
     """Lines with numbers as N, the host name as HOST and runs
     of blanks as one: what a sample shares with a run."""

@@ -246,6 +246,35 @@ NEWER_THAN_2_0 = {
         "it torch.cuda.amp.GradScaler",
     ),
     "torch.amp.GradScaler(enabled=)": ("2.3", "with torch.amp.GradScaler"),
+    "torch.distributed.checkpoint.state_dict.get_model_state_dict": (
+        "2.2",
+        "defined in 2.2.2's state_dict.py beside get_state_dict, not 2.1.2",
+    ),
+    "torch.distributed.checkpoint.state_dict.get_model_state_dict(options=)": (
+        "2.2",
+        "with get_model_state_dict",
+    ),
+    "torch.distributed.checkpoint.state_dict.StateDictOptions": (
+        "2.2",
+        "defined in 2.2.2's state_dict.py, with full_state_dict and cpu_offload, not 2.1.2",
+    ),
+    "torch.distributed.checkpoint.state_dict.StateDictOptions(full_state_dict=)": (
+        "2.2",
+        "with StateDictOptions",
+    ),
+    "torch.distributed.checkpoint.state_dict.StateDictOptions(cpu_offload=)": (
+        "2.2",
+        "with StateDictOptions",
+    ),
+    "torch.distributed.fsdp.fully_shard": (
+        "2.6",
+        "exported by torch/distributed/fsdp/__init__.py from 2.6; 2.4 and 2.5 had it only as "
+        "torch.distributed._composable.fsdp (its docs page: created Dec 04, 2024)",
+    ),
+    "torch.distributed.fsdp.fully_shard(mp_policy=)": ("2.6", "with fully_shard"),
+    "torch.distributed.fsdp.MixedPrecisionPolicy": ("2.6", "exported with fully_shard"),
+    "torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=)": ("2.6", "with it"),
+    "torch.distributed.fsdp.MixedPrecisionPolicy(reduce_dtype=)": ("2.6", "with it"),
     "torch.amp.is_autocast_available": (
         "2.4",
         "torch/amp/autocast_mode.py of 2.4.1, not 2.3.1 (pytorch/pytorch#124938)",
