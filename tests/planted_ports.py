@@ -35,6 +35,31 @@ EDITS: dict[str, tuple[str, list[tuple[str, str]]]] = {
             ),
         ],
     ),
+    "sharded_forward_on_rank_0": (
+        "a model sharded by FSDP2 evaluated on rank 0 alone; its forward all-gathers parameters.",
+        [
+            (
+                "from torch.nn.parallel import DistributedDataParallel as DDP\n",
+                "from torch.distributed.checkpoint.state_dict import (\n"
+                "    StateDictOptions,\n"
+                "    get_model_state_dict,\n"
+                ")\n"
+                "from torch.distributed.fsdp import fully_shard\n",
+            ),
+            ("    model = DDP(model)\n", "    fully_shard(model)\n"),
+            (
+                '    if rank == 0:\n        torch.save(model.module.state_dict(), "model.pt")',
+                "    options = StateDictOptions(full_state_dict=True, cpu_offload=True)\n"
+                "    state = get_model_state_dict(model, options=options)\n"
+                "    if rank == 0:\n"
+                "        with torch.no_grad():\n"
+                "            logits = model(dataset.tensors[0])"
+                "  # planted: ddp-forward-in-rank-branch\n"
+                '        print(f"mean prediction {logits.argmax(1).float().mean():.2f}")\n'
+                '        torch.save(state, "model.pt")',
+            ),
+        ],
+    ),
     "every_rank_saves": (
         "every rank saves the model to the same file.",
         [

@@ -1569,3 +1569,31 @@ def _any_rank(line: str) -> str:
 
 
 SYNCBN_FUNCTION = Path(torch.__file__).parent / "nn" / "modules" / "_functions.py"
+
+
+def test_09s_readme_on_fsdp2_is_torchs_own_source():
+    """09's README, "What changes" and "Equal to DDP": set_requires_gradient_sync is FSDP2's no_sync
+    (its docstring); float32 and bfloat16 gradients are reduce-scattered with an average
+    (_get_gradient_divide_factors), while DDP divides by the world size before it sums (the
+    reducer's div_factor_, the Python allreduce_hook); replicate() on FSDP2 ships as a private
+    module."""
+    import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as ddp_hooks
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives as collectives
+    from torch.distributed.fsdp import FSDPModule
+
+    readme = (REPO / "09_fsdp2" / "README.md").read_text()
+    doc = inspect.getdoc(FSDPModule.set_requires_gradient_sync)
+    assert "gradient accumulation *without communication*" in doc and "`no_sync`" in doc
+    assert "`model.set_requires_gradient_sync(False)`" in readme
+    divide = inspect.getsource(collectives._get_gradient_divide_factors)
+    assert "reduce_dtype not in (torch.float32, torch.bfloat16)" in divide
+    assert "return None, None, ReduceOp.AVG, ReduceOp.AVG" in divide
+    root = Path(torch.__file__).parent
+    reducer = (root / "include/torch/csrc/distributed/c10d/reducer.hpp").read_text()
+    assert "int div_factor_;" in reducer and "Equal to the process group size" in reducer
+    assert "_allreduce_fut(" in inspect.getsource(ddp_hooks.allreduce_hook)
+    hook = inspect.getsource(ddp_hooks._allreduce_fut)
+    assert hook.index(".div_(") < hook.index("all_reduce(")
+    assert "_get_gradient_divide_factors" in readme and "`div_factor_`" in readme
+    assert (root / "distributed/_composable/replicate_with_fsdp.py").is_file()
+    assert "`torch/distributed/_composable/replicate_with_fsdp.py`" in readme
