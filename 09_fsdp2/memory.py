@@ -109,7 +109,7 @@ def measure(cfg: MemoryConfig, launch) -> None:
         if wrap == "DDP":
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         else:
-            shard(model, MixedPrecisionPolicy())
+            shard(model, MixedPrecisionPolicy(), backend)
         held = held_after_one_step(model, device)
         # Every rank's bytes, on every rank: a collective, so every rank calls it.
         every = [None] * launch.world_size

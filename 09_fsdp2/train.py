@@ -74,14 +74,18 @@ def latest_checkpoint(output_dir):
     return done[-1].parent, json.loads(done[-1].read_text())
 
 
-def shard(model, mp_policy):
+def shard(model, mp_policy, backend):
     """FSDP2: each block of the model its own unit, then the root. A unit's parameters are
     all-gathered just before its forward (and backward) and freed after it, so a rank holds the
     whole of one block at a time; the root takes the parameters no block holds."""
-    for block in model.children():
-        if any(True for _ in block.parameters()):
-            fully_shard(block, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
+    blocks = [block for block in model.children() if any(True for _ in block.parameters())]
+    for unit in [*blocks, model]:
+        fully_shard(unit, mp_policy=mp_policy)
+        if backend == "gloo":
+            # Gradients summed, then divided by the world size: FSDP2 asks for an average, which
+            # gloo's reduce-scatter summed until a fix of December 2025 (pytorch/pytorch#162338):
+            # torch 2.8 steps world_size times too far.
+            unit.set_force_sum_reduction_for_comms(True)
 
 
 @torch.no_grad()
@@ -173,7 +177,7 @@ def train(cfg, launch):
     model = build_model(cfg.model, data.num_classes, data.in_channels, data.image_size)
     model = model.to(device)
     dtype = torch.bfloat16 if cfg.precision == "bf16" else None
-    shard(model, MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+    shard(model, MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32), backend)
     # After the shard: the optimizer steps this rank's shards, and its state is sharded too.
     optimizer = torch.optim.SGD(
         model.parameters(),
