@@ -73,8 +73,6 @@ def held_after_one_step(model, device) -> dict:
             for value in state.values()
             if torch.is_tensor(value)
         ),
-        tensors=len(parameters),
-        count=sum(p.numel() for p in parameters),
     )
 
 

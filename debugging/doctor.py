@@ -434,11 +434,17 @@ class Linter:
             for t in source.parent[call].targets
         }
         self.ddp_models = self._ddp_models()
-        # FSDP2 shards a model in place: fully_shard(model), or model = fully_shard(model)
+        # FSDP2 shards a model in place: fully_shard(model), or sharded = fully_shard(model)
+        shards = named.get("fully_shard", [])
         self.sharded_models = {
             _target_name(call.args[0])
-            for source, call in named.get("fully_shard", [])
+            for source, call in shards
             if call.args and isinstance(call.args[0], ast.Name)
+        } | {
+            _target_name(target)
+            for source, call in shards
+            if isinstance(source.parent.get(call), ast.Assign)
+            for target in source.parent[call].targets
         }
         for source in self.sources:
             _Walk(self, source).statements(source.tree.body, _Context())
@@ -1148,13 +1154,14 @@ class Recorder:
             note_layers(module)
             return wrap(ddp, module, *args, **kwargs)
 
-        @functools.wraps(shard or note_layers)  # keeps fully_shard.state
-        def recorded_shard(module, *args, **kwargs):  # FSDP2, each block and the root
-            note_layers(module)
-            return shard(module, *args, **kwargs)
-
         DistributedDataParallel.__init__ = recorded_wrap
         if shard is not None:
+
+            @functools.wraps(shard)  # keeps fully_shard.state
+            def recorded_shard(module, *args, **kwargs):  # FSDP2, each block and the root
+                note_layers(module)
+                return shard(module, *args, **kwargs)
+
             setattr(fsdp, "fully_shard", recorded_shard)
 
     def _after_step(self, optimizer, args, kwargs):
