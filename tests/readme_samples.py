@@ -8,8 +8,8 @@ A sample is the plain ``` block after a marker in a README: lines its README com
 One test per README (tests/test_readme_text.py) compares each of its samples with the run it
 shows (tests/sample_runs.py), and its message names this script when they drift. Each line of a
 sample must be a line the run printed: `...` stands for any text, a line that is only `...` marks
-lines left out, and a sample's mask says what may differ from run to run (01 and 05: decimals, which
-vary from CPU to CPU; 03 and 04, compared with shorter runs: every number). --write runs the
+lines left out, and a sample's mask says what may differ from run to run (01, 05 and 09: decimals,
+which vary from CPU to CPU; 03 and 04, compared with shorter runs: every number). --write runs the
 README's commands as written (from the repository root, into runs/ and data/) and replaces each
 drifted line by the printed line closest to it.
 """
