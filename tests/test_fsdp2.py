@@ -53,8 +53,10 @@ def test_quick_start_trains_and_saves_a_model_a_plain_module_loads(quick_start):
     # model.pt: the whole model under the plain module's keys, loaded with weights_only=True
     model = SmallCNN(1, 10)
     model.load_state_dict(load_model(out))
-    # the sharded checkpoint is complete: progress.json, written last, says where the run ended
-    progress = (out / "checkpoints" / "epoch-0012" / "progress.json").read_text()
+    # the sharded checkpoint: a file a rank, and progress.json, written last, says where it ended
+    folder = out / "checkpoints" / "epoch-0012"
+    assert sorted(p.name for p in folder.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    progress = (folder / "progress.json").read_text()
     assert '"epochs": 12' in progress and f'"steps": {summary["steps"]}' in progress
 
 
@@ -138,6 +140,27 @@ def test_a_resume_on_another_world_size_goes_on_where_the_run_stopped(tmp_path):
     # The checkpoint it resumed from is still there, beside the new one.
     assert (resumed / "checkpoints" / "epoch-0001" / "progress.json").exists()
     assert (resumed / "checkpoints" / "epoch-0002" / "progress.json").exists()
+
+
+def test_every_rank_runs_as_many_test_forwards(tmp_path):
+    """09's README, "What changes": each forward all-gathers, so every rank runs as many. At 3 ranks
+    x 119, rank 0's test slice (120 images) is 2 batches and rank 2's (119) is 1: 09 evaluates all
+    359 images. The control, a copy that runs only its own batches, leaves rank 0 in a forward that
+    no other rank joins, until the timeout."""
+    flags = ("--max-steps", "1", "--local-batch-size", "119", "--timeout-s", "5")
+    warm_ranks(SCRIPT, *flags, "--output-dir", tmp_path / "09", nproc=3)
+    assert read_summary(tmp_path / "09")["eval_samples"] == 359
+    copy = tmp_path / "09_fsdp2" / "train.py"
+    copy.parent.mkdir()
+    own_batches = (
+        "    for _ in range(batches):\n        images, labels = next(test_batches, empty_batch)\n"
+    )
+    text = (REPO / SCRIPT).read_text()
+    assert text.count(own_batches) == 1
+    copy.write_text(text.replace(own_batches, "    for images, labels in test_batches:\n"))
+    result = warm_ranks(copy, *flags, "--output-dir", tmp_path / "copy", nproc=3, check=False)
+    assert result.returncode != 0 and "Timed out waiting 5000ms" in result.output
+    assert not (tmp_path / "copy" / "summary.json").exists()
 
 
 @pytest.mark.parametrize(

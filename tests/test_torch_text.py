@@ -1579,7 +1579,7 @@ def test_09s_readme_on_fsdp2_is_torchs_own_source():
     module."""
     import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as ddp_hooks
     import torch.distributed.fsdp._fully_shard._fsdp_collectives as collectives
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     readme = (REPO / "09_fsdp2" / "README.md").read_text()
     doc = inspect.getdoc(FSDPModule.set_requires_gradient_sync)
@@ -1596,4 +1596,16 @@ def test_09s_readme_on_fsdp2_is_torchs_own_source():
     assert hook.index(".div_(") < hook.index("all_reduce(")
     assert "_get_gradient_divide_factors" in readme and "`div_factor_`" in readme
     assert (root / "distributed/_composable/replicate_with_fsdp.py").is_file()
+    # "Stay on DDP, or switch": the all-gathers, and reshard_after_forward's trade
+    contract = " ".join(inspect.getdoc(fully_shard).split())
+    for said in (
+        "Before forward, FSDP all-gathers the sharded parameters",
+        "re-all-gathers them in backward before gradient computation",
+        "reduce-scatters the unsharded gradients",
+        "reshards parameters after forward and re-all-gathers in backward",
+        "keeps the unsharded parameters in memory after forward and avoids the all-gather in "
+        "backward",
+    ):
+        assert said in contract, said
+    assert "(`fully_shard`'s docstring)" in readme and "avoids the all-gather in backward" in readme
     assert "`torch/distributed/_composable/replicate_with_fsdp.py`" in readme
