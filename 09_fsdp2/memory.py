@@ -83,6 +83,22 @@ def row(world_size: int, wrap: str, held: dict, ddp_total: int) -> str:
     return f"{world_size:>5}  {wrap:<6}{cells}{sum(mib):>9.1f}{share:>10.0%}"
 
 
+def held_by_each_rank(wrap: str, cfg: MemoryConfig, launch, device) -> list[dict]:
+    """Every rank's bytes under `wrap` (DDP or FSDP2), on every rank. The model, which holds the
+    process group, is released on return, before the next one is built."""
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, 10, 3, 32).to(device)
+    if wrap == "DDP":
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    else:
+        shard(model, MixedPrecisionPolicy(), choose_backend(device))
+    held = held_after_one_step(model, device)
+    # Every rank's bytes, on every rank: a collective, so every rank calls it.
+    every = [None] * launch.world_size
+    dist.all_gather_object(every, held)
+    return every
+
+
 def measure(cfg: MemoryConfig, launch) -> None:
     """DDP's row, then FSDP2's, each of the rank holding most; rank 0 prints them."""
     # as in 01
@@ -102,23 +118,12 @@ def measure(cfg: MemoryConfig, launch) -> None:
         parts = "".join(f"{part:>12}" for part in BYTES)
         print(f"world  wrap  {parts}    total  of DDP's", flush=True)
     for wrap in ("DDP", "FSDP2"):
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model, 10, 3, 32).to(device)
-        if wrap == "DDP":
-            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        else:
-            shard(model, MixedPrecisionPolicy(), backend)
-        held = held_after_one_step(model, device)
-        # Every rank's bytes, on every rank: a collective, so every rank calls it.
-        every = [None] * launch.world_size
-        dist.all_gather_object(every, held)
+        every = held_by_each_rank(wrap, cfg, launch, device)
         largest = max(every, key=lambda h: sum(h[part] for part in BYTES))
         if wrap == "DDP":
             ddp_total = sum(largest[part] for part in BYTES)
         if launch.rank == 0:
             print(row(launch.world_size, wrap, largest, ddp_total), flush=True)
-    # The model holds the process group: released first.
-    del model
     dist.destroy_process_group()
 
 

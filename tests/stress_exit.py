@@ -56,6 +56,8 @@ COMMANDS = {
     "04": [*TORCHRUN, "04_syncbn/train.py", "--epochs", "1", "--max-steps", "20"],
     "05": [*TORCHRUN, "05_checkpointing/train.py", "--save-every-steps", "10", "--max-steps", "30"],
     "06": [*TORCHRUN, "06_multinode/train.py", "--epochs", "1", "--max-steps", "20"],
+    "09": [*TORCHRUN, "09_fsdp2/train.py", "--epochs", "1", "--max-steps", "20"],
+    "09-memory": [*TORCHRUN, "09_fsdp2/memory.py", "--model", "small_cnn"],
     "benchmark": [*TORCHRUN, "benchmark/train.py", "--epochs", "1", "--max-steps", "10"],
 }
 # The commands whose loader workers hung in the suite (tests/test_sampler_patterns.py,

@@ -208,7 +208,7 @@ def test_each_rank_holds_a_world_sizes_share_under_fsdp2():
 def test_the_doctor_reads_a_sharded_port(tmp_path):
     """debugging/doctor.py run on 09: no replicas to compare, the shards summed, no problem."""
     command = (
-        "python debugging/doctor.py run --batch-flag=--local-batch-size -- "
+        "python debugging/doctor.py run --steps 8 --batch-flag=--local-batch-size -- "
         "09_fsdp2/train.py --local-batch-size 16"
     )
     result = run(command_argv(command) + ["--output-dir", str(tmp_path)], 300)
