@@ -37,8 +37,11 @@ def worker_start_method(num_workers: int) -> str | None:
     macOS), so each loader worker starts from a clean single-threaded server process. Linux's
     default, fork(), copies a rank while one of gloo's or NCCL's threads may hold a lock, and the
     worker then waits on that lock forever, and its rank on the worker (pytorch/pytorch#130610).
-    None without workers (DataLoader takes no context then) and on Windows (spawn already)."""
+    None without workers (DataLoader takes no context then) and on Windows (spawn already).
+    The server imports torch once, before the first worker: each worker forked from it shares
+    those pages instead of importing torch itself (debugging/README.md, on loader memory)."""
     if num_workers > 0 and "forkserver" in multiprocessing.get_all_start_methods():
+        multiprocessing.get_context("forkserver").set_forkserver_preload(["torch"])
         return "forkserver"
     return None
 

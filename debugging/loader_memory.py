@@ -22,6 +22,7 @@ import gc
 import multiprocessing
 import os
 import sys
+import time
 from datetime import timedelta
 from statistics import mean
 from pathlib import Path
@@ -121,6 +122,16 @@ def write_numbers(path: Path, items: int) -> None:
     del array
 
 
+def loader_context(cfg) -> str | None:
+    """worker_start_method(), which has the forkserver import torch once: each worker, forked
+    from it, shares those pages. The control (--no-preload-torch) preloads nothing, so each
+    worker imports torch itself."""
+    context = worker_start_method(cfg.num_workers)
+    if context == "forkserver" and not cfg.preload_torch:
+        multiprocessing.get_context("forkserver").set_forkserver_preload([])
+    return context
+
+
 def measure(form: str, cfg, path: Path, rank: int) -> dict:
     """This rank's and its workers' memory with the data set in `form`, workers alive."""
     before = memory_mb()
@@ -130,14 +141,22 @@ def measure(form: str, cfg, path: Path, rank: int) -> dict:
         batch_size=1,
         sampler=range(cfg.num_workers),  # one item per worker: worker i reads batch i
         num_workers=cfg.num_workers,
-        multiprocessing_context=worker_start_method(cfg.num_workers),
+        multiprocessing_context=loader_context(cfg),
     )
+    start = time.perf_counter()
     batches = iter(loader)  # the workers live until the iterator is done or deleted
     pids = [int(next(batches)[0, 0]) for _ in range(cfg.num_workers)]
+    start_s = time.perf_counter() - start  # the first form's: the forkserver's start too
     # every worker of every rank has read the data and is still alive (gloo: no device)
     dist.barrier(device_ids=None)
     processes = [("rank", memory_mb())] + [("worker", memory_mb(pid)) for pid in pids]
-    result = dict(data_mb=data.size_bytes() / 2**20, rank=rank, processes=processes, before=before)
+    result = dict(
+        data_mb=data.size_bytes() / 2**20,
+        rank=rank,
+        processes=processes,
+        before=before,
+        start_s=start_s,
+    )
     del batches, loader, data  # the workers exit
     gc.collect()
     dist.barrier(device_ids=None)
@@ -152,9 +171,6 @@ def run(cfg, launch):
         world_size=launch.world_size,
         timeout=timedelta(seconds=cfg.timeout_s),
     )
-    if cfg.preload_torch and worker_start_method(cfg.num_workers) == "forkserver":
-        # The forkserver imports torch once; each worker, forked from it, shares those pages.
-        multiprocessing.get_context("forkserver").set_forkserver_preload(["torch"])
     path = Path(cfg.output_dir) / "data.npy"
     if launch.rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -212,15 +228,18 @@ def report(cfg, world_size, results):
             f"{row['worker_extra_mb']:12.1f}{row['copies']:19.1f}",
             flush=True,
         )
+    start_s = mean(rank["start_s"] for rank in base)
     print(
         "private memory of a worker with the empty data set: "
-        f"{rows['none']['worker_private_mb']:.0f} MiB"
+        f"{rows['none']['worker_private_mb']:.0f} MiB; a rank's first loader had its "
+        f"{cfg.num_workers} workers reading after {start_s:.1f} s"
     )
     write_summary(
         cfg.output_dir,
         world_size=world_size,
         num_workers=cfg.num_workers,
         preload_torch=cfg.preload_torch,
+        workers_start_s=start_s,
         forms=rows,
     )
 
