@@ -2,7 +2,7 @@ r"""What DDP will cost at a world size you do not have yet, known from one CPU b
 
     python benchmark/scale.py comm --model resnet50 --world-sizes 8,1024,16384
     python benchmark/scale.py dryrun --world-size 1024 --ranks 0,1023 01_basic_ddp/train.py
-    python benchmark/scale.py rendezvous --clients 128,1024
+    python benchmark/scale.py rendezvous --clients 16,64 --master-addr 127.0.0.1
     python benchmark/scale.py checkpoint --model resnet50 --world-sizes 64,1024
 
 comm        DDP built and stepped at each world size in one process, on torch's fake process
@@ -346,7 +346,9 @@ def comm(args) -> dict:
 
 
 def size(nbytes: float) -> str:
-    return f"{nbytes / MB:.1f} MB" if nbytes >= 0.1 * MB else f"{nbytes / 1e3:.1f} kB"
+    if nbytes >= 0.1 * MB:
+        return f"{nbytes / MB:.1f} MB"
+    return f"{nbytes / 1e3:.1f} kB" if nbytes >= 100 else f"{nbytes:.0f} B"
 
 
 def collectives(calls: list[dict]) -> str:
@@ -367,7 +369,7 @@ def print_comm(result: dict) -> None:
         sizes = " + ".join(f"{b / MB:.2f}" for b in step["all_reduces"])
         print(
             f"  step {step['step']}: forward {collectives(step['forward'])}; backward "
-            f"{len(step['all_reduces'])} all-reduce, {size(sum(step['all_reduces']))} ({sizes})"
+            f"{len(step['all_reduces'])} all-reduce {size(sum(step['all_reduces']))} ({sizes})"
         )
     same = "yes" if result["same_at_every_world_size"] else "NO"
     print(f"  the same collectives and bytes at every world size: {same}")
@@ -375,14 +377,15 @@ def print_comm(result: dict) -> None:
     print(
         "\npredicted all-reduce time a step (last step's buckets, NCCL's faster of ring and tree)"
     )
-    print(f"  {'fabric':<15}" + "".join(f"{n:>12}" for n in sizes) + "   ring only at the largest")
+    print(
+        f"  {'GPUs':<15}" + "".join(f"{n:>12,}" for n in sizes) + f"   ring only at {sizes[-1]:,}"
+    )
     for name, by_size in result["predicted"].items():
         cells = "".join(f"{by_size[str(n)]['total_ms']:>9.2f} ms" for n in sizes)
-        ring = by_size[str(sizes[-1])]["ring_only_ms"]
-        print(f"  {name:<15}{cells}   {ring:.1f} ms")
-        exposed = by_size[str(sizes[-1])]["exposed_ms"]
-        if exposed is not None:
-            print(f"  {'':<15}exposed after backward at {sizes[-1]}: {exposed:.2f} ms")
+        print(f"  {name:<15}{cells}   {by_size[str(sizes[-1])]['ring_only_ms']:.1f} ms")
+        if by_size[str(sizes[-1])]["exposed_ms"] is not None:
+            cells = "".join(f"{by_size[str(n)]['exposed_ms']:>9.2f} ms" for n in sizes)
+            print(f"  {'  exposed':<15}{cells}")
     for name, fabric in result["fabrics"].items():
         print(f"  {name}: {fabric['source']}")
 
@@ -452,7 +455,7 @@ def dryrun(args) -> dict:
     script = Path(args.script).resolve()
     if not script.is_file():
         bad_input(f"no script {args.script}")
-    ranks = args.ranks or [0, args.world_size - 1]
+    ranks = args.ranks or sorted({0, args.world_size - 1})
     if any(not 0 <= r < args.world_size for r in ranks):
         bad_input(f"--ranks {ranks} must lie in 0..{args.world_size - 1}")
     results = []
@@ -522,6 +525,8 @@ def dryrun_rank(args, script: Path, rank: int, folder: Path) -> dict:
             "where": None,
             "peak_mib": None,
         }
+    if result["outcome"].startswith("exit") and output.strip():
+        result["error"] = output.strip().splitlines()[-1]  # the script's own error line
     failed = result["outcome"] != "finished"
     # a collective's result on the fake group is this rank's own numbers, not the world's
     result["fake_values"] = failed and result["collective"] is not None
@@ -533,9 +538,15 @@ def dryrun_rank(args, script: Path, rank: int, folder: Path) -> dict:
     }
 
 
+def shown(path: str) -> str:
+    """`path` from the current folder where it lies below it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
 def print_dryrun(result: dict) -> None:
     print(
-        f"{result['script']} as ranks of {result['world_size']} "
+        f"{shown(result['script'])} as ranks of {result['world_size']} "
         f"({result['nproc_per_node']} a node), on the fake process group"
     )
     for rank in result["ranks"]:
@@ -546,9 +557,10 @@ def print_dryrun(result: dict) -> None:
         if rank["outcome"] != "finished":
             print(f"    {rank['error']}")
             if rank["fake_values"]:
+                where = shown(rank["where"])
                 print(
-                    f"    after {rank['collective']} at {rank['where']}: on the fake group it "
-                    "returns this rank's own values, so this may not happen in the real job"
+                    f"    after {rank['collective']} at {where}: on the fake group it returns "
+                    "this rank's own values, so this may not happen in the real job"
                 )
             else:
                 print("    before any collective returned data: it happens in the real job too")
@@ -738,10 +750,10 @@ def print_rendezvous(result: dict) -> None:
     )
     if result["slow_lookup"]:
         print(
-            f"  warning: a reverse lookup took over {SLOW_LOOKUP_MS:.0f} ms or failed. c10d looks "
-            "up the peer's name on every connection: list the nodes in /etc/hosts, or ask the "
-            'site for fast reverse DNS (debugging/README.md, "The hostname of the client socket '
-            'cannot be retrieved")'
+            f"  warning: a reverse lookup took over {SLOW_LOOKUP_MS:.0f} ms or failed, and c10d "
+            "looks up every peer as it connects: add /etc/hosts lines for the nodes, also as "
+            '::ffff:a.b.c.d, or ask the site for fast reverse DNS (debugging/README.md, "The '
+            'hostname of the client socket cannot be retrieved")'
         )
 
 
