@@ -170,7 +170,12 @@ def os_exit(files):
         # debugging/doctor.py stops the user's script after its last recorded step on purpose: the
         # script's own code after that (a collective in a finally, an atexit) would wait for ranks
         # already stopped
-        if (f.path.parent.name, f.path.name) == ("debugging", "doctor.py"):
+        # benchmark/scale.py ends its forked store clients so: a child of fork() must not run its
+        # parent's atexit handlers or flush the parent's buffered output a second time
+        if (f.path.parent.name, f.path.name) in {
+            ("debugging", "doctor.py"),
+            ("benchmark", "scale.py"),
+        }:
             continue
         for number, code in enumerate(code_lines(f), 1):
             if re.search(r"\bos\._exit\(", code):
@@ -195,8 +200,8 @@ def set_device_first(files):
         for start in f.starts:
             backend = next((k.value for k in start.keywords if k.arg == "backend"), None)
             backend = start.args[0] if start.args else backend
-            # gloo-only scripts use no GPU
-            if isinstance(backend, ast.Constant) and backend.value == "gloo":
+            # gloo-only scripts, and torch's fake group (benchmark/scale.py), use no GPU
+            if isinstance(backend, ast.Constant) and backend.value in ("gloo", "fake"):
                 continue
             before = lines[max(0, start.lineno - 4) : start.lineno - 1]
             if not any("torch.cuda.set_device(device)" in line for line in before):

@@ -43,6 +43,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -982,6 +983,7 @@ def parse_args(argv=None):
     return args
 
 
+@record  # under torchrun, a failing rank's exception shows in torchrun's summary
 def main(argv=None) -> None:
     args = parse_args(argv)
     run, show = {

@@ -122,16 +122,6 @@ def write_numbers(path: Path, items: int) -> None:
     del array
 
 
-def loader_context(cfg) -> str | None:
-    """worker_start_method(), which has the forkserver import torch once: each worker, forked
-    from it, shares those pages. The control (--no-preload-torch) preloads nothing, so each
-    worker imports torch itself."""
-    context = worker_start_method(cfg.num_workers)
-    if context == "forkserver" and not cfg.preload_torch:
-        multiprocessing.get_context("forkserver").set_forkserver_preload([])
-    return context
-
-
 def measure(form: str, cfg, path: Path, rank: int) -> dict:
     """This rank's and its workers' memory with the data set in `form`, workers alive."""
     before = memory_mb()
@@ -141,8 +131,10 @@ def measure(form: str, cfg, path: Path, rank: int) -> dict:
         batch_size=1,
         sampler=range(cfg.num_workers),  # one item per worker: worker i reads batch i
         num_workers=cfg.num_workers,
-        multiprocessing_context=loader_context(cfg),
+        multiprocessing_context=worker_start_method(cfg.num_workers),
     )
+    if not cfg.preload_torch:  # the control: nothing preloaded, each worker imports torch itself
+        multiprocessing.get_context("forkserver").set_forkserver_preload([])
     start = time.perf_counter()
     batches = iter(loader)  # the workers live until the iterator is done or deleted
     pids = [int(next(batches)[0, 0]) for _ in range(cfg.num_workers)]
