@@ -184,6 +184,11 @@ def uses_by_file() -> dict[str, set[str]]:
 # Python sources of the torch wheels of each release
 # from 2.0.1 on, read for the definition (or argument).
 NEWER_THAN_2_0 = {
+    ".nbytes": ("2.1", "Tensor.nbytes: in torch/_C/__init__.pyi of 2.1.2, not 2.0.1"),
+    "torch.testing._internal.distributed.fake_pg.FakeStore": (
+        "2.1",
+        "fake_pg.py (FakeStore, the fake backend) in the 2.1.2 wheel, not 2.0.1",
+    ),
     "torch.compiler": ("2.1", "absent from the 2.0.1 wheel; in the 2.1 docs"),
     "torch.compiler.reset": ("2.1", "in the torch.compiler API list of the 2.1 docs"),
     ".compile": ("2.1", "nn.Module.compile: defined in nn/modules/module.py of 2.1.2, not 2.0.1"),
