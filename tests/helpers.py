@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.metadata as metadata
 import importlib.util
 import itertools
@@ -340,49 +341,46 @@ def torchrun_nodes(
     tmp_path, script, script_args, nodes, nproc=1, env_of_node=lambda node: clean_env(), timeout=150
 ):
     """`nodes` torchrun processes ("nodes") with `nproc` workers each, meeting at a c10d rendezvous
-    on 127.0.0.1; each node's log is tmp_path/node<i>.log, and env_of_node(i) its environment."""
+    on 127.0.0.1; each node's log is tmp_path/node<i>.log, and env_of_node(i) its environment.
+    Under the hang guard: started by start(), ended by wait_all()."""
     port = free_port()
     procs = []
-    for node in range(nodes):
-        cmd = [
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            f"--nnodes={nodes}",
-            f"--nproc_per_node={nproc}",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{port}",
-            f"--rdzv_id=test{port}",
-            str(script),
-            *script_args,
-        ]
-        log = open(tmp_path / f"node{node}.log", "w")
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                cwd=REPO,
-                env=env_of_node(node),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
-    wait_all(procs, timeout, tmp_path, f"{nodes}-node torchrun")
+    with contextlib.ExitStack() as logs:
+        for node in range(nodes):
+            cmd = [
+                PYTHON,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={nodes}",
+                f"--nproc_per_node={nproc}",
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint=127.0.0.1:{port}",
+                f"--rdzv_id=test{port}",
+                str(script),
+                *script_args,
+            ]
+            log = logs.enter_context(open(tmp_path / f"node{node}.log", "w"))
+            procs.append(start(cmd, env=env_of_node(node), stdout=log, stderr=subprocess.STDOUT))
+        wait_all(procs, timeout, tmp_path, f"{nodes}-node torchrun")
 
 
 def wait_all(procs, timeout, tmp_path, what):
-    """Wait for every "node" within `timeout` seconds
-    in all; kill the leftovers; all must exit 0."""
+    """Wait for every "node" within `timeout` seconds in all; all must exit 0. Past the timeout,
+    the stacks of every node's whole tree (before any is killed: one node's end changes what the
+    others do), then every tree killed, and the test failed with the stacks and the logs."""
     deadline = time.monotonic() + timeout
     try:
         for proc in procs:
             proc.wait(timeout=max(1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{what} timed out after {timeout}s:\n" + node_logs(tmp_path), pytrace=False)
+        stacks = "\n".join(dump_stacks(proc) for proc in procs if proc.poll() is None)
+        for proc in procs:
+            kill_group(proc)
+        fail_timed_out(timeout, what, node_logs(tmp_path), "", stacks)
     finally:
         for proc in procs:
             if proc.poll() is None:
-                os.killpg(proc.pid, 9)
+                kill_group(proc)
                 proc.wait()
     assert [p.returncode for p in procs] == [0] * len(procs), node_logs(tmp_path)
 

@@ -12,6 +12,7 @@ import pytest
 from tests.helpers import (
     PYTHON,
     run,
+    torchrun_nodes,
     warm_ranks,
 )
 
@@ -21,12 +22,17 @@ HANGS = "import time\nprint('started', flush=True)\ntime.sleep(3600)  # the line
 @pytest.mark.parametrize(
     "runner",
     # waits out its timeout under a real torchrun: launchers tier; the warm guard stays by default
-    [pytest.param("torchrun", marks=pytest.mark.launchers), "warm ranks"],
+    [
+        pytest.param("torchrun", marks=pytest.mark.launchers),
+        pytest.param("torchrun nodes", marks=pytest.mark.launchers),
+        "warm ranks",
+    ],
 )
 def test_a_timeout_records_every_processs_stacks_and_leaves_none(tmp_path, runner):
-    """helpers.run on a real torchrun and its two workers, and helpers.warm_ranks on ranks forked
-    from the worker's forkserver (not this process's children): past the timeout, every process
-    is dumped with the Python line it waits on, then killed; none is left."""
+    """helpers.run on a real torchrun and its two workers, helpers.torchrun_nodes on two torchrun
+    "nodes" with a worker each, and helpers.warm_ranks on ranks forked from the worker's
+    forkserver (not this process's children): past the timeout, every process is dumped with the
+    Python line it waits on, then killed; none is left."""
     script = tmp_path / "hangs.py"
     script.write_text(HANGS)
     with pytest.raises(pytest.fail.Exception) as failure:
@@ -42,14 +48,16 @@ def test_a_timeout_records_every_processs_stacks_and_leaves_none(tmp_path, runne
                 ],
                 20,
             )
+        elif runner == "torchrun nodes":
+            torchrun_nodes(tmp_path, script, [], nodes=2, timeout=30)
         else:
             warm_ranks(script, timeout=20)
     message = str(failure.value)
-    assert message.startswith("timed out after 20s"), message[-3000:]
+    assert re.match(r"timed out after (20|30)s", message), message[-3000:]
     # torchrun or the warm job, and both ranks, each with the Python line it waits on
     assert message.count("--- pid ") >= 3, message[-3000:]
     assert message.count("(hangs.py:3)") == 2, message[-3000:]
-    if runner == "torchrun":  # native frames too
+    if runner.startswith("torchrun"):  # native frames too
         assert "libc.so" in message or "libpython" in message, message[-3000:]
     dumped = [int(pid) for pid in re.findall(r"^--- pid (\d+)", message, re.M)]
     deadline = time.monotonic() + 30

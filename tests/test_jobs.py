@@ -3,6 +3,7 @@ the PBS files under bash with PBS's variables and a real mpiexec."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,6 +15,7 @@ from collections import Counter
 
 import pytest
 
+from tests.helpers import finish, start as start_guarded
 from tests.helpers import (
     PYTHON,
     REPO,
@@ -862,14 +864,11 @@ def test_pbs_sigterm_to_the_whole_job_saves_and_is_not_resubmitted(tmp_path):
     (before, it did: a qdel was undone, up to MAX_RESTARTS times). A preempted job PBS reruns."""
     need_tools("mpiexec.mpich")
     env = pbs_chain_env(tmp_path, "pbs_mpiexec.pbs", "4325.pbs01")
-    proc = subprocess.Popen(
+    proc = start_guarded(
         ["bash", REPO / "jobs" / "pbs_mpiexec.pbs"],
-        cwd=tmp_path,
         env=env,
-        text=True,
-        stdout=subprocess.PIPE,
+        cwd=tmp_path,
         stderr=subprocess.STDOUT,
-        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 120
@@ -879,7 +878,7 @@ def test_pbs_sigterm_to_the_whole_job_saves_and_is_not_resubmitted(tmp_path):
         ):
             time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
+        out, _ = finish(proc, 60, "pbs_mpiexec.pbs after SIGTERM to every process")
     finally:
         kill_group(proc)
     assert re.search(r"^SIGTERM: checkpoint at step \d+ saved", out, re.M), out[-3000:]
@@ -995,18 +994,17 @@ def test_torchrun_multi_node_job_on_two_hosts(cluster, tmp_path):
         RDZV_ID=f"two-hosts-{os.getpid()}",
         TRAIN_ARGS=f"{SMALL} --output-dir {out}",
     )
-    procs = [
-        subprocess.Popen(
-            cluster.on_node(node, ["bash", "jobs/torchrun_multi_node.sh"]),
-            cwd=REPO,
-            env=env,
-            stdout=open(tmp_path / f"{node}.log", "w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        for node in ("node1", "node2")
-    ]
-    wait_all(procs, 180, tmp_path, "torchrun on two hosts")
+    with contextlib.ExitStack() as logs:
+        procs = [
+            start_guarded(
+                cluster.on_node(node, ["bash", "jobs/torchrun_multi_node.sh"]),
+                env=env,
+                stdout=logs.enter_context(open(tmp_path / f"{node}.log", "w")),
+                stderr=subprocess.STDOUT,
+            )
+            for node in ("node1", "node2")
+        ]
+        wait_all(procs, 180, tmp_path, "torchrun on two hosts")
     summary = read_summary(out)
     assert (summary["launcher"], summary["world_size"], summary["replicas_identical"]) == (
         "torchrun",

@@ -30,10 +30,13 @@ from tests.helpers import (
     PYTHON,
     REPO,
     clean_env,
+    dump_stacks,
+    fail_timed_out,
     kill_group,
     read_summary,
     run,
     skip_below_torch,
+    start,
     tracked_files,
     warm_command,
 )
@@ -100,15 +103,7 @@ def _run_once(script: str, env: dict, cwd: Path, timeout: float, copies: int):
         return run(["bash", "-c", script], timeout, env=env, cwd=cwd)
     # two terminals (06's two "nodes" on one machine): both copies at once; both must succeed
     procs = [
-        subprocess.Popen(
-            ["bash", "-c", script],
-            cwd=cwd,
-            env=env,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        start(["bash", "-c", script], env=env, cwd=cwd, stderr=subprocess.STDOUT)
         for _ in range(copies)
     ]
     outputs, deadline = [], time.monotonic() + timeout
@@ -116,9 +111,11 @@ def _run_once(script: str, env: dict, cwd: Path, timeout: float, copies: int):
         for proc in procs:
             outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
     except subprocess.TimeoutExpired:
+        # every copy's stacks before any is killed: one copy's end changes what the other does
+        stacks = "\n".join(dump_stacks(proc) for proc in procs if proc.poll() is None)
         for proc in procs:
             kill_group(proc)
-        pytest.fail(f"timed out after {timeout}s: {script}", pytrace=False)
+        fail_timed_out(timeout, script, "\n".join(outputs), "", stacks)
     code = next((p.returncode for p in procs if p.returncode), 0)
     return subprocess.CompletedProcess(script, code, "\n".join(outputs), "")
 
