@@ -198,11 +198,11 @@ def test_rendezvous_store_and_a_slow_reverse_lookup_in_ratios(tmp_path):
     as c10d looks it up (::ffff:127.0.0.1), the same run in the same namespace does not."""
     need_root("a private /etc/resolv.conf and /etc/hosts (unshare -m, mount --bind)")
     need_tools("unshare", "mount")
-    (tmp_path / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:2 attempts:1\n")
+    (tmp_path / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:4 attempts:1\n")
     hosts = "127.0.0.1 localhost\n"
     (tmp_path / "hosts").write_text(hosts)
     (tmp_path / "hosts.mapped").write_text(hosts + "::ffff:127.0.0.1 localhost\n")
-    # port 53 on loopback, bound and never read: each query waits the resolver's 2 s timeout
+    # port 53 on loopback, bound and never read: each query waits the resolver's 4 s timeout
     sink = (
         f"{PYTHON} -c 'import socket, time; s = socket.socket(socket.AF_INET, "
         'socket.SOCK_DGRAM); s.bind(("127.0.0.1", 53)); time.sleep(600)\' & sink=$!;'
@@ -222,12 +222,13 @@ def test_rendezvous_store_and_a_slow_reverse_lookup_in_ratios(tmp_path):
     )
     for run_ in slow["runs"] + fast["runs"]:
         assert run_["failed_clients"] == 0, run_
-    assert slow["slow_lookup"] and slow["lookup_burst"]["slowest_ms"] >= 1900
+    assert slow["slow_lookup"] and slow["lookup_burst"]["slowest_ms"] >= 3900
     assert not fast["slow_lookup"] and fast["lookup_burst"]["slowest_ms"] < 100
-    # the store itself: each client waits out its own lookup, so 64 clients take at least the
-    # resolver's timeout, and twice as long as without it
-    assert slow["runs"][-1]["total_s"] >= 2.0, slow
-    assert slow["runs"][-1]["total_s"] > 2 * fast["runs"][-1]["total_s"], (slow, fast)
+    # the store itself: every client waits out its own lookup as it connects, so none arrives
+    # before the resolver's timeout; without the wait, the same 64 clients (a few seconds on a
+    # busy machine) arrive well before
+    assert slow["runs"][-1]["all_arrived_s"] >= 4.0, slow
+    assert fast["runs"][-1]["all_arrived_s"] < slow["runs"][-1]["all_arrived_s"] - 1.0, fast
 
 
 def test_checkpoint_interval_is_youngs_and_dcp_writes_each_tensor_once():
