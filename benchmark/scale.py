@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 
 # make `common` importable: after this file's folder, so a common/ copied beside it comes first
@@ -438,7 +439,7 @@ def run_as_fake_rank() -> None:
     DDP.register_comm_hook = lambda self, state, hook: None  # the script's hook: not on fake
     sys.argv = [script, *script_args]
     sys.path.insert(0, str(Path(script).resolve().parent))
-    outcome = {"outcome": "finished", "error": None, **last}
+    outcome = {"outcome": "finished", "error": None}
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as stop:
@@ -621,7 +622,9 @@ def fork_client(port: int, index: int, clients: int, timeout_s: float, stderr: i
     code = 1
     try:
         os.dup2(stderr, 2)
-        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_seconds(timeout_s))
+        client = dist.TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s)
+        )
         client.set(f"rank-{index}", str(index))
         client.add("arrived", 1)
         client.wait(["go"])
@@ -635,7 +638,7 @@ def store_clients(zygote: tuple[int, int, int], clients: int, timeout_s: float) 
     """A TCPStore server on loopback and `clients` clients forked by the zygote."""
     _, requests, answers = zygote
     server = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_seconds(timeout_s)
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
     )
     overflows = listen_overflows()
     start = time.perf_counter()
@@ -660,12 +663,6 @@ def store_clients(zygote: tuple[int, int, int], clients: int, timeout_s: float) 
         "failed_lookups": failed_lookups,
         "listen_overflows": None if overflows is None else after - overflows,
     }
-
-
-def _seconds(value: float):
-    from datetime import timedelta
-
-    return timedelta(seconds=value)
 
 
 def reverse_lookup_ms(address: str) -> tuple[float, str]:
