@@ -13,8 +13,10 @@ Each rule protects someone who copies one of them:
   record-main            @record on main(): else torchrun shows no exception for a failing rank
   set-device-first       torch.cuda.set_device(device) right before the group (unless gloo
                          only): else every rank's collectives use, and fill, GPU 0
-  barrier-device-ids     barrier(device_ids=...): else, on nccl up to torch 2.7, two ranks could
-                         share one GPU, which NCCL refuses
+  barrier-device-ids     barrier(device_ids=...): else nccl's first barrier ignores set_device and
+                         guesses global rank mod the GPUs (torch up to 2.14.1): a wrong GPU, or two
+                         ranks on one, where that is not the local rank
+                         (and no init_process_group(device_id=...): 01's README says why)
   backend-only-api       a gloo- or nccl-only API under an `if` naming its backend: else it fails
                          as soon as the other backend runs the script
   forked-loader-workers  DataLoader workers from worker_start_method(...): fork() from a rank
@@ -216,6 +218,10 @@ def barrier_device_ids(files):
             helper = isinstance(call.func, ast.Name) and first == "device"
             if not helper and "device_ids" not in [k.arg for k in call.keywords]:
                 yield f, call.lineno, "pass device_ids (None on gloo) to barrier()"
+        # 01's README, "Why device_ids and not device_id": the lessons bind no device
+        for start in f.starts:
+            if "device_id" in [k.arg for k in start.keywords]:
+                yield f, start.lineno, "device_ids on each barrier, not init_process_group(device_id=)"
 
 
 # From torch 2.14's source (distributed_c10d.py, ProcessGroupNCCL.cpp). ReduceOp.AVG is documented
@@ -441,6 +447,9 @@ dist.init_process_group("gloo")  # gloo only: no GPU
 dist.barrier()  #-
 dist.barrier(device_ids=None)  #+
 barrier(device, group)
+--- barrier-device-ids 01_a/a.py
+dist.init_process_group(backend, device_id=device)  #-
+dist.init_process_group(backend)  #+
 --- backend-only-api 02_a/a.py
 from torch.distributed import monitored_barrier
 if backend == "gloo" or fast:  #-

@@ -536,8 +536,8 @@ def test_compile_with_small_buckets_is_refused(monkeypatch):
 def test_bf16_is_refused_on_gpus_before_ampere_and_read_without_a_cuda_context(monkeypatch):
     """A node of two GPUs (stood in: none exists here). One below compute capability 8.0: bf16
     is refused, naming it, although torch.cuda.is_bf16_supported() says True there (it counts
-    emulation); it is not asked, since it creates a tensor on the current GPU (GPU 0 on every
-    rank before set_device). Both 8.0 or newer: accepted."""
+    emulation); it is not asked, since it reads the current GPU only (GPU 0 on every rank before
+    set_device) and below 8.0 creates a tensor there. Both 8.0 or newer: accepted."""
     capabilities = {0: (8, 0), 1: (7, 0)}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

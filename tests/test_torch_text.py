@@ -598,11 +598,15 @@ BARRIER_WARNING = (
 )
 
 
-def test_barrier_warns_on_rank_0_unless_device_ids_or_device_id_name_the_device():
-    """torch 2.14.1's barrier(): device_ids first, then the device bound by
-    init_process_group(device_id=...), then the CPU; only otherwise the current device, with the
-    warning, from the group's rank 0 only. init_process_group's docstring: device_id forms the
-    NCCL communicator at once. NCCL's own guess, where nothing named a device, in its library."""
+def test_barrier_runs_on_device_ids_the_bound_device_an_earlier_collectives_or_a_guess():
+    """Where a barrier on nccl runs, read down to the C++ of torch 2.14.1. Python picks the
+    device of a 1-byte tensor (device_ids, the bound device, the CPU, else the current device
+    with a warning from rank 0); ProcessGroup::barrier uses that device only to allocate the
+    tensor that picks the backend, and the c10d::barrier op passes the backend device_ids, the
+    async flag and the timeout, not the device. ProcessGroupNCCL's own order is the docstring's
+    note: device_ids, the bound device, an earlier collective's, else global rank mod the GPUs,
+    with torch's warning in its nccl library. The guide says that order, not "the current
+    device" (which an earlier version of it said)."""
     import inspect
 
     import torch.distributed.distributed_c10d as c10d
@@ -618,21 +622,53 @@ def test_barrier_warns_on_rank_0_unless_device_ids_or_device_id_name_the_device(
     call = code[code.index("warnings.warn(", order[-1]) : code.index("stacklevel", order[-1])]
     assert "".join(re.findall(r'"([^"]*)"', call)) == BARRIER_WARNING, call
     assert not re.search(r"\w+Warning\b", call)  # no category given: a UserWarning
-    doc = " ".join(c10d.init_process_group.__doc__.split())
-    assert "the communicator is immediately formed (calling ``ncclCommInit*`` immediately" in doc
-    assert "sub-groups will use ``ncclCommSplit`` when possible" in doc
+
+    # C++: the device makes the tensor; the op call carries no device to the backend.
+    group_hpp = (C10D_HEADERS / "ProcessGroup.hpp").read_text()
+    barrier = group_hpp[group_hpp.index("virtual c10::intrusive_ptr<Work> barrier(") :]
+    barrier = " ".join(barrier[: barrier.index("return work;")].split())
+    assert "auto device = opts.device;" in barrier
+    assert "tensor = at::empty( {1}, at::TensorOptions().device(device.value())" in barrier
+    call_args = barrier[barrier.index("op.call(") :]
+    assert re.sub(r"\s", "", call_args[: call_args.index(";")]) == (
+        "op.call(tensor,c10::intrusive_ptr<ProcessGroup>::unsafe_reclaim_from_nonowning(this),"
+        "opts.device_ids,opts.asyncOp,opts.timeout.count())"
+    )
+    assert barrier.count("opts.device") == 2  # `auto device = opts.device` and `opts.device_ids`
+    nccl_hpp = " ".join((C10D_HEADERS / "ProcessGroupNCCL.hpp").read_text().split())
+    assert (
+        "A helper function to guess the device id of the current rank, based on // bounded "
+        "device or used device. Do not use this function if you already know // the device id "
+        "to operate on. c10::DeviceIndex guessDeviceId() const;" in nccl_hpp
+    )
+    note = " ".join(c10d.barrier.__doc__.split())
+    assert (
+        "(1) the first device passed to `device_ids` arg of barrier if not None, (2) the device "
+        "passed to init_process_group if not None, (3) the device that was first used with this "
+        "process group, if another collective with tensor inputs has been performed, (4) the "
+        "device index indicated by the global rank mod local device count." in note
+    )
     guessing = [
         "Guessing device ID based on global rank. ",
         "This can cause a hang if rank to GPU mapping is heterogeneous. ",
         "You can specify device_id in init_process_group()",
     ]
     assert all(found_in_library("libtorch_cuda.so", guessing).values())
+    # Negative control: the nccl backend's text is not in the CPU library.
+    assert not any(found_in_library("libtorch_cpu.so", guessing[:1]).values())
+
+    doc = " ".join(c10d.init_process_group.__doc__.split())
+    assert "the communicator is immediately formed (calling ``ncclCommInit*`` immediately" in doc
+    assert "sub-groups will use ``ncclCommSplit`` when possible" in doc
     guide = " ".join(GUIDE.read_text().split())
     assert f"UserWarning: {BARRIER_WARNING}" in guide
     assert (
-        "`Guessing device ID based on global rank. This can cause a hang if rank to GPU "
-        "mapping is heterogeneous. You can specify device_id in init_process_group()`" in guide
+        "with a warning from torch's nccl backend: `Guessing device ID based on global rank. This "
+        "can cause a hang if rank to GPU mapping is heterogeneous. You can specify device_id in "
+        "init_process_group()`" in guide
     )
+    assert "`torch.cuda.set_device` is not in the list." in guide
+    assert "uses the current device" not in guide
 
 
 def test_reentrant_needs_an_input_that_requires_grad_and_is_torchs_fallback():
@@ -1044,6 +1080,32 @@ def test_launch_appends_local_rank_unless_use_env_and_the_spelling_changed_in_2_
     ) in docs
 
 
+def test_is_bf16_supported_reads_the_current_gpu_and_counts_emulation_below_ampere():
+    """benchmark/README.md: torch 2.14.1's is_bf16_supported() asks the current device only; at
+    compute capability 8 or more it says True, below that (with emulation, the default) it builds
+    a bf16 tensor on that device and says whether that worked."""
+    import torch.cuda
+
+    code = inspect.getsource(torch.cuda.is_bf16_supported).split('"""')[-1]
+    steps = [
+        code.index("device = torch.cuda.current_device()"),
+        code.index("if torch.cuda.get_device_properties(device).major >= 8:"),
+        code.index("if not including_emulation:"),
+        code.index("return _check_bf16_tensor_supported(device)"),
+    ]
+    assert steps == sorted(steps)
+    assert inspect.signature(torch.cuda.is_bf16_supported).parameters[
+        "including_emulation"
+    ].default
+    check = inspect.getsource(torch.cuda._check_bf16_tensor_supported)
+    assert "torch.tensor([1.0], dtype=torch.bfloat16, device=device)" in check
+    readme = " ".join((REPO / "benchmark" / "README.md").read_text().split())
+    assert (
+        "`torch.cuda.is_bf16_supported()` would count emulation: below compute capability 8 it "
+        "says True where a bf16 tensor can be made on the current device" in readme
+    )
+
+
 def test_only_torchrun_across_nodes_defaults_to_port_29500():
     """Read from the installed torch (2.14.1), run(): --standalone, and a
     one-node torchrun given no --master-port or rendezvous endpoint, listen
@@ -1058,6 +1120,16 @@ def test_only_torchrun_across_nodes_defaults_to_port_29500():
     assert standalone < source.index('args.rdzv_endpoint = "localhost:0"') < one_node
     assert "args.master_port is None" in source[standalone:one_node]
     assert "if args.master_port is None:\n        args.master_port = 29500" in source
+    # --rdzv-endpoint without a port: the c10d rendezvous's own default, not --master-port's
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+
+    assert c10d_rendezvous_backend.DEFAULT_PORT == 29400
+    assert "If no port number is specified ``HOST_NODE_ADDR`` defaults to 29400." in (
+        " ".join(run_module.__doc__.split())
+    )
+    guide = " ".join(GUIDE.read_text().split())
+    assert "both take port 29500, the static rendezvous's default" in guide
+    assert "both take 29400, the c10d rendezvous's default" in guide
 
 
 def test_ddp_syncs_buffers_without_bumping_their_version_and_forward_sync_buffers_keeps_init_sync():
