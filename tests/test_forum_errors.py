@@ -5,7 +5,7 @@ __main__, a lambda in a forkserver worker's data set, shuffle beside a sampler, 
 passes before one backward ("modified by an inplace operation"), torch.compile with DDP (graphs
 per bucket, graph breaks, recompiles), EMA weights under DDP, loader workers' host memory, "No
 backend type associated with device type cpu", the exit without destroy_process_group() and
-init_process_group(device_id=...) on a CPU.
+init_process_group(device_id=...) on a CPU, and TORCH_DISTRIBUTED_DEBUG=DETAIL with DDP on CPU.
 
 (torchrun's summary with and without @record, and a
 rank killed with SIGKILL: tests/test_failures.py.)
@@ -813,3 +813,37 @@ def test_device_id_is_refused_for_the_cpu_and_a_cpu_run_leaves_it_out():
     assert f"`{said}`" in " ".join((REPO / "debugging" / "README.md").read_text().split())
     plain = run([PYTHON, "-c", DEVICE_ID, "none"], 120, check=True)
     assert "barrier passed" in plain.stdout and "barrier():" not in plain.stderr
+
+
+# --- TORCH_DISTRIBUTED_DEBUG=DETAIL with DDP on CPU (debugging/README.md, "Tools")
+
+DETAIL_DDP = """
+import faulthandler, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+faulthandler.enable()
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+print("gloo backend:", type(backend).__name__, flush=True)
+model = DDP(torch.nn.Linear(4, 2))
+model(torch.ones(3, 4)).sum().backward()
+print("DDP trained a step", flush=True)
+del model
+dist.destroy_process_group()
+"""
+
+
+def test_detail_wraps_gloo_and_ddps_constructor_crashes_while_info_trains():
+    """torch 2.14.1 on CPU: with TORCH_DISTRIBUTED_DEBUG=DETAIL set before the group starts, the
+    group's gloo backend is the collective checker (_ProcessGroupWrapper), and DDP's constructor
+    dies with SIGSEGV in _ddp_init_helper (its logger reads the backend as ProcessGroupGloo).
+    The control: INFO keeps ProcessGroupGloo and trains."""
+    crashed = run([PYTHON, "-c", DETAIL_DDP], 120, env=clean_env(TORCH_DISTRIBUTED_DEBUG="DETAIL"))
+    assert "gloo backend: _ProcessGroupWrapper" in crashed.stdout, crashed.output[-3000:]
+    assert crashed.returncode == -11, crashed.output[-3000:]
+    assert "Fatal Python error: Segmentation fault" in crashed.stderr
+    assert "in _ddp_init_helper" in crashed.stderr and "DDP trained" not in crashed.stdout
+    info = run([PYTHON, "-c", DETAIL_DDP], 120, env=clean_env(TORCH_DISTRIBUTED_DEBUG="INFO"))
+    assert info.returncode == 0, info.output[-3000:]
+    assert "gloo backend: ProcessGroupGloo" in info.stdout and "DDP trained a step" in info.stdout
+    guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
+    assert "`Fatal Python error: Segmentation fault` in `_ddp_init_helper`" in guide
