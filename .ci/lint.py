@@ -221,7 +221,11 @@ def barrier_device_ids(files):
         # 01's README, "Why device_ids and not device_id": the lessons bind no device
         for start in f.starts:
             if "device_id" in [k.arg for k in start.keywords]:
-                yield f, start.lineno, "device_ids on each barrier, not init_process_group(device_id=)"
+                yield (
+                    f,
+                    start.lineno,
+                    "device_ids on each barrier, not init_process_group(device_id=)",
+                )
 
 
 # From torch 2.14's source (distributed_c10d.py, ProcessGroupNCCL.cpp). ReduceOp.AVG is documented

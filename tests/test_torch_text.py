@@ -1094,9 +1094,7 @@ def test_is_bf16_supported_reads_the_current_gpu_and_counts_emulation_below_ampe
         code.index("return _check_bf16_tensor_supported(device)"),
     ]
     assert steps == sorted(steps)
-    assert inspect.signature(torch.cuda.is_bf16_supported).parameters[
-        "including_emulation"
-    ].default
+    assert inspect.signature(torch.cuda.is_bf16_supported).parameters["including_emulation"].default
     check = inspect.getsource(torch.cuda._check_bf16_tensor_supported)
     assert "torch.tensor([1.0], dtype=torch.bfloat16, device=device)" in check
     readme = " ".join((REPO / "benchmark" / "README.md").read_text().split())
