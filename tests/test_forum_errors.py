@@ -459,7 +459,16 @@ def test_a_local_lambda_in_a_data_set_fails_under_forkserver_and_a_module_functi
     failed = run([PYTHON, tmp_path / "local.py"], 120)
     said = "AttributeError: Can't pickle local object 'main.<locals>.<lambda>'"
     assert failed.returncode != 0 and said in failed.stderr, failed.stderr[-2000:]
-    assert f"```\n{said}\n```" in guide
+    # torch 2.14.1's warning before the error, which suggests fork (the guide: not in DDP)
+    warned = (
+        "UserWarning: Got pickle error when attempting to start a worker Process. This might be "
+        "because the worker Process arguments are not picklable. Python 3.14+ changed the "
+        "multiprocessing start method in non-Mac POSIX platforms to 'forkserver', which requires "
+        "the worker Process arguments to be picklable. You can also try "
+        "multiprocessing.set_start_method('fork')."
+    )
+    assert warned in " ".join(failed.stderr.split()), failed.stderr[-2000:]
+    assert f"```\n{warned}\n{said}\n```" in guide
     for name in ("module", "fork"):
         ran = run([PYTHON, tmp_path / f"{name}.py"], 120)
         assert ran.returncode == 0 and batches in ran.stdout, (name, ran.output)
@@ -847,3 +856,113 @@ def test_detail_wraps_gloo_and_ddps_constructor_crashes_while_info_trains():
     assert "gloo backend: ProcessGroupGloo" in info.stdout and "DDP trained a step" in info.stdout
     guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
     assert "`Fatal Python error: Segmentation fault` in `_ddp_init_helper`" in guide
+
+
+# --- torchrun's OMP_NUM_THREADS banner (debugging/README.md)
+
+THREADS = """
+import os, torch
+from torch.utils.data import DataLoader
+
+
+def worker_threads(_):
+    return torch.tensor(torch.get_num_threads())
+
+
+if __name__ == "__main__":
+    rank = os.environ["RANK"]
+    print(f"rank {rank} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} "
+          f"threads {torch.get_num_threads()}", flush=True)
+    if rank == "0":
+        loader = DataLoader(range(1), num_workers=1, collate_fn=worker_threads,
+                            multiprocessing_context="forkserver")
+        print(f"loader worker threads {next(iter(loader)).item()}", flush=True)
+"""
+
+OMP_BANNER = (
+    "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid "
+    "your system being overloaded, please further tune the variable for optimal performance in "
+    "your application as needed."
+)
+
+
+def test_torchrun_sets_one_thread_per_rank_unless_told_and_loader_workers_use_one(tmp_path):
+    """The guide's OMP_NUM_THREADS entry: torchrun with 2 ranks a node and no OMP_NUM_THREADS
+    prints its banner and gives each rank 1 thread; with OMP_NUM_THREADS=2 set before it, no
+    banner and 2 threads a rank. A loader worker computes on 1 thread either way."""
+    script = tmp_path / "threads.py"
+    script.write_text(THREADS)
+    unset = {k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"}
+    banner = torchrun(script, env=unset)
+    assert OMP_BANNER in " ".join(banner.stderr.split()), banner.stderr[-2000:]
+    for rank in (0, 1):
+        assert f"rank {rank} OMP_NUM_THREADS=1 threads 1" in banner.stdout, banner.stdout
+    told = torchrun(script, env={**unset, "OMP_NUM_THREADS": "2"})
+    assert "Setting OMP_NUM_THREADS" not in told.stderr, told.stderr[-2000:]
+    for rank in (0, 1):
+        assert f"rank {rank} OMP_NUM_THREADS=2 threads 2" in told.stdout, told.stdout
+    assert "loader worker threads 1" in told.stdout and "loader worker threads 1" in banner.stdout
+    guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
+    assert f"{OMP_BANNER}" in guide
+
+
+# --- find_unused_parameters' warning and static_graph (debugging/README.md)
+
+UNUSED_SEARCH = """
+import sys, warnings, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class Branches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.even, self.odd = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+
+    def forward(self, x, step):
+        return self.even(x) if step % 2 == 0 else self.odd(x)
+
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+branches = sys.argv[1] == "branches"
+model = DDP(Branches() if branches else torch.nn.Linear(4, 2), find_unused_parameters=True)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for step in range(12):
+        (model(torch.ones(3, 4), step) if branches else model(torch.ones(3, 4))).sum().backward()
+data = model._get_ddp_logging_data()
+print("python warnings", len(caught), "can_set_static_graph", data.get("can_set_static_graph"))
+del model
+dist.destroy_process_group()
+"""
+
+UNUSED_WARNING = (
+    "Warning: find_unused_parameters=True was specified in DDP constructor, but did not find any "
+    "unused parameters in the forward pass. This flag results in an extra traversal of the "
+    "autograd graph every iteration,  which can adversely affect performance. If your model "
+    "indeed never has any unused parameters in the forward pass, consider turning this flag off. "
+    "Note that this warning may be a false positive if your model has flow control causing later "
+    "iterations to have unused parameters."
+)
+
+
+def test_the_unused_parameter_search_warns_from_cpp_and_a_live_model_never_says_static():
+    """torch 2.14.1: a model that uses every parameter under find_unused_parameters=True gets
+    reducer.cpp's warning on stderr, not as a Python warning (warnings.catch_warnings sees none);
+    a model whose branches leave parameters unused does not (the control). On a live model
+    _get_ddp_logging_data() has "can_set_static_graph" 0 once the graph changed between steps,
+    and nothing while it has not: logger.hpp writes a static graph's 1 in the logger's
+    destructor only."""
+    used = run([PYTHON, "-c", UNUSED_SEARCH, "all"], 120, check=True)
+    assert UNUSED_WARNING in used.stderr, used.stderr[-2000:]
+    assert "python warnings 0 can_set_static_graph None" in used.stdout, used.stdout
+    branches = run([PYTHON, "-c", UNUSED_SEARCH, "branches"], 120, check=True)
+    assert "find_unused_parameters=True was specified" not in branches.stderr
+    assert "python warnings 0 can_set_static_graph 0" in branches.stdout, branches.stdout
+    from tests.test_torch_text import C10D_HEADERS
+
+    logger = " ".join((C10D_HEADERS / "logger.hpp").read_text().split())
+    assert "~Logger() noexcept(false) {" in logger
+    assert "log_if_graph_static(reducer_->ddp_graph_static()); }" in logger
+    assert logger.count("log_if_graph_static(") == 2  # the destructor's call and the declaration
+    guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
+    assert " ".join(UNUSED_WARNING.split()) in guide  # (the guide read with its spaces collapsed)
