@@ -966,3 +966,31 @@ def test_the_unused_parameter_search_warns_from_cpp_and_a_live_model_never_says_
     assert logger.count("log_if_graph_static(") == 2  # the destructor's call and the declaration
     guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
     assert " ".join(UNUSED_WARNING.split()) in guide  # (the guide read with its spaces collapsed)
+
+
+# --- renamed variables (debugging/README.md, "Environment variable X is deprecated")
+
+ONE_ALL_REDUCE = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+dist.all_reduce(torch.ones(1))
+print("all-reduced", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_an_old_variable_name_works_and_warns_and_the_new_one_is_silent():
+    """The flight recorder's old variable on a CPU run of torch 2.14.1: the warning the guide
+    quotes; the new name: none (the control)."""
+    said = (
+        "Warning: Environment variable TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated; use "
+        "TORCH_FR_BUFFER_SIZE instead (function operator())"
+    )
+    old = run(
+        [PYTHON, "-c", ONE_ALL_REDUCE], 120, env=clean_env(TORCH_NCCL_TRACE_BUFFER_SIZE="100")
+    )
+    assert old.returncode == 0 and "all-reduced" in old.stdout, old.output[-2000:]
+    assert said in old.stderr, old.stderr[-2000:]
+    new = run([PYTHON, "-c", ONE_ALL_REDUCE], 120, env=clean_env(TORCH_FR_BUFFER_SIZE="100"))
+    assert new.returncode == 0 and "is deprecated" not in new.stderr, new.output[-2000:]
+    assert said in (REPO / "debugging" / "README.md").read_text()

@@ -168,9 +168,55 @@ def test_error_handling_modes_and_trace_buffer_default_are_the_installed_headers
         "- `1` aborts them first",
         "- `2` only aborts them;",
         "- `0` only logs",
-        "`TORCH_NCCL_TRACE_BUFFER_SIZE` collectives (2000 by default",
+        "`TORCH_FR_BUFFER_SIZE` collectives (2000 by default from torch 2.11",
     ):
         assert claim in guide, claim
+
+
+def test_renamed_variables_are_torchs_pairs_and_the_new_name_wins():
+    """The guide's table of renamed variables, read from torch 2.14.1's headers: each old name
+    is the second of a pair whose first (the new name) is read last and so wins; the warning
+    comes from Utils.hpp's macro; torchrun sets the new name for its workers; the nccl backend
+    calls TORCH_NCCL_AVOID_RECORD_STREAMS deprecated. (The warning on a CPU run:
+    tests/test_forum_errors.py.)"""
+    nccl = " ".join((C10D_HEADERS / "ProcessGroupNCCL.hpp").read_text().split())
+    for name in ("ASYNC_ERROR_HANDLING", "BLOCKING_WAIT", "DESYNC_DEBUG", "ENABLE_TIMING"):
+        pair = f'TORCH_NCCL_{name} = {{ "TORCH_NCCL_{name}", "NCCL_{name}"}};'
+        assert pair in nccl, pair
+    assert 'TORCH_NCCL_AVOID_RECORD_STREAMS = { "TORCH_NCCL_AVOID_RECORD_STREAMS"};' in nccl
+    assert '"NCCL_AVOID_RECORD_STREAMS"' not in nccl  # the name without TORCH_ is read nowhere
+    recorder = " ".join((C10D_HEADERS / "FlightRecorder.hpp").read_text().split())
+    assert '{"TORCH_FR_CPP_STACK", "TORCH_NCCL_TRACE_CPP_STACK"}, false)' in recorder
+    utils = " ".join((C10D_HEADERS / "Utils.hpp").read_text().replace("\\\n", " ").split())
+    assert (
+        '"Environment variable " + deprecated_env + " is deprecated; use " + new_env + " instead");'
+        in utils
+    )
+    assert utils.count("parse environment variable in reverse order") >= 3
+    import torch.distributed.elastic.agent.server.local_elastic_agent as agent
+
+    source = " ".join(inspect.getsource(agent).split())
+    assert (
+        '"TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv( "TORCH_NCCL_ASYNC_ERROR_HANDLING", str(1)'
+        in source
+    )
+    deprecated = (
+        "TORCH_NCCL_AVOID_RECORD_STREAMS is the default now, this environment variable is thus "
+        "deprecated."
+    )
+    assert found_in_library("libtorch_cuda.so", [deprecated])[deprecated]
+    guide = " ".join(GUIDE.read_text().split())
+    for old, new in (
+        ("NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+        ("NCCL_BLOCKING_WAIT", "TORCH_NCCL_BLOCKING_WAIT"),
+        ("NCCL_DESYNC_DEBUG", "TORCH_NCCL_DESYNC_DEBUG"),
+        ("NCCL_ENABLE_TIMING", "TORCH_NCCL_ENABLE_TIMING"),
+        ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"),
+        ("TORCH_NCCL_TRACE_CPP_STACK", "TORCH_FR_CPP_STACK"),
+        ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE"),
+    ):
+        assert f"| `{old}` | `{new}` |" in guide, old
+    assert f"`{deprecated}`" in guide
 
 
 def test_debug_levels_and_nccl_errors_the_guide_names_are_torchs():
