@@ -1213,8 +1213,28 @@ def test_ddp_optimizer_is_on_by_default_and_splits_at_ddps_buckets():
     assert "There will no comm/compute overlap." in " ".join(
         line.lstrip("# ") for line in config.splitlines()
     )
+    # The names it takes besides True and False, and what they map to.
+    import typing
+
+    hints = typing.get_type_hints(torch._dynamo.config)
+    names = {a for arg in typing.get_args(hints["optimize_ddp"]) for a in typing.get_args(arg)}
+    assert names == {
+        "ddp_optimizer",
+        "python_reducer",
+        "python_reducer_without_compiled_forward",
+        "no_optimization",
+    }
+    assert "this optimization requires the usage of compiled_autograd" in " ".join(
+        line.lstrip("# ") for line in config.splitlines()
+    )
+    with torch._dynamo.config.patch(optimize_ddp=False):
+        assert get_optimize_ddp_mode() == "no_optimization"
     guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
     assert "`torch._dynamo.config.optimize_ddp = False`" in guide
+    assert (
+        '`"ddp_optimizer"` (`True`), `"no_optimization"` (`False`), and the experimental '
+        '`"python_reducer"`, which needs compiled autograd' in guide
+    )
 
 
 def test_the_loader_and_forkserver_texts_the_guide_quotes_are_torchs_and_pythons():
