@@ -1745,3 +1745,16 @@ def test_09s_readme_on_fsdp2_is_torchs_own_source():
         assert said in contract, said
     assert "(`fully_shard`'s docstring)" in readme and "avoids the all-gather in backward" in readme
     assert "`torch/distributed/_composable/replicate_with_fsdp.py`" in readme
+
+
+def test_the_nccl_that_ships_with_torch_is_the_one_the_guide_reads():
+    """The guide's NCCL memory entry reads NCCL 2.30.7's source: the version torch 2.14.1 loads
+    (2.8.0's, 2.27.3, read in its wheel)."""
+    import torch
+
+    if not torch.distributed.is_nccl_available():
+        pytest.skip("a CPU-only torch build ships no NCCL")
+    assert torch.cuda.nccl.version() == (2, 30, 7)
+    guide = " ".join(GUIDE.read_text().split())
+    assert "2.27.3 in torch 2.8.0, 2.30.7 in 2.14.1" in guide
+    assert "what follows is read from NCCL 2.30.7's source" in guide
