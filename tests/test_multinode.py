@@ -3,6 +3,7 @@ two network namespaces), and the failures a first multi-node launch meets."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -22,6 +23,7 @@ from tests.helpers import (
     finish,
     free_port,
     full_logs,
+    kill_group,
     load_script,
     read_summary,
     run,
@@ -558,38 +560,27 @@ def test_missing_rank_is_named(tmp_path):
 # namespaces + a veth pair ----------------------------
 
 
-@pytest.mark.launchers
-def test_two_namespace_hosts_train_across_veth(tmp_path):
+@contextlib.contextmanager
+def two_hosts(subnet: int):
+    """Two hosts with their own addresses: network namespaces joined by a veth pair, 10.<subnet>.0.1
+    and .2. Yields (namespaces, interfaces, addresses); deletes both namespaces at the end."""
     need_root("creating network namespaces")
     need_tools("ip", "unshare")
     tag = f"{os.getpid() % 10000}"
-    ns = [f"ddp6a{tag}", f"ddp6b{tag}"]
-    veth = [f"v6a{tag}", f"v6b{tag}"]
-    addr = ["10.206.0.1", "10.206.0.2"]
+    ns = [f"ddp{subnet}a{tag}", f"ddp{subnet}b{tag}"]
+    veth = [f"v{subnet}a{tag}", f"v{subnet}b{tag}"]
+    addr = [f"10.{subnet}.0.1", f"10.{subnet}.0.2"]
     created = []
     try:
         for name in ns:
             subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
             created.append(name)
         subprocess.run(
-            [
-                "ip",
-                "link",
-                "add",
-                veth[0],
-                "netns",
-                ns[0],
-                "type",
-                "veth",
-                "peer",
-                "name",
-                veth[1],
-                "netns",
-                ns[1],
-            ],
+            ["ip", "link", "add", veth[0], "netns", ns[0], "type", "veth",
+             "peer", "name", veth[1], "netns", ns[1]],
             check=True,
             capture_output=True,
-        )
+        )  # fmt: skip
         for name, dev, ip in zip(ns, veth, addr):
             for cmd in (
                 ["ip", "addr", "add", f"{ip}/24", "dev", dev],
@@ -601,11 +592,34 @@ def test_two_namespace_hosts_train_across_veth(tmp_path):
         _delete_namespaces(created)
         unavailable(f"cannot create network namespaces here: {getattr(exc, 'stderr', exc)}")
     try:
-        port, procs = 29411, []
+        yield ns, veth, addr
+    finally:
+        _delete_namespaces(created)
+
+
+def on_host(ns: str, name: str, command: str) -> list[str]:
+    """`command` (a shell line) as a process of namespace host `ns`, with its own host name."""
+    return [
+        "ip",
+        "netns",
+        "exec",
+        ns,
+        "unshare",
+        "--uts",
+        "sh",
+        "-c",
+        f"hostname {name} && {command}",
+    ]
+
+
+@pytest.mark.launchers
+def test_two_namespace_hosts_train_across_veth(tmp_path):
+    with two_hosts(206) as (ns, veth, addr):
+        tag, port, procs = os.getpid() % 10000, 29411, []
         for node in range(2):
             # Own UTS namespace too, so each "host" has its own host name in the placement table.
             inner = (
-                f"hostname host{node} && exec {PYTHON} -m torch.distributed.run --nnodes=2 "
+                f"exec {PYTHON} -m torch.distributed.run --nnodes=2 "
                 f"--nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint={addr[0]}:{port} "
                 f"--rdzv_id=ns{tag} --rdzv_conf=is_host={1 - node} --local_addr={addr[node]} "
                 f"{TRAIN} {' '.join(SMALL)} --output-dir {tmp_path / 'out'}"
@@ -614,7 +628,7 @@ def test_two_namespace_hosts_train_across_veth(tmp_path):
             log = open(tmp_path / f"node{node}.log", "w")
             procs.append(
                 start(
-                    ["ip", "netns", "exec", ns[node], "unshare", "--uts", "sh", "-c", inner],
+                    on_host(ns[node], f"host{node}", inner),
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -628,10 +642,86 @@ def test_two_namespace_hosts_train_across_veth(tmp_path):
             (1, "host1"),
         ]
         assert "2 ranks on 2 host(s): host0, host1" in (tmp_path / "node0.log").read_text()
-    finally:
-        _delete_namespaces(created)
 
 
 def _delete_namespaces(names):
     for name in names:  # deleting a namespace deletes its end of the veth pair, and so the pair
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+# -- torchrun --nnodes=1:2: a node leaves -------------------------------------------------------
+
+ELASTIC_STEPS = """
+import os, socket, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+print(f"attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}: rank {rank} of {world} on "
+      f"{socket.gethostname()}", flush=True)
+for step in range(24):
+    dist.all_reduce(torch.ones(1))
+    time.sleep(0.25)
+print(f"rank {rank} finished in a world of {world}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _elastic_pair(tmp_path, ns, veth, addr, run_id, max_restarts):
+    """Both hosts' torchrun --nnodes=1:2, host 1 killed whole once both train; host 0's exit code
+    and log."""
+    script = tmp_path / "steps.py"
+    script.write_text(ELASTIC_STEPS)
+    port, procs, logs = free_port(), [], [tmp_path / f"{run_id}-host{n}.log" for n in (0, 1)]
+    for node in (0, 1):
+        conf = (
+            f"is_host={1 - node},last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2"
+        )
+        inner = (
+            f"exec {PYTHON} -m torch.distributed.run --nnodes=1:2 --nproc-per-node=1 "
+            f"--max-restarts={max_restarts} --monitor-interval=1 --rdzv-backend=c10d "
+            f"--rdzv-endpoint={addr[0]}:{port} --rdzv-id={run_id} --rdzv-conf={conf} "
+            f"--local-addr={addr[node]} {script}"
+        )
+        env = clean_env(GLOO_SOCKET_IFNAME=veth[node], LOGLEVEL="INFO")
+        with open(logs[node], "w") as log:
+            procs.append(
+                start(
+                    on_host(ns[node], f"host{node}", inner),
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    try:
+        deadline = time.monotonic() + 90
+        while "attempt 0: rank 0 of 2" not in logs[0].read_text():
+            assert time.monotonic() < deadline and procs[0].poll() is None, full_logs(tmp_path)
+            time.sleep(0.5)
+        time.sleep(1)
+        kill_group(procs[1])  # the host goes: its torchrun and its worker, at once
+        procs[1].wait()
+        finish(procs[0], 120, f"the remaining host of {run_id}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_group(proc)
+                proc.wait()
+    return procs[0].returncode, logs[0].read_text()
+
+
+@pytest.mark.launchers
+def test_elastic_torchrun_goes_on_without_a_host_that_leaves_only_with_a_restart_left(tmp_path):
+    """The guide's elastic entry on two hosts of their own: torchrun --nnodes=1:2, host 1 killed
+    while both train. With --max-restarts=1, host 0's worker fails (gloo: connection closed),
+    torchrun restarts it, the rendezvous completes with host 0 alone, and it finishes in a world of
+    1. With torchrun's default, --max-restarts=0, the same loss ends host 0's run."""
+    with two_hosts(207) as (ns, veth, addr):
+        code, log = _elastic_pair(tmp_path, ns, veth, addr, "elastic1", max_restarts=1)
+        assert code == 0, log[-4000:]
+        assert "[default] Worker group FAILED. 1/1 attempts left; will restart worker group" in log
+        assert "attempt 1: rank 0 of 1 on host0" in log
+        assert "rank 0 finished in a world of 1" in log and "finished in a world of 2" not in log
+        code, log = _elastic_pair(tmp_path, ns, veth, addr, "elastic0", max_restarts=0)
+        assert code == 1, log[-4000:]
+        assert "attempts left" not in log and "attempt 1:" not in log, log[-4000:]
+    guide = " ".join((REPO / "debugging" / "README.md").read_text().split())
+    assert "] [default] Worker group FAILED. 1/1 attempts left; will restart worker group" in guide

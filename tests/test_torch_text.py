@@ -1758,3 +1758,30 @@ def test_the_nccl_that_ships_with_torch_is_the_one_the_guide_reads():
     guide = " ".join(GUIDE.read_text().split())
     assert "2.27.3 in torch 2.8.0, 2.30.7 in 2.14.1" in guide
     assert "what follows is read from NCCL 2.30.7's source" in guide
+
+
+def test_torchrun_restarts_only_when_told_and_names_joining_nodes_alone():
+    """The guide's elastic entry, read from torch 2.14.1: --max-restarts defaults to 0; the agent
+    announces nodes that join (a restart that costs none), not nodes that leave; the rendezvous
+    waits 30 s by default for more nodes; the agent logs at LOGLEVEL, warnings by default. (A node
+    leaving, run on two hosts: tests/test_multinode.py.)"""
+    import torch.distributed.elastic.agent.server.api as agent_api
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic
+    import torch.distributed.elastic.utils.logging as elastic_logging
+    import torch.distributed.run as run_module
+
+    parser = run_module.get_args_parser()
+    assert parser.parse_args(["script.py"]).max_restarts == 0
+    source = " ".join(inspect.getsource(agent_api.SimpleElasticAgent._invoke_run).split())
+    assert '"[%s] Detected %s " "new nodes from group_rank=%s; " "will restart worker group",' in (
+        source
+    )
+    assert "# membership changes do not count as retries" in source
+    assert dynamic.RendezvousTimeout().last_call == timedelta(seconds=30)
+    logging_source = inspect.getsource(elastic_logging)
+    assert 'os.environ.get("LOGLEVEL", get_log_level())' in logging_source
+    assert 'return "WARNING"' in inspect.getsource(elastic_logging.get_log_level)
+    guide = " ".join(GUIDE.read_text().split())
+    assert "`[default] Detected 1 new nodes from group_rank=0; will restart worker group`" in guide
+    assert "torchrun's default is `--max-restarts=0`" in guide
+    assert "after `last_call_timeout` (30 s by default) for more" in guide
