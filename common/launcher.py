@@ -1,8 +1,11 @@
 """Which launcher started this process, where rank 0 listens, which GPU is this rank's.
 
 The rule: rank, local rank and both world sizes come from the launcher that started the process,
-the first of: torchrun; RANK and WORLD_SIZE set by hand; Open MPI's or Hydra's mpiexec (MPICH,
-Intel MPI); an srun step, read from SLURM_* whatever its MPI plugin added; HPE PALS' mpiexec.
+the first of: torchrun; a Kubernetes PyTorchJob's pod (one process, its RANK and WORLD_SIZE);
+RANK and WORLD_SIZE set by hand; Open MPI's or Hydra's mpiexec (MPICH, Intel MPI); an srun step,
+read from SLURM_* whatever its MPI plugin added; HPE PALS' mpiexec. Kubernetes operators that set
+only torchrun's own PET_* variables (Kubeflow Trainer, JobSet, an elastic PyTorchJob) need torchrun:
+without it each pod would train alone, so that is refused.
 mpiexec in a Slurm job starts its daemons with srun, whose SLURM_PROCID its ranks inherit; Slurm's
 cray_shasta plugin exports PALS' variables too. A local world size is a launcher's own count, never
 a guess. launch_info(env) is the rule on a plain dict; this module imports no torch.
@@ -79,6 +82,9 @@ PALS = Dialect(
     local_world_size="PMI_LOCAL_SIZE",
 )
 FOREIGN_RANKS = ("PMI_RANK", "PALS_RANKID", "PMIX_RANK")  # set, yet no rule matched: refused
+# torchrun's --nnodes, --nproc-per-node, --node-rank as the Kubernetes operators pass them (its
+# argparse reads PET_<FLAG>); only torchrun turns them into ranks
+TORCHRUN_JOB_SHAPE = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK")
 _SLURM_SPECIAL_STEP_MIN = 0xFFFFFFFA  # batch, extern, interactive, pending: not srun steps
 
 
@@ -93,7 +99,9 @@ class Ranks:  # what a launcher says of this process (None: it says nothing of t
 
 @dataclass(frozen=True)
 class LaunchInfo:
-    launcher: str  # torchrun, mp.spawn, env, openmpi, mpich, intel-mpi, pals, slurm, single
+    launcher: (
+        str  # torchrun, mp.spawn, pytorchjob, env, openmpi, mpich, intel-mpi, pals, slurm, single
+    )
     rank: int
     local_rank: int
     world_size: int
@@ -334,6 +342,8 @@ def launched_by(env: Mapping[str, str]) -> Ranks:
     """The rule at the top of this file, in its order."""
     if env.get(TORCHRUN.marker) is not None:
         return _read(TORCHRUN, env)
+    if any(env.get(name) is not None for name in TORCHRUN_JOB_SHAPE):
+        return _kubernetes_pod(env)
     if env.get("RANK") or env.get("WORLD_SIZE"):  # set by hand, or by a wrapper
         return _by_hand(env)
     for dialect in MPI_LAUNCHERS:
@@ -351,6 +361,32 @@ def launched_by(env: Mapping[str, str]) -> Ranks:
                 "torchrun, srun or mpiexec, or set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE"
             )
     return Ranks("single", None, None, None, None)
+
+
+def _kubernetes_pod(env: Mapping[str, str]) -> Ranks:
+    """A pod of a Kubernetes operator's job, started without torchrun: one process. Kubeflow's
+    PyTorchJob (training-operator v1, `envvar.go`) also sets RANK (the pod's index) and
+    WORLD_SIZE (pods x PET_NPROC_PER_NODE): right for one process a pod, and refused where
+    WORLD_SIZE counts processes this pod does not start. Operators that set only the PET_*
+    variables (Trainer v2's torch plugin, JobSet, an elastic PyTorchJob) leave the ranks to
+    torchrun: refused, unless they describe one process in all."""
+    shape = {name: env.get(name) for name in TORCHRUN_JOB_SHAPE if env.get(name) is not None}
+    said = ", ".join(f"{name}={value}" for name, value in shape.items())
+    per_pod = env.get("PET_NPROC_PER_NODE", "1")
+    if env.get("RANK") is not None and env.get("WORLD_SIZE") is not None:
+        if per_pod != "1":
+            raise LauncherError(
+                f"{said}: the job asks for {per_pod} processes a pod (WORLD_SIZE="
+                f"{env['WORLD_SIZE']}), but this pod runs one: start the script with torchrun, "
+                "which starts them"
+            )
+        return Ranks("pytorchjob", _int(env, "RANK"), 0, _int(env, "WORLD_SIZE"), 1)
+    if env.get("PET_NNODES", "1") == "1" and per_pod == "1":
+        return Ranks("single", None, None, None, None)
+    raise LauncherError(
+        f"{said} are torchrun's settings (a Kubernetes operator set them), but torchrun did not "
+        "start this process: each pod would train alone. Start the script with torchrun"
+    )
 
 
 def _read(dialect: Dialect, env: Mapping[str, str]) -> Ranks:

@@ -40,6 +40,7 @@ _LAUNCHER_PREFIXES = (
     "PMIX_",
     "PALS_",
     "PBS_",
+    "PET_",
     "MPI_",
     "HYDRA_",
     "I_MPI_",

@@ -98,3 +98,53 @@ def site_env(tmp_path: Path, with_module: bool = True, **extra: str) -> dict[str
     if with_module:
         env["PATH"] = f"{stub_bin(tmp_path)}:{env['PATH']}"
     return env
+
+
+# What each Kubernetes operator puts into a pod's environment, written from its source (no
+# Kubernetes API server exists here). Pod "index" of "pods"; "per_pod" processes a pod.
+def kubernetes_pod_env(operator: str, index: int, pods: int, per_pod: int = 1) -> dict[str, str]:
+    if operator == "pytorchjob":
+        # kubeflow/training-operator v1.9.0, pkg/controller.v1/pytorch/envvar.go, setPodEnv (a
+        # Master replica and Workers): WORLD_SIZE = replicas x nprocPerNode, RANK = PET_NODE_RANK
+        # = the pod's index (master 0, worker i: i + 1), PET_NNODES = replicas; PET_NPROC_PER_NODE
+        # only where the job sets nprocPerNode. master.go: MASTER_ADDR = <job>-master-0,
+        # MASTER_PORT = the container port, PyTorchJobDefaultPort 23456
+        # (apis/kubeflow.org/v1/pytorch_types.go).
+        env = {
+            "PYTHONUNBUFFERED": "1",
+            "MASTER_ADDR": "job-master-0",
+            "MASTER_PORT": "23456",
+            "PET_MASTER_ADDR": "job-master-0",
+            "PET_MASTER_PORT": "23456",
+            "WORLD_SIZE": str(pods * per_pod),
+            "RANK": str(index),
+            "PET_NODE_RANK": str(index),
+            "PET_NNODES": str(pods),
+        }
+        if per_pod != 1:
+            env["PET_NPROC_PER_NODE"] = str(per_pod)
+        return env
+    if operator == "elastic-pytorchjob":
+        # the same operator with an elasticPolicy and Workers only (elastic.go, Generate): no
+        # RANK or WORLD_SIZE (those come with a Master), PET_NNODES as a range, the rendezvous
+        return {
+            "PET_NNODES": f"1:{pods}",
+            "PET_NPROC_PER_NODE": str(per_pod),
+            "PET_RDZV_BACKEND": "c10d",
+            "PET_RDZV_ENDPOINT": "job-worker-0:23456",
+            "PET_RDZV_ID": "job",
+            "PET_MAX_RESTARTS": "3",
+        }
+    if operator == "trainjob":
+        # kubeflow/trainer (v2), pkg/runtime/framework/plugins/torch/torch.go, EnforceMLPolicy, and
+        # pkg/constants/constants.go: the PET_* variables only; PET_NODE_RANK from the Indexed
+        # Job's completion index, which Kubernetes also exports. Trainer v2 runs on JobSet.
+        return {
+            "PET_NNODES": str(pods),
+            "PET_NPROC_PER_NODE": str(per_pod),
+            "PET_NODE_RANK": str(index),
+            "PET_MASTER_ADDR": "job-node-0-0.job",
+            "PET_MASTER_PORT": "29500",
+            "JOB_COMPLETION_INDEX": str(index),
+        }
+    raise ValueError(operator)

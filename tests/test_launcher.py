@@ -29,6 +29,7 @@ from tests.helpers import (
     run,
     start,
 )
+from tests.launcher_tools import kubernetes_pod_env
 
 
 def pals_rank(rank: int, local_rank: int, world: int, local_world: int) -> dict[str, str]:
@@ -672,3 +673,69 @@ def test_ranks_started_by_hand_with_torchruns_variables_train(tmp_path, master_a
     summary = read_summary(tmp_path)
     assert (summary["launcher"], summary["world_size"], summary["steps"]) == ("env", 2, 3)
     assert summary["replicas_identical"]
+
+
+# --- Kubernetes operators' pods (tests/launcher_tools.py: each environment from the operator's
+# source; no API server here)
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2])
+def test_a_pytorchjob_pod_under_plain_python_is_one_rank_of_the_pods_on_its_own_node(gpus):
+    """PyTorchJob v1, one process a pod (plain python): rank = the pod's index, world = pods,
+    one rank on its node whatever the GPUs it sees, rank 0's address the master pod's. Before,
+    the world was taken as one node's, and 2 GPUs for "4 ranks" were refused."""
+    info = launch_info(kubernetes_pod_env("pytorchjob", index=2, pods=4), gpus=gpus)
+    assert (info.launcher, info.rank, info.world_size) == ("pytorchjob", 2, 4)
+    assert (info.local_rank, info.local_world_size, info.gpu) == (0, 1, 0)
+    assert (info.master_addr, info.master_port) == ("job-master-0", 23456)
+
+
+@pytest.mark.parametrize(
+    "operator,per_pod,message",
+    [
+        ("pytorchjob", 4, r"^PET_NNODES=4, PET_NPROC_PER_NODE=4, PET_NODE_RANK=2: the job asks "
+         r"for 4 processes a pod \(WORLD_SIZE=16\), but this pod runs one: start the script with "
+         r"torchrun"),
+        ("trainjob", 1, r"^PET_NNODES=4, PET_NPROC_PER_NODE=1, PET_NODE_RANK=2 are torchrun's "
+         r"settings .* each pod would train alone. Start the script with torchrun$"),
+        ("trainjob", 2, "each pod would train alone"),
+        ("elastic-pytorchjob", 1, r"^PET_NNODES=1:4, PET_NPROC_PER_NODE=1 are torchrun's"),
+    ],
+)  # fmt: skip
+def test_plain_python_where_an_operator_expects_torchrun_is_refused(operator, per_pod, message):
+    """Trainer v2 (JobSet) and an elastic PyTorchJob set only torchrun's PET_* variables: each
+    pod would be a world of one and exit 0 having trained alone; a PyTorchJob whose WORLD_SIZE
+    counts processes the pod never starts would wait until the timeout. Both refused."""
+    with pytest.raises(LauncherError, match=message):
+        launch_info(kubernetes_pod_env(operator, index=2, pods=4, per_pod=per_pod))
+
+
+@pytest.mark.parametrize("operator", ["pytorchjob", "trainjob", "elastic-pytorchjob"])
+def test_torchrun_in_an_operators_pod_is_torchrun(operator):
+    """torchrun reads the PET_* variables and starts the workers with its own; its rule comes
+    first, whatever the operator set."""
+    env = kubernetes_pod_env(operator, index=1, pods=2, per_pod=2)
+    env.update(TORCHELASTIC_RUN_ID="job", RANK="3", LOCAL_RANK="1", WORLD_SIZE="4")
+    env.update(LOCAL_WORLD_SIZE="2", MASTER_ADDR="job-node-0-0.job", MASTER_PORT="29500")
+    info = launch_info(env, gpus=2)
+    assert (info.launcher, info.rank, info.local_rank, info.world_size) == ("torchrun", 3, 1, 4)
+    assert info.gpu == 1
+
+
+def test_one_process_in_all_under_trainer_v2_is_a_process_alone():
+    """A TrainJob of 1 node x 1 process: plain python is right, a world of one."""
+    info = launch_info(kubernetes_pod_env("trainjob", index=0, pods=1, per_pod=1))
+    assert (info.launcher, info.world_size) == ("single", 1)
+
+
+def test_01_under_trainer_v2_without_torchrun_says_one_line_and_exits_2(tmp_path):
+    """The refusal as a user meets it: 01's train.py with a TrainJob pod's environment exits 2
+    with one `error:` line, before any process group, and writes nothing."""
+    env = clean_env(**kubernetes_pod_env("trainjob", index=1, pods=2))
+    result = run(
+        [PYTHON, REPO / "01_basic_ddp" / "train.py", "--output-dir", tmp_path], 120, env=env
+    )
+    assert result.returncode == 2, result.output[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: PET_NNODES=2,"), result.stderr
+    assert "Start the script with torchrun" in lines[0] and not any(tmp_path.iterdir())
