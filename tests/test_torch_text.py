@@ -620,7 +620,7 @@ NOT_DESTROYED = (
     "WARNING: destroy_process_group() was not called before program exit, which can leak "
     "resources. For more info, please see https://pytorch.org/docs/stable/distributed.html#shutdown"
 )
-# torch 2.3 to 2.5's wording (their wheels); 2.6 shortened it.
+# torch 2.4 and 2.5's wording (their wheels; 2.3 printed its own, opt-in); 2.6 shortened it.
 NOT_DESTROYED_BEFORE_2_6 = "WARNING: process group has NOT been destroyed before"
 
 
