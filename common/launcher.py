@@ -99,9 +99,8 @@ class Ranks:  # what a launcher says of this process (None: it says nothing of t
 
 @dataclass(frozen=True)
 class LaunchInfo:
-    launcher: (
-        str  # torchrun, mp.spawn, pytorchjob, env, openmpi, mpich, intel-mpi, pals, slurm, single
-    )
+    # torchrun, mp.spawn, pytorchjob, env, openmpi, mpich, intel-mpi, pals, slurm, single
+    launcher: str
     rank: int
     local_rank: int
     world_size: int
