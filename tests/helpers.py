@@ -30,6 +30,10 @@ LESSON_DIRS = tuple(sorted(p.parent.name for p in REPO.glob("[0-9][0-9]_*/README
 # Every folder of code a user runs or copies.
 CODE_DIRS = ("common", *LESSON_DIRS, "benchmark", "debugging")
 PYTHON = sys.executable
+# torch's C++ headers, shipped in its wheel (found without importing torch)
+C10D_HEADERS = (
+    Path(importlib.util.find_spec("torch").origin).parent / "include/torch/csrc/distributed/c10d"
+)
 
 # Variables of launchers and schedulers: a test that runs inside a Slurm job, under mpiexec or
 # torchrun must not hand them to the processes it starts.

@@ -24,6 +24,7 @@ import time
 import pytest
 
 from tests.helpers import (
+    C10D_HEADERS,
     FIXED_CELL,
     WORKER_FILE,
     PYTHON,
@@ -958,8 +959,6 @@ def test_the_unused_parameter_search_warns_from_cpp_and_a_live_model_never_says_
     branches = run([PYTHON, "-c", UNUSED_SEARCH, "branches"], 120, check=True)
     assert "find_unused_parameters=True was specified" not in branches.stderr
     assert "python warnings 0 can_set_static_graph 0" in branches.stdout, branches.stdout
-    from tests.test_torch_text import C10D_HEADERS
-
     logger = " ".join((C10D_HEADERS / "logger.hpp").read_text().split())
     assert "~Logger() noexcept(false) {" in logger
     assert "log_if_graph_static(reducer_->ddp_graph_static()); }" in logger

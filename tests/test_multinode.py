@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -612,6 +613,15 @@ def on_host(ns: str, name: str, command: str) -> list[str]:
     ]
 
 
+def start_on_host(ns: str, node: int, command: str, env: dict[str, str], log: Path):
+    """`command` on namespace host `ns` named host<node>, started under the hang guard, its
+    output in `log`."""
+    with open(log, "w") as out:
+        return start(
+            on_host(ns, f"host{node}", command), env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+
+
 @pytest.mark.launchers
 def test_two_namespace_hosts_train_across_veth(tmp_path):
     with two_hosts(206) as (ns, veth, addr):
@@ -625,15 +635,7 @@ def test_two_namespace_hosts_train_across_veth(tmp_path):
                 f"{TRAIN} {' '.join(SMALL)} --output-dir {tmp_path / 'out'}"
             )
             env = clean_env(GLOO_SOCKET_IFNAME=veth[node])
-            log = open(tmp_path / f"node{node}.log", "w")
-            procs.append(
-                start(
-                    on_host(ns[node], f"host{node}", inner),
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
+            procs.append(start_on_host(ns[node], node, inner, env, tmp_path / f"node{node}.log"))
         wait_all(procs, 150, tmp_path, "two-namespace run")
         summary = read_summary(tmp_path / "out")
         assert summary["world_size"] == 2 and summary["replicas_identical"]
@@ -683,15 +685,7 @@ def _elastic_pair(tmp_path, ns, veth, addr, run_id, max_restarts):
             f"--local-addr={addr[node]} {script}"
         )
         env = clean_env(GLOO_SOCKET_IFNAME=veth[node], LOGLEVEL="INFO")
-        with open(logs[node], "w") as log:
-            procs.append(
-                start(
-                    on_host(ns[node], f"host{node}", inner),
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
+        procs.append(start_on_host(ns[node], node, inner, env, logs[node]))
     try:
         deadline = time.monotonic() + 90
         while "attempt 0: rank 0 of 2" not in logs[0].read_text():

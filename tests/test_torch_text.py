@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 from tests.helpers import (
+    C10D_HEADERS,
     PYTHON,
     READY_ONCE,
     REPO,
@@ -60,14 +61,6 @@ demo = load_script(DEMO, "demo_bugs")
 
 
 TORCH_LIB = Path(__import__("torch").__file__).parent / "lib"
-C10D_HEADERS = (
-    Path(__import__("torch").__file__).parent
-    / "include"
-    / "torch"
-    / "csrc"
-    / "distributed"
-    / "c10d"
-)
 
 # Quoted by the guide; in torch's NCCL backend
 # (libtorch_cuda.so) as literals (runtime values left out).
@@ -111,6 +104,12 @@ RECORDER_VARIABLES = [
 ]
 # The wording of earlier releases, which the guide names as gone.
 OLD_WORDING = "Exception (either an error or timeout) detected by watchdog at work: "
+
+
+def assert_in_order(code: str, *needles: str) -> None:
+    """Each of `needles` is in `code`, in this order."""
+    where = [code.index(needle) for needle in needles]
+    assert where == sorted(where), needles
 
 
 def found_in_library(name: str, needles: list[str]) -> dict[str, bool]:
@@ -658,14 +657,15 @@ def test_barrier_runs_on_device_ids_the_bound_device_an_earlier_collectives_or_a
     import torch.distributed.distributed_c10d as c10d
 
     code = inspect.getsource(c10d.barrier).split('"""')[-1]
-    order = [
-        code.index("if isinstance(device_ids, list):"),
-        code.index('elif getattr(group, "bound_device_id", None) is not None:'),
-        code.index('elif device.type == "cpu"'),
-        code.index("if group.rank() == 0:"),
-    ]
-    assert order == sorted(order)
-    call = code[code.index("warnings.warn(", order[-1]) : code.index("stacklevel", order[-1])]
+    assert_in_order(
+        code,
+        "if isinstance(device_ids, list):",
+        'elif getattr(group, "bound_device_id", None) is not None:',
+        'elif device.type == "cpu"',
+        "if group.rank() == 0:",
+    )
+    warned = code.index("if group.rank() == 0:")
+    call = code[code.index("warnings.warn(", warned) : code.index("stacklevel", warned)]
     assert "".join(re.findall(r'"([^"]*)"', call)) == BARRIER_WARNING, call
     assert not re.search(r"\w+Warning\b", call)  # no category given: a UserWarning
 
@@ -1133,13 +1133,13 @@ def test_is_bf16_supported_reads_the_current_gpu_and_counts_emulation_below_ampe
     import torch.cuda
 
     code = inspect.getsource(torch.cuda.is_bf16_supported).split('"""')[-1]
-    steps = [
-        code.index("device = torch.cuda.current_device()"),
-        code.index("if torch.cuda.get_device_properties(device).major >= 8:"),
-        code.index("if not including_emulation:"),
-        code.index("return _check_bf16_tensor_supported(device)"),
-    ]
-    assert steps == sorted(steps)
+    assert_in_order(
+        code,
+        "device = torch.cuda.current_device()",
+        "if torch.cuda.get_device_properties(device).major >= 8:",
+        "if not including_emulation:",
+        "return _check_bf16_tensor_supported(device)",
+    )
     assert inspect.signature(torch.cuda.is_bf16_supported).parameters["including_emulation"].default
     check = inspect.getsource(torch.cuda._check_bf16_tensor_supported)
     assert "torch.tensor([1.0], dtype=torch.bfloat16, device=device)" in check
