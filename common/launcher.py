@@ -1,11 +1,11 @@
 """Which launcher started this process, where rank 0 listens, which GPU is this rank's.
 
 The rule: rank, local rank and both world sizes come from the launcher that started the process,
-the first of: torchrun; a Kubernetes PyTorchJob's pod (one process, its RANK and WORLD_SIZE);
-RANK and WORLD_SIZE set by hand; Open MPI's or Hydra's mpiexec (MPICH, Intel MPI); an srun step,
-read from SLURM_* whatever its MPI plugin added; HPE PALS' mpiexec. Kubernetes operators that set
-only torchrun's own PET_* variables (Kubeflow Trainer, JobSet, an elastic PyTorchJob) need torchrun:
-without it each pod would train alone, so that is refused.
+the first of: torchrun; a Kubernetes PyTorchJob's or Volcano Job's pod (one process, its RANK and
+WORLD_SIZE); RANK and WORLD_SIZE set by hand; Open MPI's or Hydra's mpiexec (MPICH, Intel MPI); an
+srun step, read from SLURM_* whatever its MPI plugin added; HPE PALS' mpiexec. Kubernetes
+operators that set only torchrun's own PET_* variables (Kubeflow Trainer, JobSet, an elastic
+PyTorchJob) need torchrun: without it each pod would train alone, so that is refused.
 mpiexec in a Slurm job starts its daemons with srun, whose SLURM_PROCID its ranks inherit; Slurm's
 cray_shasta plugin exports PALS' variables too. A local world size is a launcher's own count, never
 a guess. launch_info(env) is the rule on a plain dict; this module imports no torch.
@@ -85,6 +85,9 @@ FOREIGN_RANKS = ("PMI_RANK", "PALS_RANKID", "PMIX_RANK")  # set, yet no rule mat
 # torchrun's --nnodes, --nproc-per-node, --node-rank as the Kubernetes operators pass them (its
 # argparse reads PET_<FLAG>); only torchrun turns them into ranks
 TORCHRUN_JOB_SHAPE = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK")
+# Volcano's svc plugin, which its pytorch plugin turns on, sets VC_<TASK>_HOSTS for every task
+# (pkg/controllers/job/plugins/svc: EnvTaskHostFmt); the pytorch plugin sets RANK and WORLD_SIZE.
+VOLCANO_TASK_HOSTS = re.compile(r"VC_\w+_HOSTS")
 _SLURM_SPECIAL_STEP_MIN = 0xFFFFFFFA  # batch, extern, interactive, pending: not srun steps
 
 
@@ -99,7 +102,7 @@ class Ranks:  # what a launcher says of this process (None: it says nothing of t
 
 @dataclass(frozen=True)
 class LaunchInfo:
-    # torchrun, mp.spawn, pytorchjob, env, openmpi, mpich, intel-mpi, pals, slurm, single
+    # torchrun, mp.spawn, pytorchjob, volcano, env, openmpi, mpich, intel-mpi, pals, slurm, single
     launcher: str
     rank: int
     local_rank: int
@@ -344,7 +347,7 @@ def launched_by(env: Mapping[str, str]) -> Ranks:
     if any(env.get(name) is not None for name in TORCHRUN_JOB_SHAPE):
         return _kubernetes_pod(env)
     if env.get("RANK") or env.get("WORLD_SIZE"):  # set by hand, or by a wrapper
-        return _by_hand(env)
+        return _volcano_pod(env) or _by_hand(env)
     for dialect in MPI_LAUNCHERS:
         if env.get(dialect.marker) is not None:
             intel = dialect.launcher == "mpich" and env.get("I_MPI_ROOT")
@@ -386,6 +389,16 @@ def _kubernetes_pod(env: Mapping[str, str]) -> Ranks:
         f"{said} are torchrun's settings (a Kubernetes operator set them), but torchrun did not "
         "start this process: each pod would train alone. Start the script with torchrun"
     )
+
+
+def _volcano_pod(env: Mapping[str, str]) -> Ranks | None:
+    """A pod of a Volcano Job with the pytorch plugin, started without torchrun: one process.
+    The plugin (pkg/controllers/job/plugins/distributed-framework/pytorch) sets RANK (master 0,
+    worker i: i + 1) and WORLD_SIZE (the pods), nothing local; None where it is not such a pod."""
+    local = env.get("LOCAL_RANK") is not None or env.get("LOCAL_WORLD_SIZE") is not None
+    if local or not any(VOLCANO_TASK_HOSTS.fullmatch(name) for name in env):
+        return None
+    return Ranks("volcano", _int(env, "RANK"), 0, _int(env, "WORLD_SIZE"), 1)
 
 
 def _read(dialect: Dialect, env: Mapping[str, str]) -> Ranks:

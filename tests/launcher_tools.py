@@ -3,14 +3,16 @@ unless REQUIRE_REAL_LAUNCHERS=1 (CI), then fail."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import clean_env, read_env, run
+from tests.helpers import clean_env, read_env, run, start
 
 REQUIRED = os.environ.get("REQUIRE_REAL_LAUNCHERS") == "1"
 
@@ -102,7 +104,9 @@ def site_env(tmp_path: Path, with_module: bool = True, **extra: str) -> dict[str
 
 # What each Kubernetes operator puts into a pod's environment, written from its source (no
 # Kubernetes API server exists here). Pod "index" of "pods"; "per_pod" processes a pod.
-def kubernetes_pod_env(operator: str, index: int, pods: int, per_pod: int = 1) -> dict[str, str]:
+def kubernetes_pod_env(
+    operator: str, index: int, pods: int, per_pod: int = 1, name: str = "job"
+) -> dict[str, str]:
     if operator == "pytorchjob":
         # kubeflow/training-operator v1.9.0, pkg/controller.v1/pytorch/envvar.go, setPodEnv (a
         # Master replica and Workers): WORLD_SIZE = replicas x nprocPerNode, RANK = PET_NODE_RANK
@@ -112,9 +116,9 @@ def kubernetes_pod_env(operator: str, index: int, pods: int, per_pod: int = 1) -
         # (apis/kubeflow.org/v1/pytorch_types.go).
         env = {
             "PYTHONUNBUFFERED": "1",
-            "MASTER_ADDR": "job-master-0",
+            "MASTER_ADDR": f"{name}-master-0",
             "MASTER_PORT": "23456",
-            "PET_MASTER_ADDR": "job-master-0",
+            "PET_MASTER_ADDR": f"{name}-master-0",
             "PET_MASTER_PORT": "23456",
             "WORLD_SIZE": str(pods * per_pod),
             "RANK": str(index),
@@ -131,8 +135,8 @@ def kubernetes_pod_env(operator: str, index: int, pods: int, per_pod: int = 1) -
             "PET_NNODES": f"1:{pods}",
             "PET_NPROC_PER_NODE": str(per_pod),
             "PET_RDZV_BACKEND": "c10d",
-            "PET_RDZV_ENDPOINT": "job-worker-0:23456",
-            "PET_RDZV_ID": "job",
+            "PET_RDZV_ENDPOINT": f"{name}-worker-0:23456",
+            "PET_RDZV_ID": name,
             "PET_MAX_RESTARTS": "3",
         }
     if operator == "trainjob":
@@ -143,8 +147,98 @@ def kubernetes_pod_env(operator: str, index: int, pods: int, per_pod: int = 1) -
             "PET_NNODES": str(pods),
             "PET_NPROC_PER_NODE": str(per_pod),
             "PET_NODE_RANK": str(index),
-            "PET_MASTER_ADDR": "job-node-0-0.job",
+            "PET_MASTER_ADDR": f"{name}-node-0-0.{name}",
             "PET_MASTER_PORT": "29500",
             "JOB_COMPLETION_INDEX": str(index),
         }
+    if operator == "volcano":
+        # volcano-sh/volcano, pkg/controllers/job/plugins/distributed-framework/pytorch/pytorch.go,
+        # OnPodCreate: MASTER_ADDR = <job>-master-0.<job> (generateMasterAddr), MASTER_PORT
+        # DefaultPort 23456, WORLD_SIZE = master + worker replicas, RANK = 0 on the master, worker
+        # i: i + 1. It turns on the svc plugin (svc.go, OnPodCreate; const.go, EnvTaskHostFmt and
+        # EnvHostNumFmt): VC_<TASK>_HOSTS and VC_<TASK>_NUM for every task.
+        workers = ",".join(f"{name}-worker-{i}.{name}" for i in range(pods - 1))
+        return {
+            "MASTER_ADDR": f"{name}-master-0.{name}",
+            "MASTER_PORT": "23456",
+            "WORLD_SIZE": str(pods),
+            "RANK": str(index),
+            "VC_MASTER_HOSTS": f"{name}-master-0.{name}",
+            "VC_MASTER_NUM": "1",
+            "VC_WORKER_HOSTS": workers,
+            "VC_WORKER_NUM": str(pods - 1),
+        }
     raise ValueError(operator)
+
+
+@contextlib.contextmanager
+def two_hosts(subnet: int, names: tuple[str, ...] = ()):
+    """Two hosts with their own addresses: network namespaces joined by a veth pair, 10.<subnet>.0.1
+    and .2. Yields (namespaces, interfaces, addresses); deletes both namespaces at the end. With
+    `names` (each "host0 alias..." and "host1 alias..."), both hosts' /etc/hosts maps them to the
+    hosts' addresses, as a cluster's DNS resolves its nodes' names (ip netns exec mounts
+    /etc/netns/<namespace>/hosts over /etc/hosts)."""
+    need_root("creating network namespaces")
+    need_tools("ip", "unshare")
+    tag = f"{os.getpid() % 10000}"
+    ns = [f"ddp{subnet}a{tag}", f"ddp{subnet}b{tag}"]
+    veth = [f"v{subnet}a{tag}", f"v{subnet}b{tag}"]
+    addr = [f"10.{subnet}.0.1", f"10.{subnet}.0.2"]
+    created = []
+    try:
+        for name in ns:
+            subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+            created.append(name)
+        subprocess.run(
+            ["ip", "link", "add", veth[0], "netns", ns[0], "type", "veth",
+             "peer", "name", veth[1], "netns", ns[1]],
+            check=True,
+            capture_output=True,
+        )  # fmt: skip
+        for name, dev, ip in zip(ns, veth, addr):
+            for cmd in (
+                ["ip", "addr", "add", f"{ip}/24", "dev", dev],
+                ["ip", "link", "set", dev, "up"],
+                ["ip", "link", "set", "lo", "up"],
+            ):
+                subprocess.run(["ip", "netns", "exec", name, *cmd], check=True, capture_output=True)
+            if names:
+                hosts = Path("/etc/netns") / name / "hosts"
+                hosts.parent.mkdir(parents=True, exist_ok=True)
+                lines = [f"{ip} {host}" for ip, host in zip(addr, names)]
+                hosts.write_text("\n".join(["127.0.0.1 localhost", *lines, ""]))
+    except (subprocess.CalledProcessError, OSError) as exc:
+        _delete_namespaces(created)
+        unavailable(f"cannot create network namespaces here: {getattr(exc, 'stderr', exc)}")
+    try:
+        yield ns, veth, addr
+    finally:
+        _delete_namespaces(created)
+
+
+def on_host(ns: str, name: str, command: str) -> list[str]:
+    """`command` (a shell line) as a process of namespace host `ns`, with its own host name."""
+    return [
+        "ip",
+        "netns",
+        "exec",
+        ns,
+        "unshare",
+        "--uts",
+        "sh",
+        "-c",
+        f"hostname {name} && {command}",
+    ]
+
+
+def start_on_host(ns: str, name: str, command: str, env: dict[str, str], log: Path):
+    """`command` on namespace host `ns` named `name`, started under the hang guard, its output
+    in `log`."""
+    with open(log, "w") as out:
+        return start(on_host(ns, name, command), env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _delete_namespaces(names):
+    for name in names:  # deleting a namespace deletes its end of the veth pair, and so the pair
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)

@@ -680,14 +680,29 @@ def test_ranks_started_by_hand_with_torchruns_variables_train(tmp_path, master_a
 
 
 @pytest.mark.parametrize("gpus", [0, 1, 2])
-def test_a_pytorchjob_pod_under_plain_python_is_one_rank_of_the_pods_on_its_own_node(gpus):
-    """PyTorchJob v1, one process a pod (plain python): rank = the pod's index, world = pods,
-    one rank on its node whatever the GPUs it sees, rank 0's address the master pod's. Before,
-    the world was taken as one node's, and 2 GPUs for "4 ranks" were refused."""
-    info = launch_info(kubernetes_pod_env("pytorchjob", index=2, pods=4), gpus=gpus)
-    assert (info.launcher, info.rank, info.world_size) == ("pytorchjob", 2, 4)
+@pytest.mark.parametrize(
+    "operator,master", [("pytorchjob", "job-master-0"), ("volcano", "job-master-0.job")]
+)
+def test_a_pytorchjob_or_volcano_pod_under_plain_python_is_one_rank_on_its_own_node(
+    operator, master, gpus
+):
+    """PyTorchJob v1 or a Volcano Job, one process a pod (plain python): rank = the pod's index,
+    world = pods, one rank on its node whatever the GPUs it sees, rank 0's address the master
+    pod's. Before, the world was taken as one node's, and 2 GPUs for "4 ranks" were refused."""
+    info = launch_info(kubernetes_pod_env(operator, index=2, pods=4), gpus=gpus)
+    assert (info.launcher, info.rank, info.world_size) == (operator, 2, 4)
     assert (info.local_rank, info.local_world_size, info.gpu) == (0, 1, 0)
-    assert (info.master_addr, info.master_port) == ("job-master-0", 23456)
+    assert (info.master_addr, info.master_port) == (master, 23456)
+
+
+def test_without_volcanos_host_lists_rank_and_world_size_are_one_nodes():
+    """The negative control: the same RANK and WORLD_SIZE without the VC_<TASK>_HOSTS that
+    Volcano's svc plugin sets are set by hand, one node's ranks: 4 ranks and 2 GPUs, refused."""
+    env = kubernetes_pod_env("volcano", index=2, pods=4)
+    by_hand = {name: value for name, value in env.items() if not name.startswith("VC_")}
+    assert launch_info(by_hand, gpus=0).local_world_size == 4
+    with pytest.raises(LauncherError, match="^4 ranks on this node but 2 GPUs"):
+        launch_info(by_hand, gpus=2)
 
 
 @pytest.mark.parametrize(

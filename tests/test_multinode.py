@@ -3,14 +3,11 @@ two network namespaces), and the failures a first multi-node launch meets."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import socket
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -34,7 +31,7 @@ from tests.helpers import (
     wait_all,
     warm_ranks,
 )
-from tests.launcher_tools import need_root, need_tools, openmpi_env, unavailable
+from tests.launcher_tools import need_tools, openmpi_env, start_on_host, two_hosts
 
 TRAIN = REPO / "06_multinode" / "train.py"
 COMM = REPO / "06_multinode" / "comm_check.py"
@@ -557,69 +554,7 @@ def test_missing_rank_is_named(tmp_path):
     assert "GLOO_SOCKET_IFNAME" in result.stderr
 
 
-# -- two hosts with their own addresses: network
-# namespaces + a veth pair ----------------------------
-
-
-@contextlib.contextmanager
-def two_hosts(subnet: int):
-    """Two hosts with their own addresses: network namespaces joined by a veth pair, 10.<subnet>.0.1
-    and .2. Yields (namespaces, interfaces, addresses); deletes both namespaces at the end."""
-    need_root("creating network namespaces")
-    need_tools("ip", "unshare")
-    tag = f"{os.getpid() % 10000}"
-    ns = [f"ddp{subnet}a{tag}", f"ddp{subnet}b{tag}"]
-    veth = [f"v{subnet}a{tag}", f"v{subnet}b{tag}"]
-    addr = [f"10.{subnet}.0.1", f"10.{subnet}.0.2"]
-    created = []
-    try:
-        for name in ns:
-            subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
-            created.append(name)
-        subprocess.run(
-            ["ip", "link", "add", veth[0], "netns", ns[0], "type", "veth",
-             "peer", "name", veth[1], "netns", ns[1]],
-            check=True,
-            capture_output=True,
-        )  # fmt: skip
-        for name, dev, ip in zip(ns, veth, addr):
-            for cmd in (
-                ["ip", "addr", "add", f"{ip}/24", "dev", dev],
-                ["ip", "link", "set", dev, "up"],
-                ["ip", "link", "set", "lo", "up"],
-            ):
-                subprocess.run(["ip", "netns", "exec", name, *cmd], check=True, capture_output=True)
-    except (subprocess.CalledProcessError, OSError) as exc:
-        _delete_namespaces(created)
-        unavailable(f"cannot create network namespaces here: {getattr(exc, 'stderr', exc)}")
-    try:
-        yield ns, veth, addr
-    finally:
-        _delete_namespaces(created)
-
-
-def on_host(ns: str, name: str, command: str) -> list[str]:
-    """`command` (a shell line) as a process of namespace host `ns`, with its own host name."""
-    return [
-        "ip",
-        "netns",
-        "exec",
-        ns,
-        "unshare",
-        "--uts",
-        "sh",
-        "-c",
-        f"hostname {name} && {command}",
-    ]
-
-
-def start_on_host(ns: str, node: int, command: str, env: dict[str, str], log: Path):
-    """`command` on namespace host `ns` named host<node>, started under the hang guard, its
-    output in `log`."""
-    with open(log, "w") as out:
-        return start(
-            on_host(ns, f"host{node}", command), env=env, stdout=out, stderr=subprocess.STDOUT
-        )
+# -- two hosts with their own addresses (tests/launcher_tools.py, two_hosts) -------------------
 
 
 @pytest.mark.launchers
@@ -635,7 +570,9 @@ def test_two_namespace_hosts_train_across_veth(tmp_path):
                 f"{TRAIN} {' '.join(SMALL)} --output-dir {tmp_path / 'out'}"
             )
             env = clean_env(GLOO_SOCKET_IFNAME=veth[node])
-            procs.append(start_on_host(ns[node], node, inner, env, tmp_path / f"node{node}.log"))
+            procs.append(
+                start_on_host(ns[node], f"host{node}", inner, env, tmp_path / f"node{node}.log")
+            )
         wait_all(procs, 150, tmp_path, "two-namespace run")
         summary = read_summary(tmp_path / "out")
         assert summary["world_size"] == 2 and summary["replicas_identical"]
@@ -644,11 +581,6 @@ def test_two_namespace_hosts_train_across_veth(tmp_path):
             (1, "host1"),
         ]
         assert "2 ranks on 2 host(s): host0, host1" in (tmp_path / "node0.log").read_text()
-
-
-def _delete_namespaces(names):
-    for name in names:  # deleting a namespace deletes its end of the veth pair, and so the pair
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 # -- torchrun --nnodes=1:2: a node leaves -------------------------------------------------------
@@ -685,7 +617,7 @@ def _elastic_pair(tmp_path, ns, veth, addr, run_id, max_restarts):
             f"--local-addr={addr[node]} {script}"
         )
         env = clean_env(GLOO_SOCKET_IFNAME=veth[node], LOGLEVEL="INFO")
-        procs.append(start_on_host(ns[node], node, inner, env, logs[node]))
+        procs.append(start_on_host(ns[node], f"host{node}", inner, env, logs[node]))
     try:
         deadline = time.monotonic() + 90
         while "attempt 0: rank 0 of 2" not in logs[0].read_text():
