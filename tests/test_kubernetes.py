@@ -309,3 +309,31 @@ def test_a_crash_or_bad_input_keeps_its_code_and_is_not_retried(tmp_path, failur
     for name in ("pytorchjob.yaml", "trainjob.yaml", "jobset.yaml"):
         assert not retried_by_the_operator(name, [expected, expected])
         assert retried_by_the_operator(name, [RESTART_ME, RESTART_ME])
+
+
+def test_a_deleted_trainjob_saves_on_every_pod_and_applying_it_again_resumes(tmp_path):
+    """`kubectl delete`: SIGTERM to every pod's PID 1 at once. The ranks save once, at one step,
+    and each pod exits 143; the job is gone, so nothing restarts it. `kubectl apply` again: new
+    pods resume from that checkpoint and finish."""
+    name = "trainjob.yaml"
+    slow = dict(PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}", DDP_TEST_SLOW_SAMPLE_S="0.01")
+    with two_hosts(212, [names for _, names, _ in pods_of(name)]) as (ns, _, _):
+        procs = start_pods(name, ns, tmp_path, SHORT, **slow)
+        deadline = time.monotonic() + 120
+        while "epoch 1 step 5 " not in (tmp_path / "node0.log").read_text():
+            assert time.monotonic() < deadline and procs[0].poll() is None, node_logs(tmp_path)
+            time.sleep(0.2)
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        codes = wait_pods(procs, 150, tmp_path, "the deleted TrainJob")
+        logs = node_logs(tmp_path)
+        assert codes == [RESTART_ME, RESTART_ME], logs
+        saved = re.findall(r"SIGTERM: checkpoint at step (\d+) saved", logs)
+        assert len(saved) == 1, logs
+        for log in tmp_path.glob("node*.log"):
+            log.rename(log.with_suffix(".deleted"))
+        procs = start_pods(name, ns, tmp_path, SHORT)
+        codes = wait_pods(procs, 180, tmp_path, "the TrainJob applied again")
+    assert codes == [0, 0], node_logs(tmp_path)
+    summary = assert_one_run_across_the_pods(name, tmp_path)
+    assert summary["resumed_from_step"] == int(saved[0])
