@@ -1,20 +1,18 @@
 """05 - preemption: save on a signal or a deadline, then exit with code 75 (requeue me).
 
-05_checkpointing/train.py plus what a scheduler's preemption needs. SIGTERM or SIGUSR1 (Slurm's
-warning), or the --time-limit-s deadline (PBS warns no one before its wall time), make all ranks
-save at the same step boundary, write checkpoints/REQUEUE and exit with code 75; the job files in
-jobs/ requeue on it. `diff 05_checkpointing/train.py 05_checkpointing/preempt.py` shows this lesson.
+05_checkpointing/train.py's training, which this file imports, plus what a scheduler's preemption
+needs. SIGTERM or SIGUSR1 (Slurm's warning), or the --time-limit-s deadline (PBS warns no one
+before its wall time), make all ranks save at the same step boundary, write checkpoints/REQUEUE
+and exit with code 75; the job files in jobs/ requeue on it. This file holds preemption only.
 
     torchrun --standalone --nproc_per_node=2 05_checkpointing/preempt.py --time-limit-s 60
 """
 
 import dataclasses
 import multiprocessing
-import os
 import signal
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 # make `common` importable: after this file's folder, so a common/ copied beside it comes first
@@ -22,41 +20,24 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Subset
 
 # 05_checkpointing/checkpoint.py: atomic files, `latest`, RNG states, the resumable sampler
 import checkpoint as ckpt
-from common.config import TrainConfig, field, load_config
-from common.data import check_data, download_datasets, load_datasets, worker_start_method
-from common.errors import ConfigError
-from common.launcher import choose_backend, detect_launcher, exit_on_bad_input
-from common.models import build_model
-from common.report import parameter_checksum, write_summary
+from common.config import field, load_config
+from common.data import check_data, worker_start_method
+from common.launcher import detect_launcher
+from train import CheckpointConfig, train  # the training and its checkpoints are train.py's
 
 
 @dataclasses.dataclass
-class CheckpointConfig(TrainConfig):
-    checkpoint_dir: str = field("", "checkpoint folder (empty: <output_dir>/checkpoints)")
-    save_every_steps: int = field(
-        0, "also save every N optimizer steps (0: only at the end of each epoch)", min=0
-    )
-    keep_last: int = field(
-        3, "checkpoints to keep (older ones are deleted after a successful save)", min=1
-    )
-
+class PreemptConfig(CheckpointConfig):
     time_limit_s: float = field(
         0.0,
         "save and exit with code 75 after this many seconds (0: no limit); set it "
         "below the job's wall time where the scheduler gives no warning",
         min=0.0,
     )
-
-    @property
-    def checkpoints(self) -> Path:
-        return Path(self.checkpoint_dir or Path(self.output_dir) / "checkpoints")
 
 
 # Slurm's time-limit warning (the job files' --signal) and a scheduler's or torchrun's stop.
@@ -90,6 +71,26 @@ class Preemption:
         signum, late = flag.tolist()
         return signal.Signals(signum).name if signum else "time limit" if late else ""
 
+    def saved(self, cfg, launch, device, step, why):
+        """Collective, once the checkpoint of the step is saved: rank 0 writes the note the job
+        files requeue on, before any rank leaves, as the launcher may stop rank 0 once another
+        rank has exited."""
+        if launch.rank == 0:
+            (cfg.checkpoints / "REQUEUE").write_text(f"{why} at step {step}\n")
+            print(
+                f"{why}: checkpoint at step {step} saved; exiting with code "
+                f"{ckpt.REQUEUE_EXIT_CODE} (requeue me)",
+                flush=True,
+            )
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+
+    @staticmethod
+    def worker_init_fn(worker_id):
+        """The loaders' worker_init_fn: a loader worker sets its own SIGTERM handler as it starts,
+        which ends it on a SIGTERM from anyone but its parent; this puts "ignore" back."""
+        for s in PREEMPTION_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
 
 def start_loader_server():
     """Starts the forkserver that the loaders' workers are forked from, with the signals ignored.
@@ -104,342 +105,22 @@ def start_loader_server():
     server_started.join()
 
 
-def ignore_preemption_signals(worker_id):
-    """The loaders' worker_init_fn: a loader worker sets its own SIGTERM handler as it starts,
-    which ends it on a SIGTERM from anyone but its parent; this puts "ignore" back."""
-    for s in PREEMPTION_SIGNALS:
-        signal.signal(s, signal.SIG_IGN)
-
-
-@torch.no_grad()
-def evaluate(model, loader, device):
-    """Exact distributed evaluation: this rank's sums, all-reduced. `model` is the plain module
-    (ddp_model.module): ranks may hold different numbers of test batches."""
-    model.eval()
-    # loss sum, correct, count
-    totals = torch.zeros(3, dtype=torch.float64, device=device)
-    for images, labels in loader:
-        images, labels = images.to(device), labels.to(device)
-        logits = model(images)
-        totals += torch.stack(
-            [
-                F.cross_entropy(logits, labels, reduction="sum"),
-                (logits.argmax(1) == labels).sum(),
-                torch.tensor(len(labels), device=device),
-            ]
-        )
-    # Sum over ranks: a collective, so every rank calls it.
-    dist.all_reduce(totals)
-    loss_sum, correct, count = totals.tolist()
-    return loss_sum / count, correct / count, int(count)
-
-
-@dataclasses.dataclass
-class Progress:
-    """Where the run is: the optimizer steps taken, the epoch to go on in, and how many samples of
-    that epoch's order all ranks have read together. A checkpoint holds it as its keys step, epoch
-    and consumed; resume() gives it back."""
-
-    step: int = 0
-    epoch: int = 0
-    consumed: int = 0
-
-    def done(self, cfg):
-        """A finished run, started again: nothing to do."""
-        return self.epoch >= cfg.epochs or 0 < cfg.max_steps <= self.step
-
-    @classmethod
-    def after(cls, step, epoch, batch, train_loader, world_size):
-        """Where to go on after `batch` of `epoch`: the next epoch after its last batch, else this
-        one, after the samples all ranks have read."""
-        if batch == len(train_loader):
-            return cls(step, epoch + 1, 0)
-        read = batch * train_loader.batch_size * world_size
-        return cls(step, epoch, train_loader.sampler.consumed + read)
-
-
-def resumable_loaders(cfg, launch, data, device):
-    """01's sampler and loaders, with what an exact resume needs: ResumableSampler (checkpoint.py)
-    can skip the samples of an epoch's order read before the checkpoint, and the loaders draw their
-    seeds from a generator of their own. Returns the sampler, the generator and the loaders."""
-    # Each rank a disjoint 1/world_size of the training set, shuffled alike (seed + epoch).
-    train_sampler = ckpt.ResumableSampler(
-        data.train,
-        num_replicas=launch.world_size,
-        rank=launch.rank,
-        shuffle=True,
-        seed=cfg.seed,
-    )
-    # A DataLoader draws a seed at every iter() from `generator`, or else from the global RNG,
-    # which the checkpoint restores: its own generator keeps the loaders from shifting that stream.
-    generator = torch.Generator()
-    train_loader = DataLoader(
-        data.train,
-        batch_size=cfg.local_batch_size,
-        sampler=train_sampler,
-        num_workers=cfg.num_workers,
-        # not fork(), which can copy a lock that gloo's or NCCL's threads hold (common/data.py)
-        multiprocessing_context=worker_start_method(cfg.num_workers),
-        pin_memory=device.type == "cuda",
-        generator=generator,
-        worker_init_fn=ignore_preemption_signals,
-    )
-    # A strided slice per rank: every test sample once (DistributedSampler pads with repeats).
-    test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
-    test_loader = DataLoader(
-        test_shard,
-        batch_size=cfg.local_batch_size,
-        num_workers=cfg.num_workers,
-        multiprocessing_context=worker_start_method(cfg.num_workers),
-        generator=generator,
-        worker_init_fn=ignore_preemption_signals,
-    )
-    return train_sampler, generator, train_loader, test_loader
-
-
-def save_checkpoint(cfg, launch, device, training, progress, loss_and_count, model_args):
-    """Collective: rank 0 writes `training` (the replicas are identical), `progress`, `model_args`
-    and every rank's RNG states and loss sums; the barrier keeps all ranks from going on before the
-    file is whole."""
-    ranks = [None] * launch.world_size if launch.rank == 0 else None
-    rank_state = {**ckpt.rng_state(device), "loss_and_count": loss_and_count.cpu()}
-    dist.gather_object(rank_state, ranks, dst=0)
-    if launch.rank == 0:
-        state = {name: part.state_dict() for name, part in training.items()}
-        state.update(dataclasses.asdict(progress), model_args=model_args, ranks=ranks)
-        state.update(world_size=launch.world_size, batch_size=cfg.local_batch_size)
-        path = ckpt.save(state, cfg.checkpoints, progress.step, cfg.keep_last)
-        print(f"saved {path}", flush=True)
-    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
-
-
-def resume(cfg, launch, device, training):
-    """Collective: rank 0 picks the newest checkpoint that loads; every rank loads it (weights_only)
-    and restores `training` and its own RNG states. Returns where to go on (a new run: at the
-    start), and this rank's share of the saved epoch's loss sums."""
-    found, state = None, None
-    if launch.rank == 0:
-        # this run's own stop will write a new one
-        (cfg.checkpoints / "REQUEUE").unlink(missing_ok=True)
-        found, state = ckpt.find_resumable(cfg.checkpoints, map_location=device)
-    choice = [found]
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
-        return Progress(), None
-    if launch.rank != 0:
-        state = ckpt.load(choice[0], map_location=device)
-    with exit_on_bad_input():  # the same on every rank: rank 0 says it, all exit with code 2
-        if state["batch_size"] != cfg.local_batch_size:
-            raise ConfigError(
-                f"{choice[0]} was written with batch size {state['batch_size']} per rank; a "
-                f"resume needs the same (now {cfg.local_batch_size}), or another --checkpoint-dir"
-            )
-    for name, part in training.items():
-        part.load_state_dict(state[name])
-    # this rank's own RNG states; a rank the saved run did not have keeps its seed + rank
-    if launch.rank < len(state["ranks"]):
-        ckpt.set_rng_state(state["ranks"][launch.rank], device)
-    # The epoch's loss sums so far: with W ranks now, rank r adds those of saved ranks r, r + W, ...
-    loss_and_count = sum(
-        s["loss_and_count"] for s in state["ranks"][launch.rank :: launch.world_size]
-    )
-    progress = Progress(state["step"], state["epoch"], state["consumed"])
-    if launch.rank == 0:
-        print(
-            f"resumed from {choice[0]}: step {state['step']}, epoch {state['epoch'] + 1}, "
-            f"world size {state['world_size']} -> {launch.world_size}",
-            flush=True,
-        )
-        if progress.done(cfg):
-            print(f"nothing to do: step {progress.step} is the end of this run", flush=True)
-    return progress, loss_and_count
-
-
-def train(cfg, launch) -> int:
-    """Returns the exit code: 0, or REQUEUE_EXIT_CODE after a preemption save."""
-    start_time = time.perf_counter()
-    # First: a signal from now on is not lost (but while the loaders' server starts, a second).
-    preemption = Preemption(cfg.time_limit_s, worker_start_method(cfg.num_workers))
-    # One GPU per process: the local rank's, or 0 where the site shows each rank only its own;
-    # else CPU (gloo).
-    device = torch.device("cuda", launch.gpu) if torch.cuda.is_available() else torch.device("cpu")
-    # nccl where this torch has it (Linux GPUs); gloo on CPUs and on Windows and macOS
-    backend = choose_backend(device)
-    if device.type == "cuda":
-        # before the process group, so its collectives use this device
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-        rank=launch.rank,
-        world_size=launch.world_size,
-        timeout=timedelta(seconds=cfg.timeout_s),
-    )
-    # Every way out of the run returns here: one teardown. The DDP model, which holds the process
-    # group, is released when fit() returns.
-    code = fit(cfg, launch, device, backend, start_time, preemption)
-    dist.destroy_process_group()
-    return code
-
-
-def fit(cfg, launch, device, backend, start_time, preemption) -> int:
-    """The run, from the data to the end-of-run record: 0 at its end or when a finished run is
-    started again, REQUEUE_EXIT_CODE after a preemption save."""
-    # Same initial weights on every rank (and DDP broadcasts rank 0's at the wrap).
-    torch.manual_seed(cfg.seed)
-
-    if cfg.download:
-        # Rank 0 downloads while the others wait at the barrier, which every rank must call.
-        if launch.rank == 0:
-            download_datasets(cfg)
-        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
-    data = load_datasets(cfg, launch.world_size)
-    train_sampler, generator, train_loader, test_loader = resumable_loaders(
-        cfg, launch, data, device
-    )
-
-    # To this rank's device, then wrap: DDP's hooks all-reduce the gradients in backward().
-    # saved, so that export_model.py can rebuild the network
-    model_args = [cfg.model, data.num_classes, data.in_channels, data.image_size]
-    model = build_model(*model_args)
-    model = model.to(device)
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(
-        model.parameters(),
-        lr=cfg.lr,
-        momentum=cfg.momentum,
-        weight_decay=cfg.weight_decay,
-    )
-    # From here on each rank its own augmentation and loader worker seeds.
-    torch.manual_seed(cfg.seed + launch.rank)
-    # The training state, saved and restored whole (model.module: no "module." prefix).
-    training = {"model": model.module, "optimizer": optimizer}
-    progress, resumed_sums = resume(cfg, launch, device, training)
-    if progress.done(cfg):  # a finished run, started again
-        return 0
-
-    if launch.rank == 0:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
-        global_batch = cfg.local_batch_size * launch.world_size
-        print(
-            f"launcher {launch.launcher}, {backend} on {device} "
-            f"(CUDA_VISIBLE_DEVICES={visible}), world size {launch.world_size}, "
-            f"batch {cfg.local_batch_size} x {launch.world_size} = {global_batch}",
-            flush=True,
-        )
-    step, images_seen, stop = progress.step, 0, ""
-    for epoch in range(progress.epoch, cfg.epochs):
-        # A new shuffle each epoch; without it every epoch repeats epoch 0.
-        train_sampler.set_epoch(epoch)
-        # Mid-epoch resume: the same order, without the samples trained on before the checkpoint.
-        train_sampler.consumed = progress.consumed if epoch == progress.epoch else 0
-        generator.manual_seed(cfg.seed + launch.rank + epoch * launch.world_size)  # worker seeds
-        model.train()
-        # This rank's loss sum and sample count.
-        loss_and_count = torch.zeros(2, dtype=torch.float64, device=device)
-        if train_sampler.consumed:  # and those of the batches before the resume
-            loss_and_count += resumed_sums
-        for batch, (images, labels) in enumerate(train_loader, 1):
-            images, labels = images.to(device), labels.to(device)
-            loss = F.cross_entropy(model(images), labels)
-            optimizer.zero_grad(set_to_none=True)
-            # DDP all-reduces (averages) the gradients here: every rank steps alike.
-            loss.backward()
-            optimizer.step()
-            step += 1
-            images_seen += len(labels)
-            loss_and_count[0] += loss.detach() * len(labels)
-            loss_and_count[1] += len(labels)
-            if launch.rank == 0 and step % cfg.log_every == 0:
-                print(
-                    f"epoch {epoch + 1} step {step} loss {loss.item():.4f} (rank 0's batch)",
-                    flush=True,
-                )
-            # Step boundary: every rank calls it, and every rank learns whether to stop.
-            stop = preemption.requested(device)
-            # Save at the same step on every rank (a collective): periodically, at each epoch's end.
-            periodic = cfg.save_every_steps and step % cfg.save_every_steps == 0
-            if stop or periodic or batch == len(train_loader) or step == cfg.max_steps:
-                at = Progress.after(step, epoch, batch, train_loader, launch.world_size)
-                save_checkpoint(cfg, launch, device, training, at, loss_and_count, model_args)
-            if stop:
-                # The job files requeue on this file: written before any rank leaves, as the
-                # launcher may stop rank 0 once another rank has exited.
-                if launch.rank == 0:
-                    (cfg.checkpoints / "REQUEUE").write_text(f"{stop} at step {step}\n")
-                    print(
-                        f"{stop}: checkpoint at step {step} saved; exiting with code "
-                        f"{ckpt.REQUEUE_EXIT_CODE} (requeue me)",
-                        flush=True,
-                    )
-                dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
-                break
-            if step == cfg.max_steps:
-                break
-        if stop:
-            break
-        # Sums and counts over all ranks, the exact mean (not a mean of means); every rank calls it.
-        dist.all_reduce(loss_and_count)
-        train_loss = (loss_and_count[0] / loss_and_count[1]).item()
-        eval_loss, eval_acc, eval_count = evaluate(model.module, test_loader, device)
-        if launch.rank == 0:
-            print(
-                f"epoch {epoch + 1} done: train loss {train_loss:.4f}, "
-                f"eval loss {eval_loss:.4f}, "
-                f"eval accuracy {eval_acc:.4f} ({eval_count} images)",
-                flush=True,
-            )
-        if step == cfg.max_steps:
-            break
-
-    if stop:
-        return ckpt.REQUEUE_EXIT_CODE  # main() exits with it: requeue me
-    # Plain file I/O on one rank; model.module drops DDP's "module." prefix.
-    if launch.rank == 0:
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        torch.save(model.module.state_dict(), Path(cfg.output_dir) / "model.pt")
-
-    # --- end-of-run record: summary.json; a copy may delete this block whole ---
-    elapsed = time.perf_counter() - start_time
-    # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
-    checksums = [None] * launch.world_size
-    dist.all_gather_object(checksums, parameter_checksum(model))
-    summary = dict(
-        world_size=launch.world_size,
-        launcher=launch.launcher,
-        backend=backend,
-        global_batch_size=cfg.local_batch_size * launch.world_size,
-        # every rank saw as many
-        images_per_second=images_seen * launch.world_size / elapsed,
-        device=str(device),
-        local_batch_size=cfg.local_batch_size,
-        lr=cfg.lr,
-        epochs=epoch + 1,
-        steps=step,
-        resumed_from_step=progress.step,
-        final_train_loss=train_loss,
-        eval_loss=eval_loss,
-        eval_accuracy=eval_acc,
-        eval_samples=eval_count,
-        wall_time_s=elapsed,
-        replica_checksums=checksums,
-    )
-    if launch.rank == 0:
-        write_summary(cfg.output_dir, **summary)
-    # --- end of the end-of-run record ---
-    return 0
-
-
 # under torchrun, a failing rank's exception and traceback show in torchrun's summary
 @record
 def main():
     # bad input (here and below): one "error:" line, exit code 2
-    cfg = load_config(CheckpointConfig)
+    cfg = load_config(PreemptConfig)
     # rank, local rank, world size, rendezvous address: torchrun, srun, mpiexec
     launch = detect_launcher()
     # before any process group, so no rank waits for a failed one
     check_data(cfg, launch.world_size)
-    return train(cfg, launch)
+    if launch.rank == 0:  # an earlier run's note; this run's own stop writes a new one
+        (cfg.checkpoints / "REQUEUE").unlink(missing_ok=True)
+    # Before the training: a signal from now on is not lost (but while the loaders' server starts,
+    # a second).
+    preemption = Preemption(cfg.time_limit_s, worker_start_method(cfg.num_workers))
+    stopped = train(cfg, launch, preemption)
+    return ckpt.REQUEUE_EXIT_CODE if stopped else 0  # 75: saved, requeue me
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 01_basic_ddp/train.py plus a checkpoint of the training state (model, optimizer), where the run
 is (step, epoch, samples read) and every rank's RNG states; rank 0 writes it atomically
-(checkpoint.py) and a new start resumes from the newest one that loads. preempt.py adds
-stopping on a signal or a deadline. `diff 01_basic_ddp/train.py train.py` shows this lesson.
+(checkpoint.py) and a new start resumes from the newest one that loads. preempt.py runs this
+train() and adds stopping on a signal or a deadline. `diff 01_basic_ddp/train.py train.py` shows
+this lesson.
 """
 
 import dataclasses
@@ -95,10 +96,11 @@ class Progress:
         return cls(step, epoch, train_loader.sampler.consumed + read)
 
 
-def resumable_loaders(cfg, launch, data, device):
+def resumable_loaders(cfg, launch, data, device, worker_init_fn=None):
     """01's sampler and loaders, with what an exact resume needs: ResumableSampler (checkpoint.py)
     can skip the samples of an epoch's order read before the checkpoint, and the loaders draw their
-    seeds from a generator of their own. Returns the sampler, the generator and the loaders."""
+    seeds from a generator of their own. Each loader worker runs worker_init_fn as it starts
+    (preempt.py's ignores its signals). Returns the sampler, the generator and the loaders."""
     # Each rank a disjoint 1/world_size of the training set, shuffled alike (seed + epoch).
     train_sampler = ckpt.ResumableSampler(
         data.train,
@@ -119,6 +121,7 @@ def resumable_loaders(cfg, launch, data, device):
         multiprocessing_context=worker_start_method(cfg.num_workers),
         pin_memory=device.type == "cuda",
         generator=generator,
+        worker_init_fn=worker_init_fn,
     )
     # A strided slice per rank: every test sample once (DistributedSampler pads with repeats).
     test_shard = Subset(data.test, range(launch.rank, len(data.test), launch.world_size))
@@ -128,6 +131,7 @@ def resumable_loaders(cfg, launch, data, device):
         num_workers=cfg.num_workers,
         multiprocessing_context=worker_start_method(cfg.num_workers),
         generator=generator,
+        worker_init_fn=worker_init_fn,
     )
     return train_sampler, generator, train_loader, test_loader
 
@@ -188,7 +192,10 @@ def resume(cfg, launch, device, training):
     return progress, loss_and_count
 
 
-def train(cfg, launch):
+def train(cfg, launch, preemption=None) -> str:
+    """The run. `preemption` is preempt.py's (None here): asked at every step boundary whether to
+    stop, it makes all ranks save that step and return early. Returns why the run stopped early
+    ("SIGTERM", "time limit"), or "" when it ended or had nothing left to do."""
     start_time = time.perf_counter()
     # One GPU per process: the local rank's, or 0 where the site shows each rank only its own;
     # else CPU (gloo).
@@ -215,7 +222,7 @@ def train(cfg, launch):
         dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
     data = load_datasets(cfg, launch.world_size)
     train_sampler, generator, train_loader, test_loader = resumable_loaders(
-        cfg, launch, data, device
+        cfg, launch, data, device, preemption.worker_init_fn if preemption else None
     )
 
     # To this rank's device, then wrap: DDP's hooks all-reduce the gradients in backward().
@@ -238,7 +245,7 @@ def train(cfg, launch):
     if progress.done(cfg):  # a finished run, started again
         del model
         dist.destroy_process_group()
-        return
+        return ""
 
     if launch.rank == 0:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
@@ -249,7 +256,7 @@ def train(cfg, launch):
             f"batch {cfg.local_batch_size} x {launch.world_size} = {global_batch}",
             flush=True,
         )
-    step, images_seen = progress.step, 0
+    step, images_seen, stop = progress.step, 0, ""
     for epoch in range(progress.epoch, cfg.epochs):
         # A new shuffle each epoch; without it every epoch repeats epoch 0.
         train_sampler.set_epoch(epoch)
@@ -277,13 +284,22 @@ def train(cfg, launch):
                     f"epoch {epoch + 1} step {step} loss {loss.item():.4f} (rank 0's batch)",
                     flush=True,
                 )
+            # preempt.py's step boundary: a collective, so every rank learns whether to stop.
+            stop = preemption.requested(device) if preemption else ""
             # Save at the same step on every rank (a collective): periodically, at each epoch's end.
             periodic = cfg.save_every_steps and step % cfg.save_every_steps == 0
-            if periodic or batch == len(train_loader) or step == cfg.max_steps:
+            if stop or periodic or batch == len(train_loader) or step == cfg.max_steps:
                 at = Progress.after(step, epoch, batch, train_loader, launch.world_size)
                 save_checkpoint(cfg, launch, device, training, at, loss_and_count, model_args)
+            if stop:
+                preemption.saved(cfg, launch, device, step, stop)  # a collective: its note
+                break
             if step == cfg.max_steps:
                 break
+        if stop:  # saved to be resumed: no evaluation, final model or end-of-run record
+            del model
+            dist.destroy_process_group()
+            return stop
         # Sums and counts over all ranks, the exact mean (not a mean of means); every rank calls it.
         dist.all_reduce(loss_and_count)
         train_loss = (loss_and_count[0] / loss_and_count[1]).item()
@@ -336,6 +352,7 @@ def train(cfg, launch):
     # destroy_process_group() and keep gloo's threads running into interpreter shutdown.
     del model
     dist.destroy_process_group()
+    return ""
 
 
 # under torchrun, a failing rank's exception and traceback show in torchrun's summary
