@@ -31,7 +31,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from common.config import TrainConfig, field, load_config
 from common.data import check_data, download_datasets, load_datasets, worker_start_method
 from common.errors import DataError
-from common.launcher import choose_backend, detect_launcher, exit_on_bad_input
+from common.bad_input import exit_on_bad_input
+from common.launcher import choose_backend, detect_launcher
 from common.models import build_model
 from common.report import write_summary
 

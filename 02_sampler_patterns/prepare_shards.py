@@ -18,7 +18,7 @@ import torch
 
 from common.config import DATASETS, field, load_config
 from common.data import build_datasets
-from common.launcher import exit_on_bad_input
+from common.bad_input import exit_on_bad_input
 from common.report import write_json_atomic
 
 

@@ -34,7 +34,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from common.config import TrainConfig, field, load_config
 from common.data import worker_start_method
 from common.errors import ConfigError, DataError
-from common.launcher import choose_backend, detect_launcher, exit_on_bad_input
+from common.bad_input import exit_on_bad_input
+from common.launcher import choose_backend, detect_launcher
 from common.models import build_model
 from common.report import parameter_checksum, write_summary
 

@@ -24,7 +24,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 import checkpoint as ckpt  # 05_checkpointing/checkpoint.py
 from common.errors import ConfigError, DataError
-from common.launcher import exit_on_bad_input
+from common.bad_input import exit_on_bad_input
 from common.models import build_model
 
 

@@ -52,7 +52,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from common.config import field, load_config
 from common.errors import ConfigError, LauncherError
-from common.launcher import choose_backend, detect_launcher, exit_on_bad_input, host_address
+from common.bad_input import exit_on_bad_input
+from common.launcher import choose_backend, detect_launcher, host_address
 from common.report import write_json_atomic
 
 MIB = 1 << 20

@@ -43,7 +43,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from common.config import field, load_config
 from common.errors import ConfigError
-from common.launcher import exit_on_bad_input
+from common.bad_input import exit_on_bad_input
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -40,7 +40,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common.config import MODELS, field, load_config
 from common.data import FAKE_CLASSES
 from common.errors import ConfigError
-from common.launcher import choose_backend, detect_launcher, exit_on_bad_input
+from common.bad_input import exit_on_bad_input
+from common.launcher import choose_backend, detect_launcher
 from common.models import build_model
 
 # benchmark/perf.py

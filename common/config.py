@@ -13,7 +13,7 @@ from typing import Any, Sequence, TypeVar, get_type_hints
 import yaml
 
 from common.errors import ConfigError
-from common.launcher import exit_on_bad_input
+from common.bad_input import exit_on_bad_input
 
 C = TypeVar("C")
 # Keys renamed since an earlier release, old: new. The old name is refused with one line that names

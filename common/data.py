@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from common.errors import DataError
-from common.launcher import exit_on_bad_input
+from common.bad_input import exit_on_bad_input
 
 DOWNLOADABLE = ("cifar10", "mnist", "fashion_mnist")
 FAKE_TRAIN_SIZE, FAKE_TEST_SIZE = 2048, 512

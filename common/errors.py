@@ -1,6 +1,11 @@
-"""Bad input the user can fix is not a crash: each kind of it is one exception class here.
-`exit_on_bad_input()` (launcher.py, which knows the rank) turns one into an `error:` line from the
-rank that should say it, and exit code 2, as with argparse."""
+"""Bad input the user can fix is not a crash: each kind of it is one exception class here, and
+it ends the run with one `error:` line and exit code 2, as with argparse. Which rank says it:
+`exit_on_bad_input()` in bad_input.py."""
+
+import sys
+from typing import NoReturn
+
+BAD_INPUT_EXIT_CODE = 2
 
 
 class UsageError(Exception):
@@ -17,3 +22,8 @@ class LauncherError(UsageError):
 
 class DataError(UsageError):
     """A data set is missing or unusable (possibly on one node only)."""
+
+
+def exit_with_error(exc: UsageError) -> NoReturn:
+    print(f"error: {exc}", file=sys.stderr, flush=True)
+    sys.exit(BAD_INPUT_EXIT_CODE)

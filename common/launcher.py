@@ -14,24 +14,18 @@ a guess. launch_info(env) is the rule on a plain dict; this module imports no to
 import os
 import re
 import socket
-import sys
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import product
 from pathlib import Path
 from typing import Mapping
 
-from common.errors import ConfigError, DataError, LauncherError, UsageError
+from common.errors import LauncherError, exit_with_error
 
 # torchrun's --master-port default across nodes (one node without it: a free port)
 DEFAULT_PORT = 29500
 # below the ephemeral range (32768+); the stride (PBS subjobs, srun steps) coprime to the span
 PORT_BASE, PORT_SPAN, STRIDE = 15000, 15000, 7537
 LOOPBACK = "127.0.0.1"
-BAD_INPUT_EXIT_CODE = 2
-# silent ranks exit later: a launcher stops all ranks once one exits, the reporting one too
-SILENT_RANK_DELAY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -242,8 +236,10 @@ def detect_launcher(
 
     import_distributed_nn_before_the_process_group()
     gpus = torch.cuda.device_count() if uses_gpu and torch.cuda.is_available() else 0
-    with exit_on_bad_input():
+    try:
         info = launch_info(os.environ, rank, world_size, gpus)
+    except LauncherError as exc:
+        exit_with_error(exc)  # this rank's own view of its launch: every rank that finds it says it
     if info.master_port == 0:
         # torch up to 2.7 refuses port 0 in a tcp:// URL ("port number missing"): ask the OS
         info = replace(info, master_port=free_port())
@@ -440,25 +436,3 @@ def _by_hand(env: Mapping[str, str]) -> Ranks:
     local_rank = job.local_rank if found.local_rank is None else found.local_rank
     local_world = job.local_world_size if found.local_world_size is None else found.local_world_size
     return replace(found, local_rank=local_rank, local_world_size=local_world)
-
-
-@contextmanager
-def exit_on_bad_input():
-    """Turn a UsageError into an `error:` line and exit code 2. A config error is the same on
-    every rank, so global rank 0 says it; a data error (a folder missing on one node) is said by
-    each node's local rank 0; a launcher error is this rank's own view of its launch, so every
-    rank that finds one says it (a rank that found nothing to say would exit silently). It lives
-    here because who says it is the launcher's rule (launched_by)."""
-    try:
-        yield
-    except UsageError as exc:
-        try:
-            ranks = launched_by(os.environ)
-        except UsageError:
-            ranks = Ranks("unknown", None, None, None, None)
-        reporter = {ConfigError: ranks.rank, DataError: ranks.local_rank}.get(type(exc), 0)
-        if reporter in (None, 0):
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(SILENT_RANK_DELAY_S)
-        sys.exit(BAD_INPUT_EXIT_CODE)

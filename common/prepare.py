@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from common.data import DOWNLOADABLE, build_datasets
-from common.launcher import exit_on_bad_input
+from common.bad_input import exit_on_bad_input
 
 
 def main():

@@ -17,7 +17,8 @@ from pathlib import Path
 
 # make `common` importable: after this file's folder, so a common/ copied beside it comes first
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
-from common.launcher import exit_on_bad_input, free_port, launch_info  # noqa: E402
+from common.bad_input import exit_on_bad_input  # noqa: E402
+from common.launcher import free_port, launch_info  # noqa: E402
 
 
 def main() -> None:
