@@ -610,7 +610,7 @@ def client_zygote(timeout_s: float) -> tuple[int, int, int]:
             failed = sum(os.waitpid(pid, 0)[1] != 0 for pid in pids)
             answers.write(f"{failed}\n")
             answers.flush()
-    os._exit(0)
+    os._exit(0)  # lint: allow[os-exit] a forked child: not its parent's atexit or buffers
 
 
 def fork_client(port: int, index: int, clients: int, timeout_s: float, stderr: int) -> int:
@@ -631,7 +631,7 @@ def fork_client(port: int, index: int, clients: int, timeout_s: float, stderr: i
         neighbour = (index + 1) % clients
         code = 0 if client.get(f"rank-{neighbour}") == str(neighbour).encode() else 1
     finally:
-        os._exit(code)  # no cleanup of the parent's state
+        os._exit(code)  # lint: allow[os-exit] a forked child: no cleanup of the parent's state
 
 
 def store_clients(zygote: tuple[int, int, int], clients: int, timeout_s: float) -> dict:

@@ -1202,7 +1202,7 @@ class Recorder:
             # Stop here, on every rank after the same step: the script's own code after this
             # (the next batch, a collective in a finally, an atexit) would wait for ranks that
             # have stopped.
-            os._exit(0)
+            os._exit(0)  # lint: allow[os-exit] the user's script must not go on
 
 
 def rank_main(script: str, script_args: list[str]) -> None:
