@@ -13,6 +13,16 @@ from tests.helpers import PINNED_TORCH, RUNNING_TORCH
 from tests.sample_runs import Ran, shared_run
 
 
+def pytest_configure(config):
+    """A test file named on the command line runs all its tests, whatever their tier:
+    `python -m pytest tests/test_readme_text.py` needs no `-m ""`. pytest.ini's `-m` leaves the
+    tiers out of a run of the whole suite only; a `-m` of one's own still applies."""
+    named = [arg for arg in config.args if arg.split("::")[0].endswith(".py")]
+    given = [*config.invocation_params.args, *os.environ.get("PYTEST_ADDOPTS", "").split()]
+    if named and not any(arg.startswith("-m") for arg in given):
+        config.option.markexpr = ""
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Every test that starts the two-node Slurm cluster (the `cluster` fixture, directly or through
