@@ -6,6 +6,9 @@ Each rule protects someone who copies one of them:
   private-torch-api      no torch._x, dist._x, model._x: a private API changes without notice
   common-communicates    no collective in common/, even through another helper: a reader calls a
                          helper like plain code, under `if rank == 0:`, and the job hangs
+  common-import-cycle    common/'s modules import each other without a cycle, even through an
+                         import inside a function: a copy of common/ is a package a user's code
+                         imports, and a cycle breaks the import order of whoever imports it first
   destroy-process-group  a script that starts a process group ends it, right after `del model`:
                          the DDP model holds the group, and gloo's threads otherwise end at
                          interpreter shutdown ("terminate called without an active exception")
@@ -33,6 +36,11 @@ Each rule protects someone who copies one of them:
                          --open-mode=append, so a requeued run adds to the log; srun with
                          --kill-on-bad-exit=1 (one failed rank ends the step, not the time limit)
                          and --cpus-per-task passed on (Slurm 22.05-23.02 does not)
+  job-file-header        a job file (.sh, .sbatch, .pbs in jobs/): `set -euo pipefail`, a header
+                         that says what to edit (`# Edit`), directives written exactly (`#SBATCH
+                         --opt`, `#PBS -x`: sbatch and qsub ignore `# SBATCH`) and before the first
+                         command (they stop reading there), and every SCRIPT and `-m common.x` it
+                         names exists
   pbs-job-settings       a .pbs file: WALLTIME_S's default is the #PBS walltime (the deadline the
                          run saves before); JOB_FILE's default is the file itself (what a saved
                          run resubmits); no qrerun (it needs operator rights: resubmit instead)
@@ -65,10 +73,11 @@ DEFAULT_PATTERNS = (
     "debugging/*.py",
     "porting/*.py",
     "jobs/*.py",
+    "jobs/*.sh",
     "jobs/*.sbatch",
     "jobs/*.pbs",
 )
-JOB_FILES = (".sbatch", ".pbs")  # read as text: the Python rules see none of them
+JOB_FILES = (".sh", ".sbatch", ".pbs")  # read as text: the Python rules see none of them
 
 
 class File(NamedTuple):
@@ -130,6 +139,50 @@ def common_communicates(files):
     for f, n in functions:
         if n.name in names:
             yield f, n.lineno, f"{n.name}() communicates; call collectives in the script"
+
+
+def _common_imports(f: File, names: set[str]) -> list[tuple[str, int]]:
+    """(module of common/, line) for each import of one, at the top or inside a function:
+    `from common.x import ...`, `import common.x`, `from common import x`, relative."""
+    found = []
+    for node in f.nodes:
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            package = "." * node.level + (node.module or "")
+            modules = [package] + [f"{package}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for module in (m for m in modules if m.startswith(("common.", "."))):
+            found += [
+                (part, node.lineno) for part in module.lstrip(".").split(".") if part in names
+            ]
+    return found
+
+
+def common_import_cycle(files):
+    common = {f.path.stem: f for f in files if f.path.parent.name == "common"}
+    imports = {name: _common_imports(f, set(common) - {name}) for name, f in common.items()}
+    done, path = set(), []
+
+    def visit(module):  # depth first; the modules along a cycle, or [] where none is reached
+        if module in path:
+            return path[path.index(module) :] + [module]
+        if module in done:
+            return []
+        path.append(module)
+        for imported in sorted({name for name, _ in imports[module]}):
+            if cycle := visit(imported):
+                return cycle
+        path.pop()
+        done.add(module)
+        return []
+
+    for module in sorted(common):
+        if cycle := visit(module):
+            line = next(n for name, n in imports[cycle[0]] if name == cycle[1])
+            yield common[cycle[0]], line, f"an import cycle: {' -> '.join(cycle)}"
+            return
 
 
 def _released(before: list[ast.stmt]) -> bool:
@@ -321,6 +374,34 @@ def _first_line(f: File, pattern: str) -> int:
     return next((n for n, line in enumerate(lines, 1) if re.search(pattern, line)), 1)
 
 
+def job_file_header(files):
+    for f in files:
+        if "set -euo pipefail" not in f.text:
+            yield f, 1, "set -euo pipefail"
+        if not re.search(r"^# Edit", f.text, re.M):
+            yield f, 1, "a header that says what to edit: `# Edit ...`"
+        command = False  # the first command seen
+        for number, line in enumerate(f.text.splitlines(), 1):
+            if re.match(r"#\s+(SBATCH|PBS)\s+-", line):
+                yield f, number, "`# SBATCH` / `# PBS` is a comment: write `#SBATCH` / `#PBS`"
+            exact = {
+                "#SBATCH": (r"#SBATCH --[a-z][a-z-]*(=\S+)?", "#SBATCH --option=value"),
+                "#PBS": (r"#PBS -[A-Za-z] \S+", "#PBS -x value"),
+            }
+            for prefix, (form, example) in exact.items():
+                if line.startswith(prefix) and not re.fullmatch(form, line):
+                    yield f, number, f"write a directive as `{example}`"
+                if line.startswith(prefix) and command:
+                    yield f, number, "a directive after the first command is not read"
+            command = command or bool(line.strip() and not line.startswith("#"))
+        for script in re.findall(r"SCRIPT=\$\{SCRIPT:-([^}]+)\}", f.text):
+            if not (REPO / script).is_file():
+                yield f, _first_line(f, "SCRIPT="), f"no such script: {script}"
+        for module in re.findall(r"-m (common\.\w+)", f.text):
+            if not (REPO / (module.replace(".", "/") + ".py")).is_file():
+                yield f, _first_line(f, module), f"no such module: {module}"
+
+
 def slurm_job_settings(files):
     for f in (f for f in files if f.path.suffix == ".sbatch"):
         code = "\n".join(code_lines(f))
@@ -371,11 +452,12 @@ def pbs_job_settings(files):
 
 
 RULES = [
-    *(private_torch_api, common_communicates, destroy_process_group, os_exit, record_main),
+    *(private_torch_api, common_communicates, common_import_cycle, destroy_process_group),
+    *(os_exit, record_main),
     *(set_device_first, barrier_device_ids, backend_only_api, forked_loader_workers),
     *(test_hooks, training_catches, gpu_from_launch),
 ]
-JOB_RULES = [slurm_job_settings, pbs_job_settings]
+JOB_RULES = [job_file_header, slurm_job_settings, pbs_job_settings]
 
 
 def rule_name(rule) -> str:
@@ -426,6 +508,23 @@ def inner(t):
     t.sum()  #+
 def outer(t):
     inner(t)
+--- common-import-cycle common/a.py
+from common.b import helper
+--- common-import-cycle common/b.py
+def helper():
+    from common.a import other  #-
+    return 1
+--- job-file-header jobs/a.sh
+#!/bin/bash
+# Edit: NNODES.
+#SBATCH --nodes=2
+set -euo pipefail
+# SBATCH --time=1:00:00  #-
+#SBATCH --gpus-per-node 4  #-
+SCRIPT=${SCRIPT:-01_basic_ddp/missing.py}  #-
+SCRIPT=${SCRIPT:-01_basic_ddp/train.py}  #+
+python -m torch.distributed.run "$SCRIPT"
+#PBS -l walltime=01:00:00  #-
 --- destroy-process-group 01_a/train.py
 def main():
     dist.init_process_group("gloo")
