@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
-# tests/helpers.py's CODE_DIRS (common/, the numbered lessons, benchmark/, debugging/) and porting/
+# tests/paths.py's CODE_DIRS (common/, the numbered lessons, benchmark/, debugging/) and porting/
 DEFAULT_PATTERNS = (
     "0*/*.py",
     "common/*.py",

@@ -9,8 +9,8 @@ import torch.distributed as dist
 # why): tests that train in this process hand train() a LaunchInfo without calling it.
 import torch.distributed.nn  # noqa: F401
 
-from tests.helpers import PINNED_TORCH, RUNNING_TORCH
 from tests.sample_runs import Ran, shared_run
+from tests.torch_versions import PINNED_TORCH, RUNNING_TORCH
 
 
 def pytest_configure(config):

@@ -3,7 +3,7 @@ r"""Test-only: run a lesson under torchrun with its DDP instrumented from outsid
     torchrun --standalone --nproc_per_node=2 \
         tests/ddp_probe.py RESULT.json LESSON.py [lesson flags...]
 
-The lessons hold no test code. This worker imports LESSON.py with tests.helpers.load_script (its `if
+The lessons hold no test code. This worker imports LESSON.py with tests.paths.load_script (its `if
 __name__ == "__main__"` does not run), replaces `DDP` in the lesson's namespace by a subclass, and
 calls the lesson's main() with the flags. Public APIs only. The subclass, for every model it wraps:
   - records the class names of the model's BatchNorm layers at that moment (04 converts before the
@@ -29,7 +29,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 
-from tests.helpers import load_script  # noqa: E402
+from tests.paths import load_script
 
 counts = {"passes": 0, "buckets": 0, "passes_per_step": [], "buckets_per_step": [], "wrapped": []}
 _at_last_step = {"passes": 0, "buckets": 0}

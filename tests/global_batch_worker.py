@@ -1,7 +1,7 @@
 """Run on 2 ranks (gloo, torchrun's variables): DDP with local batch 16 against one process with the
 global batch of 32, on the same digits, in the same process. Rank 0 prints one line
 `RESULT <json>`: per case, how many parameters end outside `--rtol` (with atol 1e-7, as
-tests/helpers.py's assert_same_params), the largest ||ddp - one|| / ||one|| over the
+tests/results.py's assert_same_params), the largest ||ddp - one|| / ||one|| over the
 parameter tensors, and how far the first step's loss (DDP: the mean of the ranks') is from the one
 process's.
 

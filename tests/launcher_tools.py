@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import clean_env, read_env, run, start
+from tests.processes import clean_env, read_env, run, start
 
 REQUIRED = os.environ.get("REQUIRE_REAL_LAUNCHERS") == "1"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 from markdown_it import MarkdownIt
 
-from tests.helpers import REPO, tracked_files
+from tests.paths import REPO, tracked_files
 
 
 @functools.cache

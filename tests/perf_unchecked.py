@@ -16,7 +16,7 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmark")]
 
 from common.config import load_config  # noqa: E402
 from common.launcher import detect_launcher  # noqa: E402
-from tests.helpers import load_script  # noqa: E402
+from tests.paths import load_script
 
 train_script = load_script("benchmark/train.py", "benchmark_train")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run as a script: tests.helpers importable
+sys.path.insert(0, str(REPO))  # run as a script: tests.paths importable
 from tests.markdown import readme_sample, sample_block  # noqa: E402
 
 DECIMAL = re.compile(r"\d+\.\d{4}\b")

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from tests.helpers import (
-    PYTHON,
-    REPO,
+from tests.paths import PYTHON, REPO
+from tests.processes import (
     Result,
     clean_env,
     command_argv,

@@ -8,9 +8,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
 
-import torch.distributed as dist  # noqa: E402
-
 import scale  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 dist.init_process_group("gloo")
 record = scale.record_steps(scale.parse_args(["comm", *sys.argv[2:]]))

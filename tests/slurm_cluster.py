@@ -28,7 +28,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.helpers import free_port
+from tests.processes import free_port
 
 TOOLS = (
     "munged",

@@ -35,7 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tests.helpers import start, stop_hung_tree  # noqa: E402
+from tests.processes import start, stop_hung_tree
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 # The READMEs' main command of each lesson, shortened (the exit is what is tested, not the result).

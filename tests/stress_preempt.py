@@ -26,7 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tests.helpers import clean_env  # noqa: E402
+from tests.processes import clean_env
 from tests.slurm_cluster import SlurmCluster  # noqa: E402
 
 TRAIN_ARGS = "--epochs 3 --local-batch-size 16 --save-every-steps 20 --log-every 1000"

@@ -26,15 +26,10 @@ from common.config import parse_config
 from common.errors import ConfigError
 from common.launcher import LaunchInfo
 from common.models import build_model
-from tests.helpers import (
-    READY_ONCE,
-    free_port,
-    load_model,
-    load_script,
-    read_summary,
-    relative_difference,
-    warm_ranks,
-)
+from tests.paths import load_script
+from tests.processes import free_port, warm_ranks
+from tests.quoted import READY_ONCE
+from tests.results import load_model, read_summary, relative_difference
 
 perf = sys.modules["perf"] = load_script("benchmark/perf.py", "perf")  # as tests/test_perf.py does
 train_script = load_script("benchmark/train.py", "benchmark_train")

@@ -22,23 +22,18 @@ from common.data import digits
 from common.models import build_model
 from tests.launcher_tools import need_tools
 from tests.markdown import markdown_section
-from tests.helpers import (
-    assert_same_params,
-    PYTHON,
-    REPO,
+from tests.paths import PYTHON, REPO, load_script
+from tests.processes import (
     clean_env,
+    command_argv,
     free_port,
     kill_group,
-    load_model,
-    load_script,
-    read_summary,
-    command_argv,
-    repeated_lines,
     run,
     start,
     torchrun,
     warm_ranks,
 )
+from tests.results import assert_same_params, load_model, read_summary, repeated_lines
 
 SCRIPT = "01_basic_ddp/train.py"
 PORT_PATCH = REPO / "tests" / "port_01.diff"  # 01's README, "Your own model and data"

@@ -30,24 +30,20 @@ from torch.utils.data import DistributedSampler
 from common.data import digits
 from common.models import build_model
 from tests.cifar_files import write_cifar10
-from tests.sample_runs import record_env
-from tests.helpers import (
-    PYTHON,
-    REPO,
+from tests.paths import PYTHON, REPO, load_script
+from tests.processes import (
     clean_env,
-    differing_tensors,
+    command_argv,
     free_port,
     kill_group,
-    load_model,
-    load_script,
-    read_summary,
-    command_argv,
     run,
     start,
     torchrun,
     warm_command,
     warm_ranks,
 )
+from tests.results import differing_tensors, load_model, read_summary
+from tests.sample_runs import record_env
 
 SCRIPT = "05_checkpointing/train.py"
 PREEMPT = "05_checkpointing/preempt.py"  # train.py plus stopping on a signal or a deadline

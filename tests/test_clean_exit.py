@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, clean_env, torchrun
+from tests.paths import REPO
+from tests.processes import clean_env, torchrun
 
 # What a user adds near the top of a copied 01: a metrics file they write through a buffer, and
 # a handler that runs when the interpreter exits. Neither is flushed or run by the lesson itself.

@@ -13,7 +13,10 @@ from PIL import Image
 from common.data import build_datasets, digits, digits_arrays, worker_start_method
 from common.errors import DataError
 from tests.cifar_files import CIFAR_FOLDER, patch_cifar_md5, write_cifar10
-from tests.helpers import UCI_TEST_CLASS_COUNTS, PYTHON, REPO, read_summary, run
+from tests.paths import PYTHON, REPO
+from tests.processes import run
+from tests.quoted import UCI_TEST_CLASS_COUNTS
+from tests.results import read_summary
 
 
 def test_cifar10_files_load_through_torchvision(tmp_path, monkeypatch):

@@ -14,7 +14,8 @@ import json
 
 import pytest
 
-from tests.helpers import skip_below_torch, warm_ranks
+from tests.processes import warm_ranks
+from tests.torch_versions import skip_below_torch
 
 WORKER = "tests/ddp_facts_worker.py"
 

@@ -14,18 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.helpers import (
-    PYTHON,
-    clean_env,
-    load_script,
-    pinned_torch_only,
-    read_summary,
-    root_cause,
-    run,
-    torchrun,
-    warm_command,
-    warm_ranks,
-)
+from tests.paths import PYTHON, load_script
+from tests.processes import clean_env, run, torchrun, warm_command, warm_ranks
+from tests.results import read_summary, root_cause
+from tests.torch_versions import pinned_torch_only
 
 DEMO = "debugging/demo_bugs.py"
 

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, clean_env, command_argv, run
+from tests.paths import PYTHON, REPO
 from tests.planted_ports import CORRECT_PORT, NAMES, write
+from tests.processes import clean_env, command_argv, run
 
 DOCTOR = str(REPO / "debugging" / "doctor.py")
 FINDING = re.compile(r"^problem: (?P<path>\S+):(?P<line>\d+): .* \[(?P<kind>[a-z0-9-]+)\]$")

@@ -13,20 +13,11 @@ import time
 
 import pytest
 
-from tests.helpers import (
-    RENDEZVOUS_TIMED_OUT,
-    PYTHON,
-    REPO,
-    clean_env,
-    free_port,
-    needs_torch,
-    command_argv,
-    root_cause,
-    run,
-    torchrun,
-    warm_ranks,
-    warm_up,
-)
+from tests.paths import PYTHON, REPO
+from tests.processes import clean_env, command_argv, free_port, run, torchrun, warm_ranks, warm_up
+from tests.quoted import RENDEZVOUS_TIMED_OUT
+from tests.results import root_cause
+from tests.torch_versions import needs_torch
 
 SCRIPTS = sorted(p.relative_to(REPO).as_posix() for p in REPO.glob("0*/train.py"))
 # The failure path is torch's and the launcher's, the same in every lesson (each has @record on

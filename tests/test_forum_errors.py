@@ -23,28 +23,22 @@ import time
 
 import pytest
 
-from tests.helpers import (
-    C10D_HEADERS,
-    FIXED_CELL,
-    WORKER_FILE,
-    PYTHON,
-    REPO,
+from common.launcher import master_port
+from tests.launcher_tools import need_root, need_tools
+from tests.paths import PYTHON, REPO, load_script
+from tests.processes import (
     clean_env,
+    command_argv,
     free_port,
     kill_group,
-    load_script,
-    needs_torch,
-    read_summary,
-    command_argv,
-    root_cause,
     run,
     start,
     torchrun,
     warm_command,
 )
-from tests.launcher_tools import need_root, need_tools
-
-from common.launcher import master_port
+from tests.quoted import FIXED_CELL, WORKER_FILE
+from tests.results import read_summary, root_cause
+from tests.torch_versions import C10D_HEADERS, needs_torch
 
 TRAIN = "01_basic_ddp/train.py"
 SHORT = ("--max-steps", "1", "--epochs", "1", "--local-batch-size", "16")

@@ -8,19 +8,10 @@ import pytest
 import torch
 
 from common.models import SmallCNN
-from tests.helpers import (
-    PINNED_TORCH,
-    REPO,
-    RUNNING_TORCH,
-    assert_same_params,
-    command_argv,
-    load_model,
-    read_summary,
-    relative_difference,
-    run,
-    warm_command,
-    warm_ranks,
-)
+from tests.paths import REPO
+from tests.processes import command_argv, run, warm_command, warm_ranks
+from tests.results import assert_same_params, load_model, read_summary, relative_difference
+from tests.torch_versions import PINNED_TORCH, RUNNING_TORCH
 
 SCRIPT = "09_fsdp2/train.py"
 # 09's README, "Run it": continue the run on 3 ranks

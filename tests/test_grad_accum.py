@@ -16,18 +16,9 @@ import re
 import pytest
 import torch
 
-
-from tests.helpers import (
-    PYTHON,
-    REPO,
-    load_model,
-    load_script,
-    read_summary,
-    command_argv,
-    relative_difference,
-    run,
-    warm_ranks,
-)
+from tests.paths import PYTHON, REPO, load_script
+from tests.processes import command_argv, run, warm_ranks
+from tests.results import load_model, read_summary, relative_difference
 
 SCRIPT = "03_grad_accum/train.py"
 BASIC = "01_basic_ddp/train.py"

@@ -11,8 +11,8 @@ below, with the release it first appeared in.
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
 import ast
+import importlib.metadata as metadata
 import re
 import sys
 from pathlib import Path
@@ -21,25 +21,26 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from tests.helpers import PINNED_TORCH, REPO, RUNNING_TORCH, pinned_torch_only
+from tests.paths import REPO
 from tests.torch_api import (
+    MIN_PAIR,
     NEWER_THAN_2_0,
     NOT_TORCH,
     OLD_LIST,
-    MIN_PAIR,
     api_date,
     installed_closure,
+    member_names,
     minimum_torch,
     newest,
+    python_uses,
     requirement_lines,
     torch_2_0_uses,
-    member_names,
-    python_uses,
     torch_classes,
     torchrun_flags,
     torchrun_flags_used,
     uses_by_file,
 )
+from tests.torch_versions import PINNED_TORCH, RUNNING_TORCH, pinned_torch_only
 
 SITE = REPO / "requirements-site.txt"
 PINNED = REPO / "requirements.txt"

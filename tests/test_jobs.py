@@ -15,25 +15,23 @@ from collections import Counter
 
 import pytest
 
-from tests.helpers import finish, start as start_guarded
-from tests.helpers import (
-    PYTHON,
-    REPO,
+from tests.launcher_tools import need_root, need_tools, openmpi_env
+from tests.paths import PYTHON, REPO
+from tests.processes import (
     clean_env,
-    differing_tensors,
+    finish,
     free_port,
     kill_group,
-    load_model,
     read_env,
-    read_summary,
-    repeated_lines,
     run,
     torchrun,
-    skip_below_torch,
     wait_all,
 )
-from tests.launcher_tools import need_root, need_tools, openmpi_env
-from tests.slurm_cluster import TOOLS as SLURM_TOOLS, SlurmCluster
+from tests.processes import start as start_guarded
+from tests.results import differing_tensors, load_model, read_summary, repeated_lines
+from tests.slurm_cluster import TOOLS as SLURM_TOOLS
+from tests.slurm_cluster import SlurmCluster
+from tests.torch_versions import skip_below_torch
 
 JOBS = sorted(p for p in (REPO / "jobs").glob("*.*") if p.suffix in (".sh", ".sbatch", ".pbs"))
 SLURM_JOBS = ["slurm_srun.sbatch", "slurm_torchrun.sbatch"]

@@ -16,19 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import (
-    PYTHON,
-    REPO,
-    clean_env,
-    differing_tensors,
-    finish,
-    kill_group,
-    load_model,
-    node_logs,
-    read_summary,
-    run,
-)
 from tests.launcher_tools import kubernetes_pod_env, start_on_host, two_hosts
+from tests.paths import PYTHON, REPO
+from tests.processes import clean_env, finish, kill_group, node_logs, run
+from tests.results import differing_tensors, load_model, read_summary
 
 pytestmark = pytest.mark.scheduler
 

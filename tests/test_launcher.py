@@ -9,27 +9,20 @@ import pytest
 
 from common.errors import LauncherError
 from common.launcher import (
-    STRIDE,
     DEFAULT_PORT,
     PORT_BASE,
     PORT_SPAN,
+    STRIDE,
     choose_backend,
+    expand_hostlist,
     free_port,
     launch_info,
-    expand_hostlist,
     master_port,
 )
-from tests.helpers import (
-    node_of,
-    PYTHON,
-    REPO,
-    clean_env,
-    finish,
-    read_summary,
-    run,
-    start,
-)
 from tests.launcher_tools import kubernetes_pod_env
+from tests.paths import PYTHON, REPO
+from tests.processes import clean_env, finish, node_of, run, start
+from tests.results import read_summary
 
 
 def pals_rank(rank: int, local_rank: int, world: int, local_world: int) -> dict[str, str]:
@@ -587,7 +580,7 @@ def test_cpu_scripts_on_a_gpu_node_run_more_ranks_than_gpus(monkeypatch, script,
     code 2."""
     import torch
 
-    from tests.helpers import load_script
+    from tests.paths import load_script
 
     if script == "benchmark/train.py":  # it imports its neighbour perf.py
         monkeypatch.setitem(sys.modules, "perf", load_script("benchmark/perf.py", "perf"))

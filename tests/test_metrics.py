@@ -17,18 +17,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 from common.config import TrainConfig
 from common.data import load_datasets
 from common.models import build_model
-
-from tests.helpers import (
-    REPO,
-    clean_env,
-    load_model,
-    read_summary,
-    command_argv,
-    repeated_lines,
-    run,
-    torchrun,
-    warm_ranks,
-)
+from tests.paths import REPO
+from tests.processes import clean_env, command_argv, run, torchrun, warm_ranks
+from tests.results import load_model, read_summary, repeated_lines
 
 SCRIPT = "07_metrics/train.py"
 PATIENCE_COMMAND = "torchrun --standalone --nproc_per_node=2 07_metrics/train.py --patience 1"

@@ -11,27 +11,22 @@ import time
 
 import pytest
 
-from tests.helpers import (
-    NEVER_CHECKED_IN,
-    ROW,
-    UNREACHABLE,
-    PYTHON,
-    REPO,
+from tests.launcher_tools import need_tools, openmpi_env, start_on_host, two_hosts
+from tests.paths import PYTHON, REPO, load_script
+from tests.processes import (
     clean_env,
     finish,
     free_port,
     full_logs,
     kill_group,
-    load_script,
-    read_summary,
     run,
     start,
-    summary_fields,
     torchrun_nodes,
     wait_all,
     warm_ranks,
 )
-from tests.launcher_tools import need_tools, openmpi_env, start_on_host, two_hosts
+from tests.quoted import NEVER_CHECKED_IN, UNREACHABLE
+from tests.results import ROW, read_summary, summary_fields
 
 TRAIN = REPO / "06_multinode" / "train.py"
 COMM = REPO / "06_multinode" / "comm_check.py"

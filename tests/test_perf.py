@@ -29,20 +29,9 @@ from common.errors import ConfigError
 from common.launcher import LaunchInfo
 from common.models import SmallCNN
 from tests.cifar_files import write_cifar10
-from tests.helpers import (
-    PYTHON,
-    REPO,
-    clean_env,
-    free_port,
-    load_model,
-    load_script,
-    read_summary,
-    command_argv,
-    relative_difference,
-    run,
-    summary_fields,
-    warm_ranks,
-)
+from tests.paths import PYTHON, REPO, load_script
+from tests.processes import clean_env, command_argv, free_port, run, warm_ranks
+from tests.results import load_model, read_summary, relative_difference, summary_fields
 
 # benchmark/train.py imports its helpers as `perf`
 # (its own folder is on sys.path when it runs); here

@@ -21,17 +21,9 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import (
-    REPO,
-    clean_env,
-    command_argv,
-    free_port,
-    load_script,
-    relative_difference,
-    run,
-    warm_command,
-    warm_ranks,
-)
+from tests.paths import REPO, load_script
+from tests.processes import clean_env, command_argv, free_port, run, warm_command, warm_ranks
+from tests.results import relative_difference
 
 MAKE = "python porting/make_digits_folder.py data/digits"
 PLAIN = "python porting/train_plain.py --data-dir data/digits --save-dir runs/plain"

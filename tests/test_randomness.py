@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.cifar_files import write_cifar10
-from tests.helpers import REPO, clean_env, load_model, read_summary, relative_difference, warm_ranks
+from tests.paths import REPO
+from tests.processes import clean_env, warm_ranks
+from tests.results import load_model, read_summary, relative_difference
 
 LESSON = "01_basic_ddp/train.py"
 # 40 training images, 20 per rank: 3 steps of 4 images = 12 augmented samples per rank.

@@ -25,23 +25,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.sample_runs import RUNS
-from tests.helpers import (
-    PYTHON,
-    REPO,
+from tests.launcher_tools import need_root, need_tools, unavailable
+from tests.markdown import readme_commands
+from tests.paths import PYTHON, REPO, tracked_files
+from tests.processes import (
     clean_env,
     dump_stacks,
     fail_timed_out,
     kill_group,
-    read_summary,
     run,
-    skip_below_torch,
     start,
-    tracked_files,
     warm_command,
 )
-from tests.markdown import readme_commands
-from tests.launcher_tools import need_root, need_tools, unavailable
+from tests.results import read_summary
+from tests.sample_runs import RUNS
+from tests.torch_versions import skip_below_torch
 
 SHORT = "--epochs 1 --max-steps 2"  # `short: true`: a training command's flags for one short run
 # Open MPI refuses to start as root without these; 06_multinode/README.md names them.

@@ -30,19 +30,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common.config import DATASETS, TrainConfig
 from common.data import DIGITS_FILE, digits
-from tests.helpers import (
-    REPO,
-    UCI_TEST_CLASS_COUNTS,
-    assert_same_params,
-    clean_env,
-    command_argv,
-    load_script,
-    pinned_torch_only,
-    torchrun,
-    tracked_files,
-)
+from tests import readme_samples
 from tests.markdown import (
-    readme_words,
     markdown_blocks,
     markdown_commands,
     markdown_headings,
@@ -51,9 +40,14 @@ from tests.markdown import (
     markdown_table,
     readme_commands,
     readme_sample,
+    readme_words,
 )
-from tests import readme_samples
+from tests.paths import REPO, load_script, tracked_files
+from tests.processes import clean_env, command_argv, torchrun
+from tests.quoted import UCI_TEST_CLASS_COUNTS
+from tests.results import assert_same_params
 from tests.sample_runs import Ran, shared_runs
+from tests.torch_versions import pinned_torch_only
 
 # README text only moves with an edit of a README: CI runs this tier, the default run leaves it out.
 pytestmark = pytest.mark.readme_text
@@ -425,9 +419,9 @@ def test_the_readme_shows_the_quick_start_and_the_cluster_install():
 
 def test_readme_quotes_the_launchers_error_for_more_ranks_than_gpus():
     """The README's row for 8 ranks on a node of 4 GPUs is common.launcher's message."""
-    from common.launcher import launch_info
-    from tests.helpers import node_of
     from common.errors import LauncherError
+    from common.launcher import launch_info
+    from tests.processes import node_of
 
     with pytest.raises(LauncherError) as exc:
         launch_info(node_of(8, 0, None), gpus=4)
@@ -467,7 +461,7 @@ def test_versions_names_the_minimum_and_the_newest_api_the_code_uses():
 def test_the_guide_quotes_the_rendezvous_timeout_as_torch_prints_it():
     """Printed by a rank alone at the rendezvous in tests/test_failures.py::
     test_rank_missing_at_start_waits_at_the_rendezvous_silently."""
-    from tests.helpers import RENDEZVOUS_TIMED_OUT
+    from tests.quoted import RENDEZVOUS_TIMED_OUT
 
     assert RENDEZVOUS_TIMED_OUT in (REPO / "debugging" / "README.md").read_text()
 
@@ -512,7 +506,7 @@ def test_06s_table_of_errors_quotes_comm_checks_errors_with_its_own_values():
     """06's table of errors: comm_check's line for an unreachable store (there rank 1 on nodeB,
     10.0.0.1:29500, the default 60 s) and for ranks that never checked in (2 and 3 of 4), as
     tests/test_multinode.py sees them printed."""
-    from tests.helpers import NEVER_CHECKED_IN, UNREACHABLE
+    from tests.quoted import NEVER_CHECKED_IN, UNREACHABLE
 
     readme = MULTINODE_README.read_text()
     unreachable = UNREACHABLE.format(rank=1, host="nodeB", addr="10.0.0.1:29500", s=60)
@@ -541,7 +535,7 @@ def test_06_quotes_the_placement_tables_warning_as_printed(capsys):
 def test_08_quotes_the_missing_teacher_errors_as_printed():
     """tests/test_several_models.py::test_a_missing_teacher_is_one_error_line_and_exit_code_2 sees
     them printed."""
-    from tests.helpers import TEACHER_ERRORS
+    from tests.quoted import TEACHER_ERRORS
 
     readme = " ".join((REPO / "08_several_models" / "README.md").read_text().split())
     assert all(f"`{line}`" in readme for line in TEACHER_ERRORS)
@@ -551,7 +545,7 @@ def test_the_guide_shows_the_mp_spawn_worker_and_cell_that_run():
     """The code tests/test_forum_errors.py::
     test_mp_spawn_of_a_worker_defined_in_main_fails_and_an_imported_one_runs runs is the code
     debugging/README.md shows."""
-    from tests.helpers import FIXED_CELL, WORKER_FILE
+    from tests.quoted import FIXED_CELL, WORKER_FILE
 
     guide = (REPO / "debugging" / "README.md").read_text()
     assert f"```python\n# ddp_worker.py\n{WORKER_FILE.strip()}\n```" in guide
@@ -580,7 +574,7 @@ def test_the_guides_ddp_memory_figure_is_resnet18s_parameters():
 def test_06s_samples_time_as_many_iterations_as_comm_check_does():
     """The iters column of 06's two comm_check samples (run with the default --iters 20) is
     comm_check's timed_iterations() (held to --iters' help in tests/test_multinode.py)."""
-    from tests.helpers import ROW
+    from tests.results import ROW
 
     comm = load_script("06_multinode/comm_check.py", "comm_check")
     rows = [

@@ -4,7 +4,7 @@ tests/test_readme_commands.py.)"""
 
 import re
 
-from tests.helpers import REPO
+from tests.paths import REPO
 
 
 def test_requirements_pin_a_torch_torchvision_pair_whose_compiled_ops_work():

@@ -24,18 +24,10 @@ from common.config import parse_config
 from common.data import digits
 from common.errors import ConfigError
 from common.models import SmallCNN
-from tests.helpers import (
-    PYTHON,
-    REPO,
-    clean_env,
-    free_port,
-    load_script,
-    pinned_torch_only,
-    read_summary,
-    run,
-    warm_command,
-    warm_ranks,
-)
+from tests.paths import PYTHON, REPO, load_script
+from tests.processes import clean_env, free_port, run, warm_command, warm_ranks
+from tests.results import read_summary
+from tests.torch_versions import pinned_torch_only
 
 DIR = "02_sampler_patterns"
 # The README's commands that the tests below run as written

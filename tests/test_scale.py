@@ -19,8 +19,9 @@ import textwrap
 import pytest
 import torch.distributed as dist
 
-from tests.helpers import PYTHON, REPO, clean_env, command_argv, load_script, run, torchrun
 from tests.launcher_tools import need_root, need_tools
+from tests.paths import PYTHON, REPO, load_script
+from tests.processes import clean_env, command_argv, run, torchrun
 
 scale = load_script("benchmark/scale.py", "scale")
 SCRIPT = REPO / "benchmark" / "scale.py"

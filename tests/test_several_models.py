@@ -14,18 +14,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.ddp_probe import counting_allreduce_hook, counts
-from tests.helpers import (
-    TEACHER_ERRORS,
-    PYTHON,
-    REPO,
-    load_model,
-    read_summary,
-    command_argv,
-    root_cause,
-    run,
-    torchrun,
-    warm_command,
-)
+from tests.paths import PYTHON, REPO
+from tests.processes import command_argv, run, torchrun, warm_command
+from tests.quoted import TEACHER_ERRORS
+from tests.results import load_model, read_summary, root_cause
 
 SCRIPT = "08_several_models/train.py"
 TEACHER = "torchrun --standalone --nproc_per_node=2 01_basic_ddp/train.py --output-dir runs/teacher"

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, read_env, run
 from tests.launcher_tools import (
     PBS_JOBS,
     SITE_JOBS,
@@ -24,6 +23,8 @@ from tests.launcher_tools import (
     source_site,
     stub_bin,
 )
+from tests.paths import REPO
+from tests.processes import read_env, run
 
 SITES_DIR = REPO / "jobs" / "sites"
 SITE_FILES = sorted(SITES_DIR.glob("*.sh"))

@@ -17,12 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.helpers import (
-    load_script,
-    read_summary,
-    relative_difference,
-    warm_ranks,
-)
+from tests.paths import load_script
+from tests.processes import warm_ranks
+from tests.results import read_summary, relative_difference
 
 cpu_sync_batchnorm = load_script("04_syncbn/cpu_sync_batchnorm.py", "cpu_sync_batchnorm_under_test")
 CpuSyncBatchNorm, convert_to_cpu_sync_batchnorm = (

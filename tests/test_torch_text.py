@@ -9,46 +9,34 @@ options and its verdicts on dumps shaped like each case the guide's table names.
 
 from __future__ import annotations
 
+import ast
+import inspect
+import json
 import logging
 import mmap
+import os
 import pickle
 import re
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from importlib import metadata
 from pathlib import Path
 
 import pytest
-
-import ast
-import inspect
-import json
-import os
-import signal
-import time
-
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from tests.helpers import (
-    C10D_HEADERS,
-    PYTHON,
-    READY_ONCE,
-    REPO,
-    clean_env,
-    command_argv,
-    free_port,
-    load_script,
-    read_summary,
-    root_cause,
-    run,
-    torchrun,
-    warm_command,
-)
-from tests.markdown import readme_words, markdown_blocks, markdown_section, readme_sample
+from tests.markdown import markdown_blocks, markdown_section, readme_sample, readme_words
+from tests.paths import PYTHON, REPO, load_script
+from tests.processes import clean_env, command_argv, free_port, run, torchrun, warm_command
+from tests.quoted import READY_ONCE
+from tests.results import read_summary, root_cause
 from tests.sample_runs import shared_runs
+from tests.torch_versions import C10D_HEADERS
 
 # All of it is torch's own text and source, read again after a torch upgrade.
 pytestmark = pytest.mark.torch_text

@@ -28,7 +28,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from tests.helpers import CODE_DIRS, REPO
+from tests.paths import CODE_DIRS, REPO
 
 ROOTS = ("torch", "torchvision")
 

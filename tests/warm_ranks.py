@@ -6,7 +6,7 @@ For tests whose claim is what DDP computes (equality with one process, exact eva
 accumulation), not how a launcher starts ranks. Every rank process otherwise pays its own
 `import torch` (2 to 6 CPU-s on the test machine), and torchrun one more for itself.
 
-The suite goes one step further (helpers.warm_ranks): each pytest worker keeps one forkserver
+The suite goes one step further (processes.warm_ranks): each pytest worker keeps one forkserver
 (multiprocessing's) that imported torch, torch._dynamo and torchvision once, binds no thread pool
 and opens no socket. Each run is a job forked from it (run_job), and the job forks one process per
 rank, so a run starts in milliseconds.

@@ -1,4 +1,4 @@
-"""The suite's own guard against hangs (tests/helpers.py): a launcher that runs past its timeout
+"""The suite's own guard against hangs (tests/processes.py): a launcher that runs past its timeout
 fails its test with the Python and native stacks of every process it started, and leaves none
 of them behind, torchrun's workers in their own sessions included. Shown on a real torchrun
 whose two workers sleep, so that the test has a known line to find in the stacks. And the runs that
@@ -9,12 +9,8 @@ import time
 
 import pytest
 
-from tests.helpers import (
-    PYTHON,
-    run,
-    torchrun_nodes,
-    warm_ranks,
-)
+from tests.paths import PYTHON
+from tests.processes import run, torchrun_nodes, warm_ranks
 
 HANGS = "import time\nprint('started', flush=True)\ntime.sleep(3600)  # the line a hang waits on\n"
 
@@ -29,10 +25,10 @@ HANGS = "import time\nprint('started', flush=True)\ntime.sleep(3600)  # the line
     ],
 )
 def test_a_timeout_records_every_processs_stacks_and_leaves_none(tmp_path, runner):
-    """helpers.run on a real torchrun and its two workers, helpers.torchrun_nodes on two torchrun
-    "nodes" with a worker each, and helpers.warm_ranks on ranks forked from the worker's
-    forkserver (not this process's children): past the timeout, every process is dumped with the
-    Python line it waits on, then killed; none is left."""
+    """processes.run on a real torchrun and its two workers, processes.torchrun_nodes on two
+    torchrun "nodes" with a worker each, and processes.warm_ranks on ranks forked from the
+    worker's forkserver (not this process's children): past the timeout, every process is dumped
+    with the Python line it waits on, then killed; none is left."""
     script = tmp_path / "hangs.py"
     script.write_text(HANGS)
     with pytest.raises(pytest.fail.Exception) as failure:

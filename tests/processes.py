@@ -1,13 +1,10 @@
-"""Run real launchers as subprocesses, bounded by a timeout, in a clean environment."""
+"""Processes a test starts: a clean environment, real launchers bounded by a timeout under the hang
+guard (the stacks of the whole tree, then the tree killed), and ranks started warm."""
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import importlib.metadata as metadata
-import importlib.util
 import itertools
-import json
 import os
 import re
 import shlex
@@ -15,25 +12,14 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from packaging.version import Version
 
-REPO = Path(__file__).resolve().parents[1]
-# The lessons are found, not listed: every numbered folder with a README.
-LESSON_DIRS = tuple(sorted(p.parent.name for p in REPO.glob("[0-9][0-9]_*/README.md")))
-# Every folder of code a user runs or copies.
-CODE_DIRS = ("common", *LESSON_DIRS, "benchmark", "debugging")
-PYTHON = sys.executable
-# torch's C++ headers, shipped in its wheel (found without importing torch)
-C10D_HEADERS = (
-    Path(importlib.util.find_spec("torch").origin).parent / "include/torch/csrc/distributed/c10d"
-)
+from tests.paths import PYTHON, REPO
 
 # Variables of launchers and schedulers: a test that runs inside a Slurm job, under mpiexec or
 # torchrun must not hand them to the processes it starts.
@@ -50,6 +36,8 @@ _LAUNCHER_PREFIXES = (
     "I_MPI_",
     "TORCHELASTIC_",
 )
+
+
 _LAUNCHER_NAMES = (
     "RANK",
     "LOCAL_RANK",
@@ -61,39 +49,6 @@ _LAUNCHER_NAMES = (
     "MASTER_PORT",
     "OMP_NUM_THREADS",
 )
-
-
-# --- torch versions: the pinned one (requirements.txt) and the one running (a site's, the minimum)
-
-PINNED_TORCH = next(
-    line.split("==")[1]
-    for line in (REPO / "requirements.txt").read_text().splitlines()
-    if line.startswith("torch==")
-)
-RUNNING_TORCH = Version(metadata.version("torch")).public
-
-
-def needs_torch(version: str, why: str) -> pytest.MarkDecorator:
-    """Skip on a torch older than `version`, saying why and naming both versions."""
-    return pytest.mark.skipif(
-        Version(RUNNING_TORCH) < Version(version),
-        reason=f"needs torch {version}: {why}; this is torch {RUNNING_TORCH}",
-    )
-
-
-def skip_below_torch(version: str, why: str) -> None:
-    """needs_torch inside a test (for one parameter of several)."""
-    if Version(RUNNING_TORCH) < Version(version):
-        pytest.skip(f"needs torch {version}: {why}; this is torch {RUNNING_TORCH}")
-
-
-def pinned_torch_only(why: str) -> pytest.MarkDecorator:
-    """Skip on any torch but the pinned one: a check of that release's own behaviour or output."""
-    return pytest.mark.skipif(
-        RUNNING_TORCH != PINNED_TORCH,
-        reason=f"{why}, as torch {PINNED_TORCH} (requirements.txt) does; this is torch "
-        f"{RUNNING_TORCH}",
-    )
 
 
 def read_env(path: Path) -> dict[str, str]:
@@ -492,53 +447,6 @@ def warm_command(
     )
 
 
-def load_script(path: str | Path, name: str):
-    """Import a script that is not in a package (the numbered folders start with a digit)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def read_summary(output_dir: Path) -> dict:
-    return json.loads((Path(output_dir) / "summary.json").read_text())
-
-
-def repeated_lines(output: str) -> list[str]:
-    """The non-blank lines that `output` holds more than once. A script whose ranks all print
-    would repeat its banner and its per-epoch lines (the same on every rank): under a launcher,
-    an empty list shows that one rank printed, whatever the lines say."""
-    lines = [line for line in output.splitlines() if line.strip()]
-    return sorted({line for line in lines if lines.count(line) > 1})
-
-
-def root_cause(output: str) -> str:
-    """The part of torchrun's closing summary that names the first failure (its "Root Cause")."""
-    assert "Root Cause" in output, output[-3000:]
-    return output.split("Root Cause")[-1]
-
-
-def load_model(output_dir: Path) -> dict:
-    """The state_dict a run wrote to output_dir/model.pt."""
-    import torch
-
-    return torch.load(Path(output_dir) / "model.pt", map_location="cpu", weights_only=True)
-
-
-def relative_difference(a: dict, b: dict) -> float:
-    """Largest ||a - b|| / ||b|| over the tensors of two state dicts (same keys required)."""
-    assert a.keys() == b.keys()
-    return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm()).item() for k in a)
-
-
-def differing_tensors(a: dict, b: dict) -> list[str]:
-    """The keys of two state dicts (the same keys required) whose tensors are not bitwise equal."""
-    import torch
-
-    assert a.keys() == b.keys()
-    return [k for k in a if not torch.equal(a[k], b[k])]
-
-
 def command_argv(command: str) -> list[str]:
     """The argv of a README command (the exact text a README's ```bash block shows; the marker
     above the block names the test that runs it, and tests/test_readme_commands.py holds the two
@@ -554,60 +462,6 @@ def command_argv(command: str) -> list[str]:
     )
 
 
-def tracked_files(*patterns: str) -> list[Path]:
-    """The repository's own files (`git ls-files`) matching `patterns`, sorted: never those of a
-    virtual environment, data or runs that live in the clone."""
-    names = subprocess.run(
-        ["git", "ls-files", "--", *patterns], cwd=REPO, capture_output=True, text=True, check=True
-    ).stdout.splitlines()
-    return sorted(REPO / name for name in names if (REPO / name).is_file())
-
-
-def summary_fields(script: str | Path) -> set[str]:
-    """The fields a script's write_summary(...) call writes to summary.json: its keyword arguments,
-    and those of the `dict(...)` it unpacks with `**name` (as the lessons pass `**summary`)."""
-    tree = ast.parse((REPO / script).read_text())
-    [call] = [
-        n
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "write_summary"
-    ]
-    dicts = {
-        target.id: node.value
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Assign)
-        and isinstance(node.value, ast.Call)
-        and getattr(node.value.func, "id", "") == "dict"
-        for target in node.targets
-        if isinstance(target, ast.Name)
-    }
-    fields = {kw.arg for kw in call.keywords if kw.arg}
-    for kw in call.keywords:
-        if kw.arg is None and isinstance(kw.value, ast.Name) and kw.value.id in dicts:
-            fields |= {k.arg for k in dicts[kw.value.id].keywords if k.arg}
-    if "replica_checksums" in fields:
-        fields.add("replicas_identical")
-    return fields
-
-
-READY_ONCE = "Expected to mark a variable ready only once"
-
-
-# optdigits.tes, UCI's description
-UCI_TEST_CLASS_COUNTS = [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
-
-
-def assert_same_params(a, b, rtol=1e-5):
-    import torch
-
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=1e-7, msg=name)
-
-
-# --- what a behaviour test and the README check of the same text share
-
-
 def node_of(local_world_size: int, local_rank: int, mask: str | None = None) -> dict[str, str]:
     """torchrun's variables for one rank of a one-node
     job, with an optional CUDA_VISIBLE_DEVICES."""
@@ -619,55 +473,3 @@ def node_of(local_world_size: int, local_rank: int, mask: str | None = None) -> 
         "LOCAL_WORLD_SIZE": str(local_world_size),
     }
     return env if mask is None else {**env, "CUDA_VISIBLE_DEVICES": mask}
-
-
-# The end of torch's line for a rendezvous that timed out (debugging/README.md quotes it:
-# tests/test_readme_text.py)
-RENDEZVOUS_TIMED_OUT = "waiting for clients. 1/2 clients joined."
-
-
-NEVER_CHECKED_IN = "rank(s) {ranks} of {world} never checked in"
-
-
-# comm_check's two errors, as the README's table of errors quotes them with its own values
-# (tests/test_readme_text.py)
-UNREACHABLE = "error: rank {rank} on {host} cannot reach rank 0's store at {addr} within {s} s"
-
-
-ROW = re.compile(
-    r"\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)"
-    r"\s+([\d.]+)\s+([\d.]+)\s+(True|False)"
-)
-
-
-# The two lines the README quotes (tests/test_readme_text.py)
-TEACHER_ERRORS = (
-    "error: --teacher is required: a model.pt saved by 01_basic_ddp/train.py",
-    "error: teacher: no file runs/teacher/model.pt (train one with 01 first)",
-)
-
-
-FIXED_CELL = """
-import torch.multiprocessing as mp
-from ddp_worker import worker
-
-mp.spawn(worker, args=(2, {port}), nprocs=2)
-"""
-
-
-# The fix: the worker in a file of its own (in a
-# notebook: a %%writefile ddp_worker.py cell), imported.
-WORKER_FILE = """
-import torch
-import torch.distributed as dist
-
-
-def worker(rank, world_size, port):
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
-    total = torch.tensor([rank + 1.0])
-    dist.all_reduce(total)
-    print(f"rank {rank}: all_reduce gives {total.item():.0f}", flush=True)
-    dist.destroy_process_group()
-"""
