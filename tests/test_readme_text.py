@@ -541,6 +541,35 @@ def test_08_quotes_the_missing_teacher_errors_as_printed():
     assert all(f"`{line}`" in readme for line in TEACHER_ERRORS)
 
 
+def test_the_guide_quotes_the_errors_its_runs_print():
+    """Each error and warning the guide quotes is the constant that a run in
+    tests/test_forum_errors.py (tests/test_multinode.py: the elastic restart) prints."""
+    from tests.quoted import (
+        DEVICE_ID_ON_CPU,
+        ELASTIC_RESTART,
+        LOCAL_LAMBDA,
+        NO_CPU_BACKEND,
+        OMP_BANNER,
+        PICKLE_WARNING,
+        RENAMED_VARIABLE,
+        SEGFAULT,
+        SHUFFLE_BESIDE_A_SAMPLER,
+        UNUSED_WARNING,
+        WORKER_EXITED,
+    )
+
+    guide = (REPO / "debugging" / "README.md").read_text()
+    assert f"```\n{PICKLE_WARNING}\n{LOCAL_LAMBDA}\n```" in guide
+    assert f"```\n{SHUFFLE_BESIDE_A_SAMPLER}\n```" in guide
+    assert WORKER_EXITED.format(pids=12345) in guide
+    assert f"```\n{NO_CPU_BACKEND}\n```" in guide
+    flowing = " ".join(guide.split())
+    assert f"`{DEVICE_ID_ON_CPU}`" in flowing
+    assert f"`{SEGFAULT}` in `_ddp_init_helper`" in flowing
+    assert OMP_BANNER in flowing and " ".join(UNUSED_WARNING.split()) in flowing
+    assert RENAMED_VARIABLE in guide and f"] {ELASTIC_RESTART}" in flowing
+
+
 def test_the_guide_shows_the_mp_spawn_worker_and_cell_that_run():
     """The code tests/test_forum_errors.py::
     test_mp_spawn_of_a_worker_defined_in_main_fails_and_an_imported_one_runs runs is the code
