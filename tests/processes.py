@@ -273,6 +273,20 @@ def kill_group(proc: subprocess.Popen) -> None:
             pass
 
 
+def short_run(
+    max_steps: int | None = 3, epochs: int | None = 1, local_batch_size: int | None = 16, **flags
+) -> list[str]:
+    """A lesson's flags for a short run: --max-steps, --epochs and --local-batch-size (None: the
+    lesson's own default), then each keyword as its flag (log_every=1000: --log-every 1000)."""
+    named = dict(max_steps=max_steps, epochs=epochs, local_batch_size=local_batch_size, **flags)
+    return [
+        word
+        for name, value in named.items()
+        if value is not None
+        for word in (f"--{name.replace('_', '-')}", str(value))
+    ]
+
+
 def torchrun(
     script: str | Path,
     *args: str,

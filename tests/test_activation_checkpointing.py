@@ -27,7 +27,7 @@ from common.errors import ConfigError
 from common.launcher import LaunchInfo
 from common.models import build_model
 from tests.paths import load_script
-from tests.processes import free_port, warm_ranks
+from tests.processes import free_port, warm_ranks, short_run
 from tests.quoted import READY_ONCE
 from tests.results import load_model, read_summary, relative_difference
 
@@ -35,7 +35,7 @@ perf = sys.modules["perf"] = load_script("benchmark/perf.py", "perf")  # as test
 train_script = load_script("benchmark/train.py", "benchmark_train")
 
 SCRIPT = "benchmark/train.py"
-RUN = ["--epochs", "1", "--max-steps", "6", "--local-batch-size", "16", "--log-every", "1000"]
+RUN = short_run(max_steps=6, log_every=1000)
 MIB = 2**20
 VARIANTS = {  # name: flags; "none" is the run without checkpointing, "lr" the negative control
     "none": [],

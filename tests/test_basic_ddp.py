@@ -24,6 +24,7 @@ from tests.launcher_tools import need_tools
 from tests.markdown import markdown_section
 from tests.paths import PYTHON, REPO, load_script
 from tests.processes import (
+    short_run,
     clean_env,
     command_argv,
     free_port,
@@ -98,7 +99,7 @@ def test_every_rank_ends_with_identical_parameters(quick_start):
     assert checksums[0] == checksums[1] == checksum(load_model(out))
 
 
-STEPS = ("--max-steps", "8", "--lr", "0.05")
+STEPS = short_run(max_steps=8, epochs=None, local_batch_size=None, lr=0.05)
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ from common.models import build_model
 from tests.cifar_files import write_cifar10
 from tests.paths import PYTHON, REPO, load_script
 from tests.processes import (
+    short_run,
     clean_env,
     command_argv,
     free_port,
@@ -49,16 +50,7 @@ SCRIPT = "05_checkpointing/train.py"
 PREEMPT = "05_checkpointing/preempt.py"  # train.py plus stopping on a signal or a deadline
 EXPORT = "python 05_checkpointing/export_model.py runs/latest/checkpoints model.pt"
 # 2 epochs of 45 steps (digits, 2 ranks x 16), a checkpoint every 10 steps and at each epoch's end.
-ARGS = (
-    "--epochs",
-    "2",
-    "--local-batch-size",
-    "16",
-    "--save-every-steps",
-    "10",
-    "--log-every",
-    "100",
-)
+ARGS = short_run(max_steps=None, epochs=2, save_every_steps=10, log_every=100)
 TRAIN_SIZE = 1438  # digits training set: 719 per rank, no padding
 STEPS_PER_EPOCH = 45  # ceil(719 / 16)
 TOTAL_STEPS = 2 * STEPS_PER_EPOCH

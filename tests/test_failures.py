@@ -14,7 +14,16 @@ import time
 import pytest
 
 from tests.paths import PYTHON, REPO
-from tests.processes import clean_env, command_argv, free_port, run, torchrun, warm_ranks, warm_up
+from tests.processes import (
+    clean_env,
+    command_argv,
+    free_port,
+    run,
+    torchrun,
+    warm_ranks,
+    warm_up,
+    short_run,
+)
 from tests.quoted import RENDEZVOUS_TIMED_OUT
 from tests.results import root_cause
 from tests.torch_versions import needs_torch
@@ -24,7 +33,7 @@ SCRIPTS = sorted(p.relative_to(REPO).as_posix() for p in REPO.glob("0*/train.py"
 # main: tests/test_lessons.py): it runs against 01, and 05's preempt.py, which has signal handlers
 # of its own.
 FAILURE_SCRIPTS = ["01_basic_ddp/train.py", "05_checkpointing/preempt.py"]
-FAST = ("--max-steps", "6", "--epochs", "1", "--local-batch-size", "16", "--log-every", "100")
+FAST = short_run(max_steps=6, log_every=100)
 
 
 def _injected_at(output: str) -> float:

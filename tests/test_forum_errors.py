@@ -27,6 +27,7 @@ from common.launcher import master_port
 from tests.launcher_tools import need_root, need_tools
 from tests.paths import PYTHON, REPO, load_script
 from tests.processes import (
+    short_run,
     clean_env,
     command_argv,
     free_port,
@@ -54,7 +55,7 @@ from tests.results import read_summary, root_cause
 from tests.torch_versions import C10D_HEADERS, needs_torch
 
 TRAIN = "01_basic_ddp/train.py"
-SHORT = ("--max-steps", "1", "--epochs", "1", "--local-batch-size", "16")
+SHORT = short_run(max_steps=1)
 
 
 # --- torchrun's summary: exit codes of ranks killed

@@ -9,7 +9,7 @@ import torch
 
 from common.models import SmallCNN
 from tests.paths import REPO
-from tests.processes import command_argv, run, warm_command, warm_ranks
+from tests.processes import command_argv, run, warm_command, warm_ranks, short_run
 from tests.results import assert_same_params, load_model, read_summary, relative_difference
 from tests.torch_versions import PINNED_TORCH, RUNNING_TORCH
 
@@ -21,7 +21,7 @@ MEMORY_1 = "torchrun --standalone --nproc_per_node=1 09_fsdp2/memory.py"
 MEMORY_2 = "torchrun --standalone --nproc_per_node=2 09_fsdp2/memory.py"
 MEMORY_4 = "torchrun --standalone --nproc_per_node=4 09_fsdp2/memory.py"
 # 8 steps of 3 ranks x 16, a loss line each: 01's comparison run (tests/test_basic_ddp.py)
-SHORT = ("--max-steps", "8", "--lr", "0.05", "--local-batch-size", "16", "--log-every", "1")
+SHORT = short_run(max_steps=8, epochs=None, lr=0.05, log_every=1)
 
 
 def step_losses(output: str) -> list[str]:

@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from tests.paths import PYTHON, REPO, load_script
-from tests.processes import command_argv, run, warm_ranks
+from tests.processes import command_argv, run, warm_ranks, short_run
 from tests.results import load_model, read_summary, relative_difference
 
 SCRIPT = "03_grad_accum/train.py"
 BASIC = "01_basic_ddp/train.py"
 PROBE = "tests/ddp_probe.py"
 K = 3  # micro-batches per optimizer step
-STEPS = ("--max-steps", "3", "--epochs", "1")
+STEPS = short_run(local_batch_size=None)
 ACCUM = ("--local-batch-size", "4", "--accum-steps", str(K))  # 2 ranks x 4 x K: batch 24
 
 

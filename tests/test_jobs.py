@@ -18,6 +18,7 @@ import pytest
 from tests.launcher_tools import need_root, need_tools, openmpi_env
 from tests.paths import PYTHON, REPO
 from tests.processes import (
+    short_run,
     clean_env,
     finish,
     free_port,
@@ -35,7 +36,7 @@ from tests.torch_versions import skip_below_torch
 
 JOBS = sorted(p for p in (REPO / "jobs").glob("*.*") if p.suffix in (".sh", ".sbatch", ".pbs"))
 SLURM_JOBS = ["slurm_srun.sbatch", "slurm_torchrun.sbatch"]
-SMALL = "--max-steps 3 --epochs 1 --local-batch-size 16"
+SMALL = " ".join(short_run())
 
 
 @pytest.mark.parametrize("job", JOBS, ids=lambda p: p.name)
@@ -310,7 +311,7 @@ def test_01_trains_under_srun_with_the_pmi2_plugin(cluster, tmp_path):
 # under each job file, on the two-node cluster --
 
 # Long enough (8 epochs of 45 steps) to be stopped mid-run; a checkpoint every 20 steps.
-PREEMPT_ARGS = "--epochs 8 --local-batch-size 16 --save-every-steps 20 --log-every 1000"
+PREEMPT_ARGS = " ".join(short_run(max_steps=None, epochs=8, save_every_steps=20, log_every=1000))
 SLURM_DELIVERIES = ("signal", "requeue")
 
 

@@ -18,7 +18,7 @@ import yaml
 
 from tests.launcher_tools import kubernetes_pod_env, start_on_host, two_hosts
 from tests.paths import PYTHON, REPO
-from tests.processes import clean_env, finish, kill_group, node_logs, run
+from tests.processes import clean_env, finish, kill_group, node_logs, run, short_run
 from tests.results import differing_tensors, load_model, read_summary
 
 pytestmark = pytest.mark.scheduler
@@ -27,7 +27,7 @@ MANIFESTS = REPO / "jobs" / "kubernetes"
 WRAPPER = "jobs/kubernetes/torchrun_pod.py"
 # What the tests change in a manifest, as a user edits it: the run's length and the data (the
 # digits set, no download), and one process a pod (no GPU here).
-SHORT = "--epochs 2 --local-batch-size 16 --save-every-steps 10 --log-every 1"
+SHORT = " ".join(short_run(max_steps=None, epochs=2, save_every_steps=10, log_every=1))
 RESTART_ME = 143
 RENDEZVOUS = ("master_addr", "group_rank", "group_world_size")  # torchrun's lines
 
@@ -232,9 +232,7 @@ def test_trainjob_and_jobset_pods_train_one_model_across_two_hosts(tmp_path, nam
     as a user edits the script."""
     subnet = 209 if name == "trainjob.yaml" else 210
     with two_hosts(subnet, [names for _, names, _ in pods_of(name)]) as (ns, _, _):
-        procs = start_pods(
-            name, ns, tmp_path, "--max-steps 3 --epochs 1 --local-batch-size 16", script
-        )
+        procs = start_pods(name, ns, tmp_path, " ".join(short_run()), script)
         codes = wait_pods(procs, 180, tmp_path, f"the {name} pods")
     assert codes == [0, 0], node_logs(tmp_path)
     assert_one_run_across_the_pods(name, tmp_path)

@@ -18,7 +18,7 @@ from common.config import TrainConfig
 from common.data import load_datasets
 from common.models import build_model
 from tests.paths import REPO
-from tests.processes import clean_env, command_argv, run, torchrun, warm_ranks
+from tests.processes import clean_env, command_argv, run, torchrun, warm_ranks, short_run
 from tests.results import load_model, read_summary, repeated_lines
 
 SCRIPT = "07_metrics/train.py"
@@ -135,7 +135,7 @@ NONFINITE_ENV = dict(
     DDP_TEST_NONFINITE_AT_FORWARD="2",
     DDP_TEST_NONFINITE_RANK="1",
 )
-NONFINITE_ARGS = ("--log-every", "1", "--epochs", "1", "--timeout-s", "10")
+NONFINITE_ARGS = short_run(max_steps=None, local_batch_size=None, log_every=1, timeout_s=10)
 
 
 def test_a_non_finite_gradient_is_skipped_on_every_rank_and_fails_the_run(tmp_path):

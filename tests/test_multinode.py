@@ -14,6 +14,7 @@ import pytest
 from tests.launcher_tools import need_tools, openmpi_env, start_on_host, two_hosts
 from tests.paths import PYTHON, REPO, load_script
 from tests.processes import (
+    short_run,
     clean_env,
     finish,
     free_port,
@@ -30,7 +31,7 @@ from tests.results import ROW, read_summary, summary_fields
 
 TRAIN = REPO / "06_multinode" / "train.py"
 COMM = REPO / "06_multinode" / "comm_check.py"
-SMALL = ("--max-steps", "4", "--epochs", "1", "--local-batch-size", "16")
+SMALL = short_run(max_steps=4)
 
 
 @pytest.mark.launchers

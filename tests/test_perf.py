@@ -30,7 +30,7 @@ from common.launcher import LaunchInfo
 from common.models import SmallCNN
 from tests.cifar_files import write_cifar10
 from tests.paths import PYTHON, REPO, load_script
-from tests.processes import clean_env, command_argv, free_port, run, warm_ranks
+from tests.processes import clean_env, command_argv, free_port, run, warm_ranks, short_run
 from tests.results import load_model, read_summary, relative_difference, summary_fields
 
 # benchmark/train.py imports its helpers as `perf`
@@ -41,7 +41,7 @@ perf = sys.modules["perf"] = load_script("benchmark/perf.py", "perf")
 
 SCRIPT = "benchmark/train.py"
 CPU = torch.device("cpu")
-SMALL = ["--epochs", "1", "--local-batch-size", "8", "--log-every", "1000"]
+SMALL = short_run(max_steps=None, local_batch_size=8, log_every=1000)
 # 3 channels: channels_last differs from the default layout
 FAKE = ["--dataset", "fake", "--image-size", "8"]
 BATCHED_GRAD_COPY = "batched_grad_copy" in perf.DDP_ARGUMENTS  # DDP's, from torch 2.13 on

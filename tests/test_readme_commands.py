@@ -29,6 +29,7 @@ from tests.launcher_tools import need_root, need_tools, unavailable
 from tests.markdown import readme_commands
 from tests.paths import PYTHON, REPO, tracked_files
 from tests.processes import (
+    short_run,
     clean_env,
     dump_stacks,
     fail_timed_out,
@@ -41,7 +42,7 @@ from tests.results import read_summary
 from tests.sample_runs import RUNS
 from tests.torch_versions import skip_below_torch
 
-SHORT = "--epochs 1 --max-steps 2"  # `short: true`: a training command's flags for one short run
+SHORT = " ".join(short_run(max_steps=2, local_batch_size=None))  # `short: true` appends them
 # Open MPI refuses to start as root without these; 06_multinode/README.md names them.
 OPEN_MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 

@@ -949,7 +949,7 @@ def test_readme_names_the_shortening_flags():
     text = (REPO / "tests" / "README.md").read_text()
     section = text.split("## README statements, samples and commands", 1)[1].split("\n## ", 1)[0]
     # `short: true` appends these flags (tests/test_readme_commands.py, SHORT)
-    assert "`--epochs 1 --max-steps 2`" in section
+    assert "`--max-steps 2 --epochs 1`" in section
 
 
 NAMED_TEST = re.compile(r"(?:tests/)?(test_\w+\.py)|::(test_\w+)")
