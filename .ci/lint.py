@@ -41,6 +41,10 @@ Each rule protects someone who copies one of them:
                          --opt`, `#PBS -x`: sbatch and qsub ignore `# SBATCH`) and before the first
                          command (they stop reading there), and every SCRIPT and `-m common.x` it
                          names exists
+  ci-runs-the-readme     .ci/run runs the README's test command as written, with every tier
+                         selected by PYTEST_ADDOPTS right before it and unset right after it (pytest
+                         reads it after pytest.ini), then the minimum-torch tier, and ends with the
+                         README's style check: CI tests what a user runs
   pbs-job-settings       a .pbs file: WALLTIME_S's default is the #PBS walltime (the deadline the
                          run saves before); JOB_FILE's default is the file itself (what a saved
                          run resubmits); no qrerun (it needs operator rights: resubmit instead)
@@ -76,8 +80,12 @@ DEFAULT_PATTERNS = (
     "jobs/*.sh",
     "jobs/*.sbatch",
     "jobs/*.pbs",
+    ".ci/run",
 )
 JOB_FILES = (".sh", ".sbatch", ".pbs")  # read as text: the Python rules see none of them
+CI_SCRIPT = ".ci/run"  # read as text too
+README_TEST_COMMAND = "pip install -r requirements.txt -r requirements-test.txt && python -m pytest"
+README_STYLE_CHECK = "ruff format --check . && ruff check . && python .ci/lint.py"
 
 
 class File(NamedTuple):
@@ -375,7 +383,7 @@ def _first_line(f: File, pattern: str) -> int:
 
 
 def job_file_header(files):
-    for f in files:
+    for f in (f for f in files if f.path.suffix in JOB_FILES):
         if "set -euo pipefail" not in f.text:
             yield f, 1, "set -euo pipefail"
         if not re.search(r"^# Edit", f.text, re.M):
@@ -432,6 +440,33 @@ def slurm_job_settings(files):
                 )
 
 
+def ci_runs_the_readme(files):
+    for f in (f for f in files if f.path.as_posix().endswith(CI_SCRIPT)):
+        readme = (f.path.parents[1] / "README.md").read_text()
+        commands = [
+            (number, " ".join(line.split()))
+            for number, line in enumerate(f.text.splitlines(), 1)
+            if line.strip() and not line.lstrip().startswith("#")
+        ]
+        texts = [text for _, text in commands]
+        for command in (README_TEST_COMMAND, README_STYLE_CHECK):
+            if command not in readme:
+                yield f, 1, f"the README no longer shows `{command}`"
+        if README_TEST_COMMAND not in texts:
+            yield f, 1, f"run the README's test command as written: `{README_TEST_COMMAND}`"
+            continue
+        at = texts.index(README_TEST_COMMAND)
+        line = commands[at][0]
+        if texts[at - 1] != "export PYTEST_ADDOPTS='-m \"\"'" or texts[at + 1 : at + 2] != [
+            "unset PYTEST_ADDOPTS"
+        ]:
+            yield f, line, "PYTEST_ADDOPTS='-m \"\"' right before it, unset right after it"
+        if not any(t.endswith("python -m pytest -m min_torch") for t in texts[at:]):
+            yield f, line, "then the minimum-torch tier: `python -m pytest -m min_torch`"
+        if texts[-1] != README_STYLE_CHECK:
+            yield f, commands[-1][0], f"end with the README's style check: `{README_STYLE_CHECK}`"
+
+
 def pbs_job_settings(files):
     for f in (f for f in files if f.path.suffix == ".pbs"):
         walltime = re.search(r"^#PBS -l walltime=(\d+):(\d+):(\d+)$", f.text, re.M)
@@ -457,7 +492,7 @@ RULES = [
     *(set_device_first, barrier_device_ids, backend_only_api, forked_loader_workers),
     *(test_hooks, training_catches, gpu_from_launch),
 ]
-JOB_RULES = [job_file_header, slurm_job_settings, pbs_job_settings]
+JOB_RULES = [job_file_header, slurm_job_settings, ci_runs_the_readme, pbs_job_settings]
 
 
 def rule_name(rule) -> str:
@@ -469,7 +504,7 @@ def lint(paths: list[Path], rules=RULES + JOB_RULES) -> list[str]:
     for path in paths:
         name = str(path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path)
         text = path.read_text()
-        if path.suffix in JOB_FILES:
+        if path.suffix in JOB_FILES or path.as_posix().endswith(CI_SCRIPT):
             jobs.append(File(path, name, text, [], []))
             continue
         try:
@@ -597,6 +632,16 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-240}
 srun --kill-on-bad-exit=1 \  #-
 srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \  #+
     python -m torch.distributed.run train.py
+--- ci-runs-the-readme README.md
+pip install -r requirements.txt -r requirements-test.txt && python -m pytest
+ruff format --check . && ruff check . && python .ci/lint.py
+--- ci-runs-the-readme .ci/run
+set -euo pipefail
+export PYTEST_ADDOPTS='-m ""'
+pip install -r requirements.txt -r requirements-test.txt && python -m pytest
+unset PYTEST_ADDOPTS  #+
+PATH="$venv/bin:$PATH" python -m pytest -m min_torch
+ruff format --check . && ruff check . && python .ci/lint.py
 --- pbs-job-settings jobs/a.pbs
 #PBS -l walltime=01:00:00
 WALLTIME_S=${WALLTIME_S:-7200}  #-
@@ -620,7 +665,14 @@ def self_test() -> list[str]:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text("\n".join(line.removesuffix(f"  #{twin}") for line in kept))
         for rule, name in ((rule, rule_name(rule)) for rule in RULES + JOB_RULES):
-            mistake, twin = (sorted(Path(tmp, name, t).rglob("*.*")) for t in "-+")
+            mistake, twin = (
+                sorted(
+                    p
+                    for p in Path(tmp, name, t).rglob("*")
+                    if p.suffix in (".py", *JOB_FILES) or p.as_posix().endswith(CI_SCRIPT)
+                )
+                for t in "-+"
+            )
             if not [x for x in lint(mistake, [rule]) if f": {name}: " in x]:
                 failures.append(f"{name}: did not find its planted mistake")
             failures += [f"{name}: flagged its corrected twin: {x}" for x in lint(twin, [rule])]

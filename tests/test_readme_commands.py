@@ -200,7 +200,7 @@ for args in json.loads(sys.argv[1]):
 
 
 def test_test_suite_commands_collect():
-    """The pytest commands are run by CI (the whole suite: test_ci_runs_the_readmes_test_command);
+    """The pytest commands are run by CI (the whole suite: .ci/lint.py, ci-runs-the-readme);
     one that names a file or a marker must at least collect tests without an error."""
     texts = {c.text for c in readme_commands() if c.how.get("not-run") == "test-suite"}
     selections = [shlex.split(t.split("python -m pytest", 1)[-1]) for t in sorted(texts)]
@@ -216,27 +216,6 @@ def test_test_suite_commands_collect():
         assert re.search(
             r"(?<![\d/])[1-9]\d*(/\d+)? tests? collected|^tests/\S+\.py: [1-9]\d*$", part, re.M
         ), (args, part[-2000:])
-
-
-def test_ci_runs_the_readmes_test_command():
-    """.ci/run runs the README's own test command as written, with every tier selected by
-    PYTEST_ADDOPTS (which pytest reads after pytest.ini), then the minimum-torch tier and the
-    README's style check."""
-    readme = {c.text for c in readme_commands() if c.readme == "README.md"}
-    ci_commands = [
-        " ".join(line.split())
-        for line in (REPO / ".ci" / "run").read_text().splitlines()
-        if line.strip() and not line.lstrip().startswith("#")
-    ]
-    test_command = "pip install -r requirements.txt -r requirements-test.txt && python -m pytest"
-    at = ci_commands.index(test_command)
-    assert ci_commands[at - 1] == "export PYTEST_ADDOPTS='-m \"\"'"
-    assert ci_commands[at + 1] == "unset PYTEST_ADDOPTS"
-    assert 'PATH="$min_torch_venv/bin:$PATH" python -m pytest -m min_torch' in ci_commands[at:]
-    assert ci_commands[-1] == "ruff format --check . && ruff check . && python .ci/lint.py"
-    assert {test_command, ci_commands[-1]} <= readme
-    # The quick start shows that test command.
-    assert test_command in (REPO / "README.md").read_text()
 
 
 # The tiers the default run leaves out (pytest.ini), as a test's decorator
