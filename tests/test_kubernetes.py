@@ -46,6 +46,13 @@ def expand(text: str, env: dict[str, str]) -> str:
     )
 
 
+def job_spec_of(name: str) -> dict:
+    """The Job template of a TrainJob's runtime or of a JobSet: its one replicated job's spec."""
+    spec = documents(name)[0]["spec"]
+    jobset = spec["template"]["spec"] if name == "trainjob.yaml" else spec
+    return jobset["replicatedJobs"][0]["template"]["spec"]
+
+
 def container_of(name: str) -> tuple[dict, dict]:
     """(the training container, its pod spec) as the operator builds it from the manifest."""
     docs = documents(name)
@@ -55,15 +62,13 @@ def container_of(name: str) -> tuple[dict, dict]:
     if name == "trainjob.yaml":
         # Trainer v2.3, pkg/runtime/framework/plugins/jobset/builder.go, Trainer(): the TrainJob's
         # image, command and args replace the runtime's; its env is added to the runtime's.
-        runtime, trainjob = docs
-        job = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]
-        pod = job["template"]["spec"]["template"]["spec"]
+        pod = job_spec_of(name)["template"]["spec"]
         node = dict(next(c for c in pod["containers"] if c["name"] == "node"))
-        trainer = trainjob["spec"]["trainer"]
+        trainer = docs[1]["spec"]["trainer"]
         node.update(image=trainer["image"], command=trainer["command"])
         node["env"] = node.get("env", []) + trainer.get("env", [])
         return node, pod
-    pod = docs[0]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    pod = job_spec_of(name)["template"]["spec"]
     return pod["containers"][0], pod
 
 
@@ -155,11 +160,7 @@ def retried_by_the_operator(name: str, codes: list[int]) -> bool:
         assert {spec["restartPolicy"] for spec in policies.values()} == {"ExitCode"}
         return bool(failed) and all(code >= 128 for code in failed)
     _, pod = container_of(name)
-    job = (
-        documents(name)[0]["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
-        if name == "trainjob.yaml"
-        else documents(name)[0]["spec"]["replicatedJobs"][0]["template"]["spec"]
-    )
+    job = job_spec_of(name)
     fail_job = [r for r in job["podFailurePolicy"]["rules"] if r["action"] == "FailJob"]
     assert pod["restartPolicy"] == "Never" and job["backoffLimit"] == 0
     (rule,) = fail_job
@@ -177,10 +178,7 @@ def rendezvous(log: str) -> str:
 def assert_one_run_across_the_pods(name: str, tmp_path: Path) -> dict:
     """Each pod was one node of the same run, whose rank 0 the operator's master name reached; the
     run's summary."""
-    master = (
-        pods_of(name)[0][2].get("PET_MASTER_ADDR")
-        or pod_environment(container_of(name)[0], 0, {})["PET_MASTER_ADDR"]
-    )
+    master = pod_environment(container_of(name)[0], 0, pods_of(name)[0][2])["PET_MASTER_ADDR"]
     logs = [(tmp_path / f"node{i}.log").read_text() for i in (0, 1)]
     assert [rendezvous(log) for log in logs] == [f"{master} 0/2", f"{master} 1/2"]
     summary = read_summary(tmp_path / "shared" / "runs" / f"ddp-{name.removesuffix('.yaml')}")

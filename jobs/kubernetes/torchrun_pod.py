@@ -45,14 +45,13 @@ def note_version(note: Path):
 def main(torchrun_args: list[str]) -> int:
     note = Path(os.environ.get("RUN_DIR", ".")) / "checkpoints" / "REQUEUE"
     earlier_note = note_version(note)  # a note of an earlier run says nothing about this one
-    stopped_by = []
+    stopped_by, torchrun = [], None
 
     def pass_on(signum, frame):
         stopped_by.append(signum)
         if torchrun is not None:
             torchrun.send_signal(signum)
 
-    torchrun = None
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, pass_on)
     train_args = shlex.split(os.environ.get("TRAIN_ARGS", ""))
