@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from common.config import TrainConfig, load_config
 from common.data import check_data, download_datasets, load_datasets, worker_start_method
 from common.models import build_model
-from common.report import write_summary
+from common.report import run_record, write_summary
 
 
 @torch.no_grad()
@@ -130,23 +130,19 @@ def train(cfg):
     torch.save(model.state_dict(), Path(cfg.output_dir) / "model.pt")
 
     # --- end-of-run record: summary.json; a copy may delete this block whole ---
-    elapsed = time.perf_counter() - start_time
-    summary = dict(
-        world_size=1,
-        launcher="none",
+    summary = run_record(
+        cfg,
+        None,
         backend="none",
-        global_batch_size=cfg.local_batch_size,
-        images_per_second=images_seen / elapsed,
-        device=str(device),
-        local_batch_size=cfg.local_batch_size,
-        lr=cfg.lr,
+        device=device,
+        start_time=start_time,
+        images_seen=images_seen,
         epochs=epoch + 1,
         steps=step,
         final_train_loss=train_loss,
         eval_loss=eval_loss,
         eval_accuracy=eval_acc,
         eval_samples=eval_count,
-        wall_time_s=elapsed,
     )
     write_summary(cfg.output_dir, **summary)
     # --- end of the end-of-run record ---

@@ -36,7 +36,7 @@ from common.config import TrainConfig, field, load_config
 from common.data import check_data, download_datasets, load_datasets, worker_start_method
 from common.launcher import choose_backend, detect_launcher
 from common.models import build_model
-from common.report import parameter_checksum, write_summary
+from common.report import parameter_checksum, run_record, write_summary
 
 
 @dataclasses.dataclass
@@ -304,30 +304,27 @@ def train(cfg, launch):
         torch.save(model.module.state_dict(), Path(cfg.output_dir) / "model.pt")
 
     # --- end-of-run record: summary.json; a copy may delete this block whole ---
-    elapsed = time.perf_counter() - start_time
     # Every replica's parameter checksum, on every rank: a collective, so every rank calls it.
     checksums = [None] * launch.world_size
     dist.all_gather_object(checksums, parameter_checksum(model))
-    summary = dict(
-        world_size=launch.world_size,
-        launcher=launch.launcher,
-        backend=backend,
-        global_batch_size=accumulation.effective_batch,
-        # every rank saw as many
-        images_per_second=images_seen * launch.world_size / elapsed,
-        device=str(device),
-        local_batch_size=cfg.local_batch_size,
-        lr=accumulation.lr,
-        epochs=epoch + 1,
-        steps=step,
-        final_train_loss=train_loss,
-        eval_loss=eval_loss,
-        eval_accuracy=eval_acc,
-        eval_samples=eval_count,
-        wall_time_s=elapsed,
-        replica_checksums=checksums,
-    )
     if launch.rank == 0:
+        summary = run_record(
+            cfg,
+            launch,
+            backend=backend,
+            device=device,
+            start_time=start_time,
+            images_seen=images_seen,
+            global_batch_size=accumulation.effective_batch,
+            lr=accumulation.lr,
+            epochs=epoch + 1,
+            steps=step,
+            final_train_loss=train_loss,
+            eval_loss=eval_loss,
+            eval_accuracy=eval_acc,
+            eval_samples=eval_count,
+            replica_checksums=checksums,
+        )
         write_summary(cfg.output_dir, **summary, **accumulation.summary())
     # --- end of the end-of-run record ---
 

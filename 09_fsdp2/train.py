@@ -41,7 +41,7 @@ from common.errors import ConfigError
 from common.data import check_data, download_datasets, load_datasets, worker_start_method
 from common.launcher import choose_backend, detect_launcher
 from common.models import build_model
-from common.report import write_json_atomic, write_summary
+from common.report import run_record, write_json_atomic, write_summary
 
 
 @dataclasses.dataclass
@@ -275,28 +275,23 @@ def train(cfg, launch):
         write_json_atomic(folder / "progress.json", dict(epochs=epoch + 1, steps=step))
 
     # --- end-of-run record: summary.json; a copy may delete this block whole ---
-    elapsed = time.perf_counter() - start_time
     # No replicas to compare: each rank holds its own shard of every parameter.
-    summary = dict(
-        world_size=launch.world_size,
-        launcher=launch.launcher,
-        backend=backend,
-        global_batch_size=cfg.local_batch_size * launch.world_size,
-        # every rank saw as many
-        images_per_second=images_seen * launch.world_size / elapsed,
-        device=str(device),
-        local_batch_size=cfg.local_batch_size,
-        lr=cfg.lr,
-        epochs=epoch + 1,
-        steps=step,
-        final_train_loss=train_loss,
-        eval_loss=eval_loss,
-        eval_accuracy=eval_acc,
-        eval_samples=eval_count,
-        wall_time_s=elapsed,
-        precision=cfg.precision,
-    )
     if launch.rank == 0:
+        summary = run_record(
+            cfg,
+            launch,
+            backend=backend,
+            device=device,
+            start_time=start_time,
+            images_seen=images_seen,
+            epochs=epoch + 1,
+            steps=step,
+            final_train_loss=train_loss,
+            eval_loss=eval_loss,
+            eval_accuracy=eval_acc,
+            eval_samples=eval_count,
+            precision=cfg.precision,
+        )
         write_summary(cfg.output_dir, **summary)
     # --- end of the end-of-run record ---
 

@@ -4,6 +4,7 @@ here: the scripts gather what needs every rank (the replica checksums) themselve
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,3 +37,23 @@ def write_summary(output_dir: str | Path, **fields: Any) -> Path:
     write_json_atomic(path, fields)
     print(f"summary written to {path}", flush=True)
     return path
+
+
+def run_record(cfg, launch, *, backend: str, device, start_time: float, images_seen: int, **fields):
+    """The fields every lesson's summary.json holds, from its config, its launch (None for one
+    process) and its timings, then `fields`: the lesson's results, which may override a default
+    (03's global batch and learning rate)."""
+    elapsed = time.perf_counter() - start_time
+    world_size = launch.world_size if launch else 1
+    record = dict(
+        world_size=world_size,
+        launcher=launch.launcher if launch else "none",
+        backend=backend,
+        global_batch_size=cfg.local_batch_size * world_size,
+        images_per_second=images_seen * world_size / elapsed,  # every rank saw as many
+        device=str(device),
+        local_batch_size=cfg.local_batch_size,
+        lr=cfg.lr,
+        wall_time_s=elapsed,
+    )
+    return record | fields

@@ -823,7 +823,7 @@ class _Walk:
                 context = replace(context, write_guard=True)
 
     def statement(self, node, context: _Context, function):
-        linter, source = self.linter, self.source
+        linter = self.linter
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             self.statements(node.body, _Context(), node)
             return

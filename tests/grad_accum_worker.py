@@ -71,7 +71,7 @@ def main():
         )
 
     # zero_grad between the micro-batches of a window: only the last micro-batch's gradient is left.
-    def window_gradient(zero_in_between: bool) -> torch.Tensor:
+    def window_gradient(model, zero_in_between: bool) -> torch.Tensor:
         model.zero_grad()
         for i, x in enumerate(rank_data):
             if zero_in_between:
@@ -80,7 +80,7 @@ def main():
                 (model(x).sum() / len(rank_data)).backward()
         return model.module.weight.grad.clone()
 
-    zeroed, accumulated = window_gradient(True), window_gradient(False)
+    zeroed, accumulated = window_gradient(model, True), window_gradient(model, False)
     model.zero_grad()
     (model(rank_data[-1]).sum() / len(rank_data)).backward()
     last_only = model.module.weight.grad

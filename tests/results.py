@@ -51,26 +51,36 @@ def differing_tensors(a: dict, b: dict) -> list[str]:
 
 def summary_fields(script: str | Path) -> set[str]:
     """The fields a script's write_summary(...) call writes to summary.json: its keyword arguments,
-    and those of the `dict(...)` it unpacks with `**name` (as the lessons pass `**summary`)."""
+    those of a `dict(...)` it unpacks with `**name`, and, where that name is built by
+    common/report.py's run_record(...), the record's own fields and the call's keyword arguments."""
     tree = ast.parse((REPO / script).read_text())
     [call] = [
         n
         for n in ast.walk(tree)
         if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "write_summary"
     ]
-    dicts = {
+    built = {
         target.id: node.value
         for node in ast.walk(tree)
         if isinstance(node, ast.Assign)
         and isinstance(node.value, ast.Call)
-        and getattr(node.value.func, "id", "") == "dict"
+        and getattr(node.value.func, "id", "") in ("dict", "run_record")
         for target in node.targets
         if isinstance(target, ast.Name)
     }
+    report = ast.parse((REPO / "common" / "report.py").read_text())
+    [record] = [
+        n.value
+        for n in ast.walk(report)
+        if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "record"
+    ]
     fields = {kw.arg for kw in call.keywords if kw.arg}
     for kw in call.keywords:
-        if kw.arg is None and isinstance(kw.value, ast.Name) and kw.value.id in dicts:
-            fields |= {k.arg for k in dicts[kw.value.id].keywords if k.arg}
+        if kw.arg is None and isinstance(kw.value, ast.Name) and kw.value.id in built:
+            value = built[kw.value.id]
+            fields |= {k.arg for k in value.keywords if k.arg}
+            if value.func.id == "run_record":
+                fields = fields - {"start_time", "images_seen"} | {k.arg for k in record.keywords}
     if "replica_checksums" in fields:
         fields.add("replicas_identical")
     return fields
