@@ -92,6 +92,9 @@ class Ranks:  # what a launcher says of this process (None: it says nothing of t
     local_rank: int | None
     world_size: int | None
     local_world_size: int | None
+    # under RANK and WORLD_SIZE set by a wrapper: the launcher that started the process, whose
+    # rule places rank 0 (mpiexec's ranks in a Slurm job sit in its daemons' srun step)
+    started_by: str = ""
 
 
 @dataclass(frozen=True)
@@ -331,8 +334,8 @@ def launch_info(
                 "MASTER_PORT) to every rank"
             )
     alone = name == "single" and not env.get("MASTER_PORT")
-    port = 0 if alone else master_port(env, name)
-    addr = master_address(env, name)
+    port = 0 if alone else master_port(env, found.started_by or name)
+    addr = master_address(env, found.started_by or name)
     return LaunchInfo(name, rank, local_rank, world, local_world, addr, port, scheduler, job, gpu)
 
 
@@ -422,11 +425,20 @@ def _by_hand(env: Mapping[str, str]) -> Ranks:
     rank or size not set with them is the launcher's that started the process (srun's,
     mpiexec's). With none, launch_info refuses a job (every rank would drive GPU 0)."""
     found = _read(BY_HAND, env)
-    if None not in (found.local_rank, found.local_world_size):
-        return found
-    job = launched_by({k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")})
-    if job.launcher == "single":
-        return found
+    if found.rank is not None and found.world_size is None:
+        raise LauncherError(
+            f"RANK={found.rank} is set but WORLD_SIZE is not: export WORLD_SIZE (the number of "
+            "ranks) with it, or unset RANK"
+        )
+    try:
+        job = launched_by({k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")})
+    except LauncherError:
+        if None in (found.local_rank, found.local_world_size):
+            raise
+        job = Ranks("single", None, None, None, None)  # all four set: they are the answer
+    started_by = "" if job.launcher == "single" else job.launcher
+    if None not in (found.local_rank, found.local_world_size) or not started_by:
+        return replace(found, started_by=started_by)
     if (job.rank, job.world_size) != (found.rank, found.world_size):
         raise LauncherError(
             f"RANK={found.rank} and WORLD_SIZE={found.world_size} disagree with {job.launcher}'s "
@@ -435,4 +447,6 @@ def _by_hand(env: Mapping[str, str]) -> Ranks:
         )
     local_rank = job.local_rank if found.local_rank is None else found.local_rank
     local_world = job.local_world_size if found.local_world_size is None else found.local_world_size
-    return replace(found, local_rank=local_rank, local_world_size=local_world)
+    return replace(
+        found, local_rank=local_rank, local_world_size=local_world, started_by=started_by
+    )

@@ -1056,3 +1056,32 @@ def test_a_torchrun_style_script_of_ones_own_runs_under_the_pbs_job_files(tmp_pa
 def test_torchrun_env_refuses_a_missing_script_name():
     result = run([PYTHON, "jobs/torchrun_env.py"], 60)
     assert result.returncode == 2 and result.stderr.startswith("error: usage:")
+
+
+def test_torchrun_env_gives_a_rank_bound_to_its_own_gpu_local_rank_0():
+    """srun --gpus-per-task=1 (or a site's affinity script) leaves each rank one GPU: LOCAL_RANK
+    is 0, as torchrun's --virtual-local-rank sets it. Before, task 3 got LOCAL_RANK=3 and
+    `torch.cuda.set_device(3)` failed with "invalid device ordinal". Seeing every GPU, or no
+    variable saying, it keeps its local rank; two GPUs for four ranks is refused."""
+    task = dict(SLURM_JOB_ID="61", SLURM_STEP_ID="0", SLURM_PROCID="3", SLURM_LOCALID="3")
+    task.update(SLURM_NODEID="0", SLURM_NTASKS="4", SLURM_STEP_NUM_TASKS="4")
+    task.update(SLURM_STEP_NODELIST="n1", SLURM_JOB_NODELIST="n1", SLURM_STEP_TASKS_PER_NODE="4")
+    show = "import os; print(os.environ['LOCAL_RANK'], os.environ['RANK'])"
+    local_rank = {}
+    for visible in ("3", "0,1,2,3", None, "", "0,1"):
+        env = clean_env(**task)
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        result = run([PYTHON, "jobs/torchrun_env.py", "-c", show], 60, env=env)
+        local_rank[visible] = (result.returncode, result.stdout.strip() or result.stderr.strip())
+    assert local_rank == {
+        "3": (0, "0 3"),
+        "0,1,2,3": (0, "3 3"),
+        None: (0, "3 3"),
+        "": (0, "3 3"),
+        "0,1": (
+            2,
+            "error: 4 ranks on this node but 2 GPUs visible to rank 3 "
+            "(CUDA_VISIBLE_DEVICES=0,1): one rank per GPU, seeing all or its own",
+        ),
+    }

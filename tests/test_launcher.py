@@ -553,6 +553,51 @@ def test_rank_without_local_rank_in_a_job_that_has_none_is_an_error(env, message
         launch_info(env, gpus=4)
 
 
+def test_rank_without_a_world_size_is_refused():
+    """RANK alone was a world of one: each rank trained alone, or rank 1 was "outside the world
+    size 1". Now one line names what is missing."""
+    for env in (
+        {"RANK": "0"},
+        {"RANK": "1", "LOCAL_RANK": "1"},
+        {**srun_task("block", 1), "RANK": "1"},
+    ):
+        with pytest.raises(LauncherError, match=r"^RANK=\d is set but WORLD_SIZE is not"):
+            launch_info(env)
+    assert launch_info({"WORLD_SIZE": "1"}).world_size == 1  # a world of one, said so
+
+
+def openmpi_in_slurm(rank: int) -> dict[str, str]:
+    """Rank `rank` of `mpirun -n 4` (2 a node) in Slurm job 77 on n[1-2]. mpirun runs in the batch
+    step on n1 and starts its daemon on n2 with `srun --nodelist=n2` (plm/slurm), a step of its
+    own: the ranks on n2 inherit that step's SLURM_STEP_ID, SLURM_PROCID and SLURM_STEP_NODELIST."""
+    env = {**openmpi_rank(rank, rank % 2, 4, 2), "SLURM_JOB_ID": "77"}
+    env.update(SLURM_JOB_NODELIST="n[1-2]", SLURM_NODELIST="n[1-2]")
+    if rank >= 2:  # on the daemon's node
+        env.update(SLURM_STEP_ID="2", SLURM_PROCID="0", SLURM_STEP_NODELIST="n2")  # third step
+    return env
+
+
+def test_a_rank_and_world_size_wrapper_under_open_mpi_in_slurm_meets_at_rank_0s_host():
+    """`export RANK=$OMPI_COMM_WORLD_RANK WORLD_SIZE=$OMPI_COMM_WORLD_SIZE` (common/README.md's
+    wrappers) under mpirun in a Slurm job: rank 0's host and the port follow mpirun's rule, as
+    without the wrapper. Before, the ranks on the daemon's node read the daemon step's node list
+    and step id, and met at n2 on another port."""
+    plain = [launch_info(openmpi_in_slurm(rank)) for rank in range(4)]
+    wrapped = []
+    for rank in range(4):
+        env = openmpi_in_slurm(rank)
+        env.update(RANK=env["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=env["OMPI_COMM_WORLD_SIZE"])
+        wrapped.append(launch_info(env))
+        # with the local numbers set by the wrapper too
+        env.update(LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2")
+        wrapped.append(launch_info(env))
+    assert {(i.master_addr, i.master_port) for i in plain} == {("n1", PORT_BASE + 77)}
+    assert {(i.master_addr, i.master_port) for i in wrapped} == {("n1", PORT_BASE + 77)}
+    assert [(i.launcher, i.rank, i.local_rank) for i in wrapped[::2]] == [
+        ("env", r, r % 2) for r in range(4)
+    ]
+
+
 def test_rank_without_local_rank_outside_a_job_is_the_local_rank():
     """One machine, no scheduler (ranks started by hand in terminals): as before."""
     info = launch_info({"RANK": "2", "WORLD_SIZE": "4"}, gpus=4)
