@@ -183,6 +183,7 @@ def _rank0_host(env: Mapping[str, str], launcher: str) -> str:
         return LOOPBACK
     if env.get("SLURM_JOB_ID"):
         if _in_srun_step(env) and launcher not in MPI_NAMES and env.get("SLURM_STEP_NODELIST"):
+            _refuse_a_step_numbered_out_of_order(env)
             return _srun_task0_host(env)
         # mpirun and mpiexec run in the batch step, on the job's first node, and put rank 0 there.
         # Open MPI starts its daemons with `srun --nodelist=<the other nodes>`: the step node list
@@ -201,16 +202,48 @@ def _rank0_host(env: Mapping[str, str], launcher: str) -> str:
 
 
 def _srun_task0_host(env: Mapping[str, str]) -> str:
-    """The step's first node; with `srun -m arbitrary` the host file's first line (srun places
-    task i on line i, and SLURM_STEP_NODELIST is sorted)."""
+    """The step's first node; with `srun -m arbitrary` the host file's first host (srun places
+    task i on the file's i-th host, and SLURM_STEP_NODELIST is sorted)."""
     if env.get("SLURM_DISTRIBUTION", "").startswith("arbitrary") and env.get("SLURM_HOSTFILE"):
         try:
-            return Path(env["SLURM_HOSTFILE"]).read_text().split()[0]
+            return hostfile_hosts(Path(env["SLURM_HOSTFILE"]).read_text())[0]
         except (OSError, IndexError):
             raise LauncherError(
                 f"SLURM_HOSTFILE={env['SLURM_HOSTFILE']}: cannot read its first host"
             ) from None
     return expand_hostlist(env["SLURM_STEP_NODELIST"])[0]
+
+
+def hostfile_hosts(text: str) -> list[str]:
+    """The hosts of a Slurm host file, in order, as slurm_read_hostfile (src/api/allocate.c)
+    reads them: '#' starts a comment ('\\#' is a '#'), blank lines are skipped, hosts are
+    separated by commas or lines, and 'host*N' is the host N times."""
+    hosts = []
+    for line in text.splitlines():
+        line = re.sub(r"(?<!\\)#.*", "", line).replace("\\#", "#")
+        for host in filter(None, (h.strip() for h in line.split(","))):
+            name, star, count = host.partition("*")
+            times = int(count) if star and count.isdigit() and int(count) > 0 else 0
+            hosts += [name] * times if times else [host]
+    return hosts
+
+
+def _refuse_a_step_numbered_out_of_order(env: Mapping[str, str]) -> None:
+    """A heterogeneous job's srun step (`srun A : B`) lists its nodes sorted but numbers them
+    (SLURM_NODEID) in component order (src/srun/srun.c, _reorder_het_job_recs): rank 0's host and
+    this node's task count would be read wrong. SLURM_HET_SIZE marks a heterogeneous allocation;
+    SLURMD_NODENAME, where it is set, shows a node numbered out of the listed order."""
+    het = env.get("SLURM_HET_SIZE") or env.get("SLURM_PACK_SIZE")
+    node, index = env.get("SLURMD_NODENAME"), _int(env, "SLURM_NODEID")
+    listed = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
+    misnumbered = node and index is not None and listed[index : index + 1] != [node]
+    if het or misnumbered:
+        said = f"SLURM_HET_SIZE={het}" if het else f"SLURM_NODEID={index} on {node}"
+        raise LauncherError(
+            f"{said}: a heterogeneous srun step numbers its nodes in another order than it lists "
+            "them, so rank 0's host and this node's ranks are unknown: export MASTER_ADDR=<rank "
+            "0's host>, RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, or start torchrun"
+        )
 
 
 def master_port(env: Mapping[str, str], launcher: str = "single") -> int:
@@ -412,6 +445,7 @@ def _in_srun_step(env: Mapping[str, str]) -> bool:
 
 
 def _srun_task(env: Mapping[str, str]) -> Ranks:
+    _refuse_a_step_numbered_out_of_order(env)
     rank = _int(env, "SLURM_PROCID")
     for name in ("PMI_RANK", "PMIX_RANK", "PALS_RANKID"):  # its MPI plugin's copy agrees
         if env.get(name) is not None and _int(env, name) != rank:

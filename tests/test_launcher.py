@@ -16,6 +16,7 @@ from common.launcher import (
     choose_backend,
     expand_hostlist,
     free_port,
+    hostfile_hosts,
     launch_info,
     master_port,
 )
@@ -501,6 +502,43 @@ def test_srun_arbitrary_distribution_puts_rank_0_on_the_host_files_first_line(tm
     env.update(SLURM_DISTRIBUTION="arbitrary", SLURM_HOSTFILE=str(tmp_path / "hosts"))
     assert launch_info(env).master_addr == "node2"
     assert launch_info({**env, "SLURM_DISTRIBUTION": "block"}).master_addr == "node1"
+
+
+def test_the_host_file_is_read_as_slurm_reads_it(tmp_path):
+    """slurm_read_hostfile (src/api/allocate.c, 22.05 and master): '#' to the end of a line is a
+    comment, blank lines are skipped, hosts are split at commas, 'host*N' repeats a host. Before,
+    the file's first word was rank 0's host: '#' after a comment line."""
+    (tmp_path / "hosts").write_text("# rank 0 first\n\nnode2*2, node1 # then two\nnode1\n")
+    assert hostfile_hosts((tmp_path / "hosts").read_text()) == ["node2", "node2", "node1", "node1"]
+    env = srun_task("block", 0, per_node=2)
+    env.update(SLURM_DISTRIBUTION="arbitrary", SLURM_HOSTFILE=str(tmp_path / "hosts"))
+    assert launch_info(env).master_addr == "node2"
+
+
+def het_step_task(rank: int) -> dict[str, str]:
+    """Task `rank` of `srun -n1 -w node2 a : -n2 -w node1 b` in one allocation (a local het step):
+    SLURM_PROCID is global; the node list is the sorted union, its task counts in that order;
+    SLURM_NODEID counts nodes in component order (src/srun/srun.c, _reorder_het_job_recs)."""
+    node, nodeid, localid = ("node2", 0, 0) if rank == 0 else ("node1", 1, rank - 1)
+    env = dict(SLURM_JOB_ID="88", SLURM_STEP_ID="0", SLURM_PROCID=str(rank))
+    env.update(SLURM_LOCALID=str(localid), SLURM_NODEID=str(nodeid), SLURMD_NODENAME=node)
+    env.update(SLURM_NTASKS="3", SLURM_STEP_NUM_TASKS="3", SLURM_JOB_NODELIST="node[1-2]")
+    env.update(SLURM_STEP_NODELIST="node[1-2]", SLURM_STEP_TASKS_PER_NODE="2,1")
+    return env
+
+
+def test_a_heterogeneous_srun_step_is_refused_naming_master_addr():
+    """Read as a plain step, rank 0 met at node1 (the sorted list's first), where no rank listens,
+    and rank 0 counted node1's two tasks as its own node's. Refused, one line naming MASTER_ADDR;
+    with the five variables exported it runs."""
+    for env in (het_step_task(0), {**het_step_task(0), "SLURM_HET_SIZE": "2"}):
+        with pytest.raises(LauncherError, match=r"heterogeneous srun step .* MASTER_ADDR="):
+            launch_info(env)
+    by_hand = dict(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    info = launch_info({**het_step_task(0), **by_hand, "MASTER_ADDR": "node2"})
+    assert (info.rank, info.local_world_size, info.master_addr) == (0, 1, "node2")
+    # a plain step, its node named where the list puts it: as before
+    assert launch_info({**srun_task("block", 2), "SLURMD_NODENAME": "node2"}).rank == 2
 
 
 def test_a_malformed_task_count_names_its_variable():
