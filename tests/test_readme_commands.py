@@ -5,7 +5,7 @@ above the block, `<!-- commands: ... -->`, holds a YAML list with one entry a co
   written, through `bash -c`, from the root of a fresh copy of the tracked tree (so runs/ and data/
   land there); `short: true` appends the shortening flags below (tests/README.md names them);
   `warm: true` starts a `torchrun --standalone` command's ranks warm instead (warm_command).
-- `proven-by: tests/test_x.py::name`: that test runs the command, its exact text in its source.
+- `proven-by: tests/test_x.py`: a test of that file runs the command, its exact text in its source.
 - `not-run: gpu|download|scheduler|test-suite`: the README says why next to it.
 
 A new block without a marker, or a marker that does not match its block, fails here.
@@ -225,7 +225,7 @@ OTHER_TIERS = {
 
 
 def test_commands_proven_elsewhere_are_run_as_written_by_that_test():
-    """A `proven-by` test (or fixture) exists and runs the command through command_argv (or,
+    """A test (or fixture) of the `proven-by` file runs the command through command_argv (or,
     ranks started warm, warm_command), the README's exact text a string constant in it or in its
     module. Each script keeps at least one of its README commands under the real launcher in the
     default tier: run here, or through command_argv in its test (tests/README.md, "How ranks
@@ -242,7 +242,7 @@ def test_commands_proven_elsewhere_are_run_as_written_by_that_test():
             real.add(command.text)
         if _kind(command) != "proven-by":
             continue
-        path, name = command.how["proven-by"].split("::")
+        path = command.how["proven-by"]
         tree = ast.parse((REPO / path).read_text())
         constants = {
             target.id: node.value.value
@@ -251,49 +251,60 @@ def test_commands_proven_elsewhere_are_run_as_written_by_that_test():
             for target in node.targets
             if isinstance(target, ast.Name)
         }
-        test = next(
-            (node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name),
-            None,
-        )
-        assert test is not None, f"{path}::{name} does not exist"
-        calls = {
-            getattr(node.func, "id", None) for node in ast.walk(test) if isinstance(node, ast.Call)
-        }
-        strings = {
-            constants.get(node.id) if isinstance(node, ast.Name) else node.value
-            for node in ast.walk(test)
-            if isinstance(node, (ast.Name, ast.Constant))
-        }
-        # a run shared with a README sample (tests/sample_runs.py) names its command
-        shared = [
-            RUNS[call.args[0].value]
-            for call in ast.walk(test)
-            if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "sample_run"
-        ]
-        runs = strings if calls & {"command_argv", "warm_command"} else set()
-        runs |= {getattr(ran, "readme_command", None) for ran in shared}
-        assert command.text in runs, (
-            f"{path}::{name} does not run {command.text!r} (command_argv, warm_command, sample_run)"
-        )
-        module_tier = [
-            node
-            for node in tree.body
-            if isinstance(node, ast.Assign)
+        module_tier = any(
+            isinstance(node, ast.Assign)
             and ast.unparse(node.targets[0]) == "pytestmark"
             and ast.unparse(node.value) in OTHER_TIERS
+            for node in tree.body
+        )
+        # the tests (or fixtures) of the file that run the command, as written
+        provers = [
+            (test, ran)
+            for test in tree.body
+            if isinstance(test, ast.FunctionDef)
+            for ran in [_runs(test, constants)]
+            if command.text in ran[0]
         ]
-        if module_tier or any(ast.unparse(d) in OTHER_TIERS for d in test.decorator_list):
-            continue
-        real |= {
-            constants.get(arg.id) if isinstance(arg, ast.Name) else getattr(arg, "value", None)
-            for call in ast.walk(test)
-            if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "command_argv"
-            for arg in call.args[:1]
-        }
-        real |= {
-            getattr(ran, "readme_command", None)
-            for ran in shared
-            if not getattr(ran, "warm", False)
-        }
+        assert provers, (
+            f"no test in {path} runs {command.text!r} (command_argv, warm_command, sample_run)"
+        )
+        for test, (_, under_torchrun) in provers:
+            if not module_tier and not any(
+                ast.unparse(d) in OTHER_TIERS for d in test.decorator_list
+            ):
+                real |= under_torchrun
     only_warm = sorted(script for script, texts in scripts.items() if not texts & real)
     assert only_warm == [], f"no README command of these runs under the real torchrun: {only_warm}"
+
+
+def _runs(test: ast.FunctionDef, constants: dict) -> tuple[set, set]:
+    """The commands a test runs (command_argv, warm_command, a shared sample_run), and those of
+    them it starts under the real torchrun (command_argv, a sample run not started warm)."""
+    calls = {
+        getattr(node.func, "id", None) for node in ast.walk(test) if isinstance(node, ast.Call)
+    }
+    strings = {
+        constants.get(node.id) if isinstance(node, ast.Name) else node.value
+        for node in ast.walk(test)
+        if isinstance(node, (ast.Name, ast.Constant))
+    }
+    # a run shared with a README sample (tests/sample_runs.py) names its command
+    shared = [
+        RUNS[call.args[0].value]
+        for call in ast.walk(test)
+        if isinstance(call, ast.Call)
+        and getattr(call.func, "id", None) == "sample_run"
+        and isinstance(call.args[0], ast.Constant)
+    ]
+    runs = strings if calls & {"command_argv", "warm_command"} else set()
+    runs |= {getattr(ran, "readme_command", None) for ran in shared}
+    real = {
+        constants.get(arg.id) if isinstance(arg, ast.Name) else getattr(arg, "value", None)
+        for call in ast.walk(test)
+        if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "command_argv"
+        for arg in call.args[:1]
+    }
+    real |= {
+        getattr(ran, "readme_command", None) for ran in shared if not getattr(ran, "warm", False)
+    }
+    return runs, real

@@ -854,6 +854,39 @@ def test_every_link_and_named_test_in_the_readmes_resolves(tmp_path):
     assert unknown_tests(text) == ["test_repo.py::test_gone", f"test_config.py::{pair}"]
 
 
+def test_only_the_tests_readme_names_test_functions():
+    """A reader's page names at most the test file that proves a section; tests/README.md maps
+    each claim to its tests (and fixtures)."""
+    named = {
+        f"{doc.relative_to(REPO)}: {name}"
+        for doc in tracked_files("*.md")
+        if doc != REPO / "tests" / "README.md"
+        for name in named_test_functions(doc.read_text())
+    }
+    assert named == set(), sorted(named)
+    # the control: a test and a fixture are found, a file and a variable (01's test_loader) not
+    text = (
+        "`test_fsdp2.py`, `test_dcp_save_on_two_ranks_loads_on_one`, `x.py::viewer`, `test_loader`"
+    )
+    assert named_test_functions(text) == ["test_dcp_save_on_two_ranks_loads_on_one", "viewer"]
+
+
+def named_test_functions(text: str) -> list[str]:
+    """The tests of tests/test_*.py that `text` names, and any `x.py::name` (a fixture too)."""
+    tests = {
+        node.name
+        for path in (REPO / "tests").glob("test_*.py")
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+    }
+    return [
+        name
+        for qualified, bare in re.findall(r"\.py::(\w+)|\b(test_\w+)\b", text)
+        for name in [qualified or bare]
+        if qualified or name in tests
+    ]
+
+
 def test_every_readme_command_is_marked_run_proven_by_or_not_run():
     commands = readme_commands()  # fails on a block without a marker, or a count that differs
     assert len(commands) > 40, commands  # the reader still finds the blocks
