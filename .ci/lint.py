@@ -45,9 +45,10 @@ Each rule protects someone who copies one of them:
                          selected by PYTEST_ADDOPTS right before it and unset right after it (pytest
                          reads it after pytest.ini), then the minimum-torch tier, and ends with the
                          README's style check: CI tests what a user runs
-  pbs-job-settings       a .pbs file: WALLTIME_S's default is the #PBS walltime (the deadline the
-                         run saves before); JOB_FILE's default is the file itself (what a saved
-                         run resubmits); no qrerun (it needs operator rights: resubmit instead)
+  scheduler-in-one-place a .sbatch or .pbs file runs no scheduler command (scontrol, sacctmgr,
+                         qstat, qsub, qrerun...): jobs/scheduler.py reads the scheduler's answers
+                         (deadline, preempt mode, version, how the job was submitted) and acts,
+                         tested once for all four files; bash copies of it drifted
 
 A line where a rule does not apply says so and why in a comment: `# lint: allow[rule-name] why`.
 
@@ -467,23 +468,15 @@ def ci_runs_the_readme(files):
             yield f, commands[-1][0], f"end with the README's style check: `{README_STYLE_CHECK}`"
 
 
-def pbs_job_settings(files):
-    for f in (f for f in files if f.path.suffix == ".pbs"):
-        walltime = re.search(r"^#PBS -l walltime=(\d+):(\d+):(\d+)$", f.text, re.M)
-        seconds = (
-            int(walltime[1]) * 3600 + int(walltime[2]) * 60 + int(walltime[3]) if walltime else 0
-        )
-        if f"WALLTIME_S=${{WALLTIME_S:-{seconds}}}" not in f.text:
-            yield (
-                f,
-                _first_line(f, "^WALLTIME_S="),
-                "WALLTIME_S's default is the #PBS walltime",
-            )
-        if f"JOB_FILE=${{JOB_FILE:-jobs/{f.path.name}}}" not in f.text:
-            yield f, _first_line(f, "^JOB_FILE="), f"JOB_FILE's default is jobs/{f.path.name}"
+def scheduler_in_one_place(files):
+    for f in (f for f in files if f.path.suffix in (".sbatch", ".pbs")):
         for number, line in enumerate(code_lines(f), 1):
-            if re.search(r"\bqrerun\b", line):
-                yield f, number, "no qrerun: it needs operator rights (resubmit with qsub)"
+            if found := re.search(r"\b(scontrol|sacctmgr|squeue|sinfo|qstat|qsub|qrerun)\b", line):
+                yield (
+                    f,
+                    number,
+                    f"{found[1]} in a job file: jobs/scheduler.py reads and asks the scheduler",
+                )
 
 
 RULES = [
@@ -492,7 +485,7 @@ RULES = [
     *(set_device_first, barrier_device_ids, backend_only_api, forked_loader_workers),
     *(test_hooks, training_catches, gpu_from_launch),
 ]
-JOB_RULES = [job_file_header, slurm_job_settings, ci_runs_the_readme, pbs_job_settings]
+JOB_RULES = [job_file_header, slurm_job_settings, ci_runs_the_readme, scheduler_in_one_place]
 
 
 def rule_name(rule) -> str:
@@ -642,13 +635,10 @@ pip install -r requirements.txt -r requirements-test.txt && python -m pytest
 unset PYTEST_ADDOPTS  #+
 PATH="$venv/bin:$PATH" python -m pytest -m min_torch
 ruff format --check . && ruff check . && python .ci/lint.py
---- pbs-job-settings jobs/a.pbs
-#PBS -l walltime=01:00:00
-WALLTIME_S=${WALLTIME_S:-7200}  #-
-WALLTIME_S=${WALLTIME_S:-3600}  #+
-JOB_FILE=${JOB_FILE:-jobs/a.pbs}
-qrerun "$PBS_JOBID"  #-
-qsub jobs/a.pbs  # not qrerun: it needs operator rights  #+
+--- scheduler-in-one-place jobs/a.sbatch
+# scontrol show job tells the preempt time (a comment)
+[[ $(scontrol show job "$SLURM_JOB_ID") =~ PreemptTime=[0-9] ]] && requeue=1  #-
+exec "$PYTHON" jobs/scheduler.py end "$status" "$signalled"  #+
 """
 
 

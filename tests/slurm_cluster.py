@@ -73,8 +73,11 @@ class SlurmCluster:
         "PREEMPTED",
     )
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, cluster_mode: str = "REQUEUE", partition_mode: str = "REQUEUE"):
+        """`cluster_mode`, `partition_mode`: the cluster's PreemptMode, and the "debug"
+        partition's own ("": none, so it shows the cluster's)."""
         self.root = Path(root)
+        self.cluster_mode, self.partition_mode = cluster_mode, partition_mode
         self.procs: list[subprocess.Popen] = []
         self.munge_pid_file = self.root / "munge" / "munged.pid"
         self.conf = self.root / "slurm.conf"
@@ -204,6 +207,7 @@ class SlurmCluster:
         ctld_port = free_port()
         ports = {node: free_port() for node in NODES}
         root, nodes = self.root, ",".join(NODES)
+        debug_mode = f"PreemptMode={self.partition_mode}" if self.partition_mode else ""
         node_lines = "\n".join(
             f"NodeName={node} NodeHostname={node} NodeAddr={self.address[node]} Port={port} "
             f"CPUs={CPUS_PER_NODE} RealMemory=1000 State=UNKNOWN"
@@ -243,11 +247,12 @@ InactiveLimit=0
 MinJobAge=600
 {node_lines}
 # Preemption as sites set it up: a job of the higher tier ("urgent") preempts those of "debug",
-# which get SIGTERM and GraceTime seconds to save, then are requeued.
+# which get SIGTERM and GraceTime seconds to save, then are requeued. "debug" has a mode of its
+# own, or none: then it shows the cluster's (partition_info.c), such as GANG,REQUEUE.
 PreemptType=preempt/partition_prio
-PreemptMode=REQUEUE
-PartitionName=debug Nodes={nodes} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=60
-PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
+PreemptMode={self.cluster_mode}
+PartitionName=debug Nodes={nodes} Default=YES PriorityTier=1 GraceTime=60 {debug_mode}
+PartitionName=urgent Nodes={nodes} PriorityTier=2 PreemptMode=OFF
 """)
         # srun --mpi=pmix: the plugin makes a client directory per job step under
         # PMIxCliTmpDirBase, named without the node, so two slurmd on one host would collide

@@ -16,6 +16,7 @@ from collections import Counter
 import pytest
 
 from tests.launcher_tools import need_root, need_tools, openmpi_env
+from tests.pbs_server import PbsServer
 from tests.paths import PYTHON, REPO
 from tests.processes import (
     short_run,
@@ -23,7 +24,6 @@ from tests.processes import (
     finish,
     free_port,
     kill_group,
-    read_env,
     run,
     torchrun,
     wait_all,
@@ -104,10 +104,10 @@ def test_sbatch_job_completes(slurm_jobs, cluster, name, launcher):
     # one per node
     assert [(p["rank"], p["local_rank"]) for p in summary["placement"]] == [(0, 0), (1, 0)]
     port = 15000 + int(job_id) % 15000
-    # First host from scontrol (node1), its NodeAddr (node1's own address, a host of its own)
-    # as the rendezvous address, port from the job id.
+    # The first host's NodeAddr (node1's own address, a host of its own) as the rendezvous
+    # address (jobs/scheduler.py asks scontrol), port from the job id.
     node1 = cluster.address["node1"]
-    assert f"first host node1, rendezvous {node1}:{port}" in output
+    assert f"(node[1-2]), rendezvous {node1}:{port}, run dir" in output
     # Rank 0's placement table: ranks 0 and 1, each local rank 0 (one per node), on CPU.
     assert re.search(
         r"^\s+0\s+0\s+\S+\s+cpu\s+unset\n\s+1\s+0\s+\S+\s+cpu\s+unset$", output, re.M
@@ -531,23 +531,21 @@ def test_scancel_ends_the_job_for_good(cluster, tmp_path, name):
     assert "SIGTERM to the batch shell" in output
 
 
-@pytest.mark.parametrize("name", SLURM_JOBS)
-def test_preemption_saves_requeues_and_resumes_bitwise(cluster, uninterrupted, tmp_path, name):
+def preempted_and_resumed(cluster, tmp_path, name, uninterrupted) -> str:
     """A real preemption: a job of the higher-tier partition ("urgent", every CPU of both nodes)
-    preempts the running one. Slurm sends SIGTERM to its steps, not to its batch shell, and shows
-    a PreemptTime; the ranks save, the job file requeues (Slurm 22.05 does not requeue a job that
-    ends within its GraceTime itself: seen here), and the job resumes from that save."""
-    if name == "slurm_torchrun.sbatch":
-        skip_below_torch("2.10", "torchrun's --signals-to-handle, which the job file passes")
+    preempts the running one, whose ranks save on the SIGTERM. Asserts it was requeued once,
+    resumed from that save and ended as the uninterrupted run; returns its log."""
     # 20 ms a sample (tests/inject) until the save: some 2 minutes of training, so that the
     # preemption, which Slurm starts seconds after the urgent job's submission (more on a loaded
-    # machine), comes mid-run; the requeued run goes at full speed.
+    # machine), comes mid-run; the requeued run goes at full speed. A time format of the user's
+    # own: before, the job files then took the job for not preempted.
     slow_flag = tmp_path / "slow"
     slow_flag.touch()
     slow = dict(
         PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}",
         DDP_TEST_SLOW_SAMPLE_S="0.02",
         DDP_TEST_SLOW_WHILE=str(slow_flag),
+        SLURM_TIME_FORMAT="%a %T",
     )
     job, run_dir, log = submit_preempt_job(cluster, tmp_path, name, **slow)
     urgent = cluster.sbatch(
@@ -569,8 +567,48 @@ def test_preemption_saves_requeues_and_resumes_bitwise(cluster, uninterrupted, t
     assert (
         f"SIGTERM: checkpoint at step {resumed_from} saved" in output and saved_at == resumed_from
     )
-    assert re.search(r"^requeueing job \d+ \(exit code \d+; SIGTERM at step \d+\)$", output, re.M)
     assert differing_tensors(load_model(run_dir), uninterrupted) == []
+    return output
+
+
+@pytest.mark.parametrize("name", SLURM_JOBS)
+def test_preemption_saves_requeues_and_resumes_bitwise(cluster, uninterrupted, tmp_path, name):
+    """Slurm sends SIGTERM to the job's steps, not to its batch shell, and shows a PreemptTime;
+    the ranks save, and the job file requeues: Slurm 22.05 does not requeue a job that ends
+    within its GraceTime itself (seen here). The job's mode is its partition's own (REQUEUE);
+    tests/test_job_decisions.py holds the other modes and versions."""
+    if name == "slurm_torchrun.sbatch":
+        skip_below_torch("2.10", "torchrun's --signals-to-handle, which the job file passes")
+    output = preempted_and_resumed(cluster, tmp_path, name, uninterrupted)
+    said = r"preempted, preempt mode REQUEUE \(the partition's\)$"
+    assert re.search(
+        rf"^requeueing job \d+ \(exit code \d+; SIGTERM at step \d+\): {said}", output, re.M
+    ), output[-3000:]
+
+
+@pytest.fixture(scope="module")
+def gang_cluster(tmp_path_factory):
+    """A second cluster whose PreemptMode is GANG,REQUEUE, and a "debug" partition without a
+    mode of its own, which shows the cluster's."""
+    need_root("a test Slurm cluster (slurmd)")
+    need_tools(*SLURM_TOOLS)
+    root = tmp_path_factory.mktemp("slurm_gang")
+    with SlurmCluster(root, cluster_mode="GANG,REQUEUE", partition_mode="") as c:
+        yield c
+
+
+def test_a_combined_preempt_mode_requeues_and_resumes_bitwise(
+    gang_cluster, uninterrupted, tmp_path
+):
+    """`scontrol show partition` prints PreemptMode=GANG,REQUEUE, which the old job files'
+    `=~ PreemptMode=REQUEUE` missed. Slurm 22.05, under GANG, signals the batch shell too and
+    requeues the job itself (seen here; where it does not, jobs/scheduler.py requeues): either
+    way the job resumes from its save and ends as the uninterrupted run."""
+    output = preempted_and_resumed(gang_cluster, tmp_path, "slurm_srun.sbatch", uninterrupted)
+    assert (
+        "SIGTERM to the batch shell" in output
+        or "preempted, preempt mode GANG,REQUEUE (the partition's)" in output
+    ), output[-3000:]
 
 
 def test_time_limit_signal_with_loader_workers_under_srun_requeues_bitwise(
@@ -655,18 +693,26 @@ def test_requeues_stop_at_max_restarts(cluster, tmp_path):
 # -- PBS: the job files under bash, with PBS's variables and a real mpiexec ------------------------
 
 
-def pbs_env(tmp_path, job_id, **extra):
-    """Two "nodes" in the node file, both this machine: its host name first, then localhost."""
+def pbs_env(tmp_path, job_file, *qsub_args, first_id=4321, **extra):
+    """Submit jobs/<job_file> to the PBS stand-in (tests/pbs_server.py: no PBS server here) with
+    `qsub_args`; return the server, the job id and the environment PBS starts the job with: the
+    submission's variables, two "nodes" in the node file (this machine: its host name first, then
+    localhost), MPICH's mpiexec, this interpreter and `extra`."""
+    server = PbsServer(tmp_path / "pbs", first_id=first_id)
+    env = clean_env(PATH=f"{server.bin}:{clean_env()['PATH']}")
+    submitted = run([server.bin / "qsub", *qsub_args, f"jobs/{job_file}"], 30, env=env, check=True)
+    job_id = submitted.stdout.strip()
+    return server, job_id, started(server, job_id, tmp_path, **extra)
+
+
+def started(server, job_id, tmp_path, **extra):
+    """The environment PBS starts `job_id`'s script with (see pbs_env)."""
     nodefile = tmp_path / "nodefile"
     nodefile.write_text(f"{socket.gethostname()}\nlocalhost\n")
-    return clean_env(
-        PBS_NODEFILE=str(nodefile),
-        PBS_JOBID=job_id,
-        PBS_O_WORKDIR=str(REPO),
-        MPIEXEC="mpiexec.mpich",
-        PYTHON=PYTHON,
-        **extra,
-    )
+    env = clean_env(MPIEXEC="mpiexec.mpich", PYTHON=PYTHON)
+    env.update(server.start(job_id, PBS_NODEFILE=str(nodefile)), **extra)
+    env["PATH"] = f"{server.bin}:{clean_env()['PATH']}"
+    return env
 
 
 GLOO_LOOPBACK_WARNING = "so gloo listens on loopback, where other hosts cannot connect"
@@ -677,9 +723,9 @@ HOST_RESOLVES_TO_LOOPBACK = socket.gethostbyname(socket.gethostname()).startswit
 def test_pbs_mpiexec_job(tmp_path):
     need_tools("mpiexec.mpich")
     # MPICH's Hydra takes --ppn but not PALS's --cpu-bind depth: MPIEXEC_BIND is emptied.
-    env = pbs_env(
+    _, _, env = pbs_env(
         tmp_path,
-        "4321.pbs01",
+        "pbs_mpiexec.pbs",
         NRANKS_PER_NODE="1",
         MPIEXEC_BIND="",
         SCRIPT="06_multinode/train.py",
@@ -704,9 +750,10 @@ def test_pbs_mpiexec_job(tmp_path):
 @pytest.mark.scheduler
 def test_pbs_torchrun_job(tmp_path):
     need_tools("mpiexec.mpich")
-    env = pbs_env(
+    _, _, env = pbs_env(
         tmp_path,
-        "4322.pbs01",
+        "pbs_torchrun.pbs",
+        first_id=4322,
         GLOO_SOCKET_IFNAME="lo",
         GPUS_PER_NODE="1",
         SCRIPT="06_multinode/train.py",
@@ -726,66 +773,15 @@ def test_pbs_torchrun_job(tmp_path):
     print(f"PBS torchrun job: {time.perf_counter() - start:.1f} s")
 
 
-# What `qstat -f 4323.pbs01` prints for a job submitted with the site's options on the command line
-# (`qsub -A proj7 -q prod -l select=...:system=polaris -l filesystems=home:eagle ...`), in OpenPBS's
-# layout (src/cmds/qstat.c, prt_attr): four spaces, "name = value", a value past 78 columns
-# continued on the next line after a tab; the server's own totals (ncpus, nodect) beside.
-def qstat_attribute(name: str, value: str) -> str:
-    line = f"    {name} = {value}"
-    return "\n\t".join([line[:78], *(line[i : i + 77] for i in range(78, len(line), 77))]) + "\n"
-
-
-QSTAT_F = "Job Id: 4323.pbs01\n" + "".join(
-    qstat_attribute(name, value)
-    for name, value in [
-        ("Job_Name", "ddp-mpiexec"),
-        ("queue", "small"),
-        ("Account_Name", "proj7"),
-        ("Resource_List.filesystems", "home:eagle"),
-        ("Resource_List.ncpus", "128"),
-        ("Resource_List.nodect", "2"),
-        ("Resource_List.place", "scatter"),
-        ("Resource_List.select", "2:ncpus=64:mpiprocs=4:ngpus=4:system=polaris:host_type=gpu_node"),
-        ("Resource_List.walltime", "00:00:06"),
-    ]
-)
-RESUBMIT_RESOURCES = (
-    "-l select=2:ncpus=64:mpiprocs=4:ngpus=4:system=polaris:host_type=gpu_node -l place=scatter "
-    "-l walltime=00:00:06 -l filesystems=home:eagle -A proj7 -q prod"
-)
-
-
-def pbs_chain_env(tmp_path, job_file, job_id, **extra):
-    """PBS variables, real 05 and mpiexec, a `qstat -f` that prints QSTAT_F, and a `qsub` that
-    records the resubmission (no PBS server can be installed here): its arguments, the RUN_DIR
-    and RESTART_COUNT it hands on, and its whole environment (qsub -V)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "qsub").write_text(
-        f'#!/bin/sh\necho "$* RUN_DIR=$RUN_DIR RESTART_COUNT=$RESTART_COUNT" '
-        f">> {tmp_path / 'qsub.calls'}\nenv -0 > {tmp_path / 'qsub.env'}\necho 9999.pbs01\n"
-    )
-    (bin_dir / "qsub").chmod(0o755)
-    (tmp_path / "qstat.out").write_text(QSTAT_F)
-    (bin_dir / "qstat").write_text(
-        f'#!/bin/sh\n[ "$1 $2" = "-f 4323.pbs01" ] && cat {tmp_path / "qstat.out"}\n'
-    )
-    (bin_dir / "qstat").chmod(0o755)
+def pbs_chain_env(tmp_path, job_file, first_id, *qsub_args, **extra):
+    """pbs_env for 05 on two ranks, one a "node": (server, job id, environment)."""
     per_node = (
         {"NRANKS_PER_NODE": "1", "MPIEXEC_BIND": ""}
         if "mpiexec" in job_file
         else {"GPUS_PER_NODE": "1"}
     )
-    return pbs_env(
-        tmp_path,
-        job_id,
-        RUN_DIR=str(tmp_path / "run"),
-        TRAIN_ARGS=PREEMPT_ARGS,
-        PATH=f"{bin_dir}:{clean_env()['PATH']}",
-        PBS_O_QUEUE="prod",
-        **per_node,
-        **extra,
-    )
+    extra = dict(RUN_DIR=str(tmp_path / "run"), TRAIN_ARGS=PREEMPT_ARGS, **per_node, **extra)
+    return pbs_env(tmp_path, job_file, *qsub_args, first_id=first_id, **extra)
 
 
 @pytest.mark.scheduler
@@ -793,38 +789,35 @@ def pbs_chain_env(tmp_path, job_file, job_id, **extra):
 def test_pbs_deadline_saves_resubmits_and_the_next_job_resumes_bitwise(
     job_file, uninterrupted, tmp_path
 ):
-    """PBS warns no one before the wall time: 05's --time-limit-s (WALLTIME_S
-    - SAVE_MARGIN_S) stops it, the job file submits itself again after
-    this job (afterany), with this job's resources, account and submission queue read back with
-    qstat -f (before, only the file's #PBS lines: the command line's -A, -q, -l were lost), and
-    that job resumes in the same RUN_DIR."""
+    """PBS warns no one before the wall time: 05's --time-limit-s (the job's walltime, read with
+    qstat -f, less SAVE_MARGIN_S) stops it, and jobs/scheduler.py submits the job again as it
+    was submitted (tests/test_job_decisions.py holds which options), to start after this one;
+    that job resumes in the same RUN_DIR and ends as the uninterrupted run."""
     need_tools("mpiexec.mpich")
     # A deadline 1 s after the start: reached before the first step ends however fast the machine
     # (the whole run takes 3.8 s on 2 cores: with 4 s it sometimes ended before the deadline).
-    env = pbs_chain_env(tmp_path, job_file, "4323.pbs01", WALLTIME_S="6", SAVE_MARGIN_S="5")
+    qsub = ["-A", "proj7", "-q", "prod", "-l", "walltime=00:00:06", "-l", "filesystems=home:eagle"]
+    server, first_id, env = pbs_chain_env(tmp_path, job_file, 4323, *qsub, SAVE_MARGIN_S="5")
     first = run(["bash", REPO / "jobs" / job_file], 180, env=env, check=True, cwd=tmp_path)
     saved_at = int(
         re.search(r"^time limit: checkpoint at step (\d+) saved", first.stdout, re.M).group(1)
     )
-    assert (tmp_path / "qsub.calls").read_text() == (
-        f"-V -W depend=afterany:4323.pbs01 {RESUBMIT_RESOURCES} jobs/{job_file} "
-        f"RUN_DIR={tmp_path / 'run'} RESTART_COUNT=1\n"
-    )
-    # The resubmitted job, as qsub -V starts it: the environment qsub had, with PBS's own variables
-    # for the new job. No rendezvous address or port of the first job rides along: the second
-    # derives its own (before, the first job's exports did, and the next job met at its host).
-    env = read_env(tmp_path / "qsub.env")
+    assert server.jobs() == [first_id, "4324.pbs01"], first.output[-3000:]
+    after = server.job("4324.pbs01")
+    assert after["attributes"]["depend"] == f"depend=afterany:{first_id}"
+    assert after["variables"]["RESTART_COUNT"] == "1"
+    # The next job: PBS's variables for it, no rendezvous of the first job's (the second derives
+    # its own), and no deadline: it runs to the end.
+    env = started(server, "4324.pbs01", tmp_path, DEADLINE_ARGS="", NRANKS_PER_NODE="1")
+    env.update(MPIEXEC_BIND="", GPUS_PER_NODE="1", TRAIN_ARGS=PREEMPT_ARGS)
     assert "MASTER_ADDR" not in env and "MASTER_PORT" not in env
-    env.update(PBS_JOBID="9999.pbs01")
-    # this test's short wall time rode along too (-V): the next job gets the file's default
-    del env["WALLTIME_S"], env["SAVE_MARGIN_S"]
     second = run(["bash", REPO / "jobs" / job_file], 300, env=env, check=True, cwd=tmp_path)
-    assert f"rendezvous {socket.gethostname()}:{15000 + 9999}" in second.stdout, second.stdout
+    assert f"rendezvous {socket.gethostname()}:{15000 + 4324}" in second.stdout, second.stdout
     assert re.search(rf"^resumed from \S+: step {saved_at}, ", second.stdout, re.M), second.output[
         -3000:
     ]
     # finished: no more resubmission
-    assert len((tmp_path / "qsub.calls").read_text().splitlines()) == 1
+    assert len(server.jobs()) == 2
     print(
         f"{job_file}: deadline save at step {saved_at}, resumed from step {saved_at}, restart "
         "count 1"
@@ -836,9 +829,10 @@ def test_pbs_deadline_saves_resubmits_and_the_next_job_resumes_bitwise(
 def test_pbs_sigterm_to_the_whole_job_saves_and_is_not_resubmitted(tmp_path):
     """As PBS does on `qdel`, at the wall time or on a preemption: SIGTERM to every process of the
     job. 05 saves at the next step boundary (within kill_delay); the job file does not resubmit
-    (before, it did: a qdel was undone, up to MAX_RESTARTS times). A preempted job PBS reruns."""
+    (before, it did: a qdel was undone, up to MAX_RESTARTS times). A preempted rerunnable job PBS
+    reruns under the same id (tests/test_job_decisions.py), and the rerun resumes."""
     need_tools("mpiexec.mpich")
-    env = pbs_chain_env(tmp_path, "pbs_mpiexec.pbs", "4325.pbs01")
+    server, job_id, env = pbs_chain_env(tmp_path, "pbs_mpiexec.pbs", 4325)
     proc = start_guarded(
         ["bash", REPO / "jobs" / "pbs_mpiexec.pbs"],
         env=env,
@@ -856,8 +850,14 @@ def test_pbs_sigterm_to_the_whole_job_saves_and_is_not_resubmitted(tmp_path):
         out, _ = finish(proc, 60, "pbs_mpiexec.pbs after SIGTERM to every process")
     finally:
         kill_group(proc)
-    assert re.search(r"^SIGTERM: checkpoint at step \d+ saved", out, re.M), out[-3000:]
-    assert "this job ends here, not resubmitted" in out and not (tmp_path / "qsub.calls").exists()
+    saved = re.search(r"^SIGTERM: checkpoint at step (\d+) saved", out, re.M)
+    assert saved, out[-3000:]
+    assert "this job ends here, not resubmitted" in out and server.jobs() == [job_id]
+    assert server.preempt(job_id)  # rerunnable: PBS queues it again, under its id
+    rerun = run(["bash", REPO / "jobs" / "pbs_mpiexec.pbs"], 300, env=env, cwd=tmp_path)
+    assert re.search(rf"^resumed from \S+: step {saved[1]}, ", rerun.stdout, re.M), rerun.output[
+        -3000:
+    ]
 
 
 @pytest.mark.scheduler
@@ -865,34 +865,35 @@ def test_pbs_crash_is_not_resubmitted_and_restarts_are_capped(tmp_path):
     need_tools("mpiexec.mpich")
     crash = tmp_path / "crash"
     crash.mkdir()
-    env = pbs_chain_env(
+    server, job_id, env = pbs_chain_env(
         crash,
         "pbs_mpiexec.pbs",
-        "4326.pbs01",
+        4326,
         PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'inject'}",
         DDP_TEST_FAIL_AT_STEP="2",
         DDP_TEST_FAIL_RANK="1",
     )
     result = run(["bash", REPO / "jobs/pbs_mpiexec.pbs"], 120, env=env, cwd=crash)
     assert result.returncode != 0 and "injected failure" in result.output, result.output[-3000:]
-    assert not (crash / "qsub.calls").exists()
+    assert server.jobs() == [job_id]
     # Bad input (exit 2, before any process group) where an earlier job's deadline save left
     # checkpoints/REQUEUE: before, the file found that note and resubmitted the crash.
     stale = tmp_path / "stale"
     (stale / "run" / "checkpoints").mkdir(parents=True)
     (stale / "run" / "checkpoints" / "REQUEUE").write_text("time limit at step 12\n")
-    env = pbs_chain_env(stale, "pbs_mpiexec.pbs", "4328.pbs01")
+    server, job_id, env = pbs_chain_env(stale, "pbs_mpiexec.pbs", 4328)
     env["TRAIN_ARGS"] += " --local-batch-size 0"
     result = run(["bash", REPO / "jobs/pbs_mpiexec.pbs"], 120, env=env, cwd=stale)
     assert result.returncode != 0 and "error: " in result.output, result.output[-3000:]
-    assert not (stale / "qsub.calls").exists()
+    assert server.jobs() == [job_id]
     capped = tmp_path / "capped"
     capped.mkdir()
-    env = pbs_chain_env(
+    server, job_id, env = pbs_chain_env(
         capped,
         "pbs_mpiexec.pbs",
-        "4327.pbs01",
-        WALLTIME_S="6",
+        4327,
+        "-l",
+        "walltime=00:00:06",
         SAVE_MARGIN_S="5",
         RESTART_COUNT="5",
         MAX_RESTARTS="5",
@@ -901,7 +902,7 @@ def test_pbs_crash_is_not_resubmitted_and_restarts_are_capped(tmp_path):
     assert (
         result.returncode == 1 and "not resubmitting: restarted 5 times already" in result.stdout
     ), result.output
-    assert not (capped / "qsub.calls").exists()
+    assert server.jobs() == [job_id]
 
 
 def test_pbs_job_refuses_to_run_outside_pbs(tmp_path):
@@ -1037,9 +1038,10 @@ def test_a_torchrun_style_script_of_ones_own_runs_under_the_pbs_job_files(tmp_pa
         if "mpiexec" in job_file
         else {"GPUS_PER_NODE": "1"}
     )
-    env = pbs_env(
+    _, _, env = pbs_env(
         tmp_path,
-        "4331.pbs01",
+        job_file,
+        first_id=4331,
         SCRIPT=USER_SCRIPT,
         TRAIN_ARGS=f"--steps 3 --out {tmp_path / 'out'}",
         RUN_DIR=str(tmp_path / "run"),

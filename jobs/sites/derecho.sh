@@ -29,11 +29,11 @@
 ##PBS -l walltime=02:00:00
 ##PBS -j oe
 #   preempt queue (idle nodes only; preemption is SIGTERM, then SIGKILL 10 minutes later [queues]):
-#   05 saves on the SIGTERM and the job file submits itself again, so -r n keeps PBS from also
-#   rerunning it.
+#   05 saves on the SIGTERM, and -r y has PBS rerun the job [queues], under the same id: the same
+#   RUN_DIR, where 05 resumes. With -r n (NCAR's example) a preempted job ends for good.
 ##PBS -A <project>
 ##PBS -q preempt
-##PBS -r n
+##PBS -r y
 ##PBS -l select=2:ncpus=64:mpiprocs=4:ngpus=4
 ##PBS -l walltime=02:00:00
 ##PBS -j oe

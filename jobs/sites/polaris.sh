@@ -19,8 +19,9 @@
 # sources: copy one block over the #PBS lines of jobs/pbs_*.pbs (drop one '#'), or give the
 # options to qsub, whose command line wins over the file's lines. -A, walltime and filesystems are
 # mandatory [qsub]; list every file system the job reads or writes. prod takes 10 nodes or more:
-# smaller jobs go to debug, debug-scaling or preemptable [queues]. A block shorter than the job
-# file's walltime (02:00:00) passes it on (-v WALLTIME_S), so 05 still saves before the end.
+# smaller jobs go to debug, debug-scaling or preemptable [queues]. 05 saves before the job's own
+# walltime, which the job file reads from PBS. debug-scaling allows one job per user [queues]: a
+# run there cannot submit its next part while it runs (the log says how to submit it by hand).
 #   debug: 1-2 nodes, up to 1 h [queues]:
 ##PBS -A <project>
 ##PBS -q debug
@@ -28,7 +29,6 @@
 ##PBS -l place=scatter
 ##PBS -l walltime=01:00:00
 ##PBS -l filesystems=home:eagle
-##PBS -v WALLTIME_S=3600
 ##PBS -j oe
 #   debug-scaling: 1-10 nodes, up to 1 h, one job per user [queues]:
 ##PBS -A <project>
@@ -37,7 +37,6 @@
 ##PBS -l place=scatter
 ##PBS -l walltime=01:00:00
 ##PBS -l filesystems=home:eagle
-##PBS -v WALLTIME_S=3600
 ##PBS -j oe
 #   prod, a routing queue: 10-496 nodes (10-24 nodes: up to 3 h) [queues]:
 ##PBS -A <project>
