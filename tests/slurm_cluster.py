@@ -13,9 +13,10 @@ loopback fails as on a real cluster. slurmctld and munged run on this machine (t
 address), as on a head node; clients (sbatch, scontrol) reach slurmctld there.
 
 Everything else lives under one temporary folder: munged with its own key and socket, the
-configuration, spool folders. Names and the subnet are picked per cluster, so several clusters can
-run side by side. `stop()` ends exactly what it started (by pid and namespace), also after a
-failure.
+configuration, spool folders; with `qos_preemption`, a MariaDB on loopback and slurmdbd beside
+slurmctld, for accounting and its QOS. Names and the subnet are picked per cluster, so several
+clusters can run side by side. `stop()` ends exactly what it started (by pid and namespace),
+also after a failure.
 """
 
 from __future__ import annotations
@@ -73,11 +74,20 @@ class SlurmCluster:
         "PREEMPTED",
     )
 
-    def __init__(self, root: Path, cluster_mode: str = "REQUEUE", partition_mode: str = "REQUEUE"):
+    def __init__(
+        self,
+        root: Path,
+        cluster_mode: str = "REQUEUE",
+        partition_mode: str = "REQUEUE",
+        qos_preemption: bool = False,
+    ):
         """`cluster_mode`, `partition_mode`: the cluster's PreemptMode, and the "debug"
-        partition's own ("": none, so it shows the cluster's)."""
+        partition's own ("": none, so it shows the cluster's). `qos_preemption`: accounting
+        (slurmdbd on a MariaDB of its own) with QOS "scavenger" (PreemptMode=requeue, 60 s of
+        grace), which "urgent" preempts, under PreemptType=preempt/qos."""
         self.root = Path(root)
         self.cluster_mode, self.partition_mode = cluster_mode, partition_mode
+        self.qos_preemption = qos_preemption
         self.procs: list[subprocess.Popen] = []
         self.munge_pid_file = self.root / "munge" / "munged.pid"
         self.conf = self.root / "slurm.conf"
@@ -158,11 +168,13 @@ class SlurmCluster:
         self._make_network()
         self._write_conf()
         env = self.env()
+        if self.qos_preemption:
+            self._start_accounting(env)
         for node in NODES:
             (self.root / "spool" / node).mkdir(parents=True)
         (self.root / "state").mkdir()
         log = self.root / "log"
-        log.mkdir()
+        log.mkdir(exist_ok=True)
         # -D: stay in the foreground, so the Popen object
         # is the daemon and stop() can end it by pid.
         self.procs.append(
@@ -208,6 +220,17 @@ class SlurmCluster:
         ports = {node: free_port() for node in NODES}
         root, nodes = self.root, ",".join(NODES)
         debug_mode = f"PreemptMode={self.partition_mode}" if self.partition_mode else ""
+        preemption = (
+            "PreemptType=preempt/partition_prio\nAccountingStorageType=accounting_storage/none"
+        )
+        if self.qos_preemption:
+            self.dbd_port = free_port()
+            preemption = (
+                "PreemptType=preempt/qos\nAccountingStorageType=accounting_storage/slurmdbd\n"
+                f"AccountingStorageHost={self.head_address}\nAccountingStoragePort={self.dbd_port}\n"
+                # for slurmdbd, the munge socket to authenticate with (slurm.conf(5))
+                f"AccountingStoragePass={self.socket}"
+            )
         node_lines = "\n".join(
             f"NodeName={node} NodeHostname={node} NodeAddr={self.address[node]} Port={port} "
             f"CPUs={CPUS_PER_NODE} RealMemory=1000 State=UNKNOWN"
@@ -236,7 +259,6 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MpiDefault=none
 SwitchType=switch/none
@@ -249,7 +271,7 @@ MinJobAge=600
 # Preemption as sites set it up: a job of the higher tier ("urgent") preempts those of "debug",
 # which get SIGTERM and GraceTime seconds to save, then are requeued. "debug" has a mode of its
 # own, or none: then it shows the cluster's (partition_info.c), such as GANG,REQUEUE.
-PreemptType=preempt/partition_prio
+{preemption}
 PreemptMode={self.cluster_mode}
 PartitionName=debug Nodes={nodes} Default=YES PriorityTier=1 GraceTime=60 {debug_mode}
 PartitionName=urgent Nodes={nodes} PriorityTier=2 PreemptMode=OFF
@@ -266,6 +288,80 @@ PartitionName=urgent Nodes={nodes} PriorityTier=2 PreemptMode=OFF
             (conf.parent / "mpi.conf").write_text(
                 f"PMIxCliTmpDirBase={self.root / 'pmix' / node}\n"
             )
+
+    def _start_accounting(self, env: dict[str, str]) -> None:
+        """MariaDB on loopback in a folder of the cluster's, slurmdbd on the head's address, and
+        the QOS the preemption needs (sacctmgr)."""
+        db, log = self.root / "mariadb", self.root / "log"
+        log.mkdir(exist_ok=True)
+        subprocess.run(
+            ["mariadb-install-db", "--no-defaults", f"--datadir={db}", "--user=root"]
+            + ["--auth-root-authentication-method=normal", "--skip-test-db"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        port, socket_path = free_port(), self.root / "mariadb.sock"
+        self.procs.append(
+            subprocess.Popen(
+                ["mariadbd", "--no-defaults", f"--datadir={db}", f"--socket={socket_path}"]
+                + ["--bind-address=127.0.0.1", f"--port={port}", "--user=root"],
+                stdout=open(log / "mariadbd.out", "w"),
+                stderr=subprocess.STDOUT,
+            )
+        )
+        grant = "CREATE USER 'slurm'@'127.0.0.1'; GRANT ALL ON *.* TO 'slurm'@'127.0.0.1';"
+        self._until(
+            lambda: (
+                subprocess.run(
+                    ["mariadb", "--no-defaults", f"--socket={socket_path}", "-uroot", "-e", grant],
+                    capture_output=True,
+                ).returncode
+                == 0
+            ),
+            "MariaDB",
+        )
+        dbd_conf = self.root / "slurmdbd.conf"
+        dbd_conf.write_text(
+            f"AuthType=auth/munge\nAuthInfo=socket={self.socket}\nDbdHost=localhost\n"
+            f"DbdAddr={self.head_address}\nDbdPort={self.dbd_port}\nSlurmUser=root\n"
+            f"PidFile={self.root}/slurmdbd.pid\nLogFile={log}/slurmdbd.log\n"
+            "StorageType=accounting_storage/mysql\nStorageHost=127.0.0.1\n"
+            f"StoragePort={port}\nStorageUser=slurm\nStorageLoc=slurm_acct_db\n"
+        )
+        dbd_conf.chmod(0o600)
+        self.procs.append(
+            subprocess.Popen(
+                ["slurmdbd", "-D"],  # reads slurmdbd.conf beside SLURM_CONF's slurm.conf
+                env=env,
+                stdout=open(log / "slurmdbd.out", "w"),
+                stderr=subprocess.STDOUT,
+            )
+        )
+        sacctmgr = ["sacctmgr", "-i"]
+        self._until(
+            lambda: (
+                subprocess.run(
+                    [*sacctmgr, "add", "cluster", "testcluster"], env=env, capture_output=True
+                ).returncode
+                == 0
+            ),
+            "slurmdbd",
+        )
+        for command in (
+            ["add", "account", "test", "Cluster=testcluster"],
+            ["add", "qos", "scavenger", "PreemptMode=requeue", "GraceTime=60"],
+            ["add", "qos", "urgent", "Preempt=scavenger"],
+            ["add", "user", "root", "Account=test", "QOS=normal,scavenger,urgent"],
+        ):
+            subprocess.run([*sacctmgr, *command], env=env, check=True, capture_output=True)
+
+    def _until(self, ready, what: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start:\n{self.logs()}")
+            time.sleep(0.5)
 
     # -- jobs ---------------------------------------------------------------------------------
     def sbatch(self, args: list[str], env: dict[str, str], cwd: Path) -> str:

@@ -23,7 +23,7 @@ atexit.register(
     lambda: (Path(os.environ["EXIT_PROBE_DIR"]) / f"atexit.{_RANK}").write_text("ran\\n")
 )
 """
-ANCHOR = "from common.report import parameter_checksum, write_summary\n"
+ANCHOR = "from common.report import parameter_checksum, run_record, write_summary\n"
 
 
 def copied_lesson(tmp_path: Path, ending: str = "") -> Path:

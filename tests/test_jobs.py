@@ -480,14 +480,14 @@ def restarts(cluster, job_id: str) -> int:
     return int(re.search(r"Restarts=(\d+)", shown).group(1))
 
 
-def submit_preempt_job(cluster, tmp_path, name, train_args=PREEMPT_ARGS, **extra):
-    """05's preempt.py under job file `name`, on one CPU a node; returns (job id, run dir, log)
-    once its first checkpoint exists."""
+def submit_preempt_job(cluster, tmp_path, name, train_args=PREEMPT_ARGS, sbatch=(), **extra):
+    """05's preempt.py under job file `name`, on one CPU a node, with `sbatch`'s options too;
+    returns (job id, run dir, log) once its first checkpoint exists."""
     run_dir, log = tmp_path / "run", tmp_path / "out"
     env = clean_env(
         PYTHON=PYTHON, GPUS_PER_NODE="1", RUN_DIR=str(run_dir), TRAIN_ARGS=train_args, **extra
     )
-    job = cluster.sbatch(["-o", str(log), *SBATCH_SMALL, f"jobs/{name}"], env, REPO)
+    job = cluster.sbatch(["-o", str(log), *SBATCH_SMALL, *sbatch, f"jobs/{name}"], env, REPO)
     deadline = time.monotonic() + 180
     while not (run_dir / "checkpoints" / "latest").exists():
         assert time.monotonic() < deadline and cluster.job_state(job)[0] in (
@@ -531,10 +531,13 @@ def test_scancel_ends_the_job_for_good(cluster, tmp_path, name):
     assert "SIGTERM to the batch shell" in output
 
 
-def preempted_and_resumed(cluster, tmp_path, name, uninterrupted) -> str:
-    """A real preemption: a job of the higher-tier partition ("urgent", every CPU of both nodes)
-    preempts the running one, whose ranks save on the SIGTERM. Asserts it was requeued once,
-    resumed from that save and ended as the uninterrupted run; returns its log."""
+def preempted_and_resumed(
+    cluster, tmp_path, name, uninterrupted, qos=(), urgent=("-p", "urgent")
+) -> str:
+    """A real preemption: an urgent job (the higher-tier partition, or `urgent`'s options; every
+    CPU of both nodes) preempts the running one (submitted with `qos`), whose ranks save on the
+    SIGTERM. Asserts it was requeued once, resumed from that save and ended as the
+    uninterrupted run; returns its log."""
     # 20 ms a sample (tests/inject) until the save: some 2 minutes of training, so that the
     # preemption, which Slurm starts seconds after the urgent job's submission (more on a loaded
     # machine), comes mid-run; the requeued run goes at full speed. A time format of the user's
@@ -547,9 +550,9 @@ def preempted_and_resumed(cluster, tmp_path, name, uninterrupted) -> str:
         DDP_TEST_SLOW_WHILE=str(slow_flag),
         SLURM_TIME_FORMAT="%a %T",
     )
-    job, run_dir, log = submit_preempt_job(cluster, tmp_path, name, **slow)
+    job, run_dir, log = submit_preempt_job(cluster, tmp_path, name, sbatch=qos, **slow)
     urgent = cluster.sbatch(
-        ["-p", "urgent", "-N2", "--ntasks-per-node=2", "--cpus-per-task=1"]
+        [*urgent, "-N2", "--ntasks-per-node=2", "--cpus-per-task=1"]
         + ["-o", str(tmp_path / "urgent.out"), "--wrap", "sleep 1"],
         clean_env(),
         REPO,
@@ -608,6 +611,35 @@ def test_a_combined_preempt_mode_requeues_and_resumes_bitwise(
     assert (
         "SIGTERM to the batch shell" in output
         or "preempted, preempt mode GANG,REQUEUE (the partition's)" in output
+    ), output[-3000:]
+
+
+@pytest.fixture(scope="module")
+def qos_cluster(tmp_path_factory):
+    """A third cluster, with accounting (slurmdbd on a MariaDB of its own) and
+    PreemptType=preempt/qos: the QOS "scavenger" (PreemptMode=requeue), which "urgent" preempts.
+    The partition's mode and the cluster's (REQUEUE) play no part."""
+    need_root("a test Slurm cluster (slurmd)")
+    need_tools(*SLURM_TOOLS, "slurmdbd", "sacctmgr", "mariadbd", "mariadb-install-db")
+    root = tmp_path_factory.mktemp("slurm_qos")
+    with SlurmCluster(root, partition_mode="CANCEL", qos_preemption=True) as c:
+        yield c
+
+
+def test_a_qos_preempt_mode_requeues_and_resumes_bitwise(qos_cluster, uninterrupted, tmp_path):
+    """Under preempt/qos the job's mode is its QOS's: requeue, while its partition shows CANCEL,
+    which the old job files read (and so never requeued)."""
+    output = preempted_and_resumed(
+        qos_cluster,
+        tmp_path,
+        "slurm_srun.sbatch",
+        uninterrupted,
+        qos=["--qos=scavenger"],
+        urgent=["--qos=urgent"],
+    )
+    said = r"preempted, preempt mode REQUEUE \(the QOS's\)$"
+    assert re.search(
+        rf"^requeueing job \d+ \(exit code \d+; SIGTERM at step \d+\): {said}", output, re.M
     ), output[-3000:]
 
 
@@ -803,7 +835,9 @@ def test_pbs_deadline_saves_resubmits_and_the_next_job_resumes_bitwise(
         re.search(r"^time limit: checkpoint at step (\d+) saved", first.stdout, re.M).group(1)
     )
     assert server.jobs() == [first_id, "4324.pbs01"], first.output[-3000:]
-    after = server.job("4324.pbs01")
+    before, after = server.job(first_id), server.job("4324.pbs01")
+    kept = ("Account_Name", "queue", "Resource_List.walltime", "Resource_List.filesystems")
+    assert {k: after["attributes"][k] for k in kept} == {k: before["attributes"][k] for k in kept}
     assert after["attributes"]["depend"] == f"depend=afterany:{first_id}"
     assert after["variables"]["RESTART_COUNT"] == "1"
     # The next job: PBS's variables for it, no rendezvous of the first job's (the second derives
