@@ -137,6 +137,15 @@ def _keyword_in(expression, node) -> bool:
     return any(sub is node for sub in ast.walk(expression))
 
 
+def _is_minus_one(node) -> bool:
+    return (
+        isinstance(node, ast.UnaryOp)
+        and isinstance(node.op, ast.USub)
+        and isinstance(node.operand, ast.Constant)
+        and node.operand.value == 1
+    )
+
+
 def _is_constant(node, value) -> bool:
     return isinstance(node, ast.Constant) and node.value is value
 
@@ -170,7 +179,7 @@ class Source:
                 for item in node.names:
                     self.aliases[item.asname or item.name] = f"{node.module}.{item.name}"
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                self.functions.setdefault(node.name, []).append(node)
+                self.functions.setdefault(self.key(node), []).append(node)
 
     def dotted(self, node) -> str:
         """The full name an expression stands for: `dist.barrier` -> torch.distributed.barrier."""
@@ -180,15 +189,24 @@ class Source:
             return f"{self.dotted(node.value)}.{node.attr}"
         return ""
 
+    def key(self, function) -> str:
+        """How calls name a function of the file: `save` for a function, `.save` for a method
+        (a class's), which only an attribute call (`self.save()`, `trainer.save()`) reaches."""
+        method = isinstance(self.parent.get(function), ast.ClassDef)
+        return f".{function.name}" if method else function.name
+
     def local_name(self, call: ast.Call) -> str | None:
-        """The name of a function of the user's own a call may reach: `save(...)`,
-        `self.save(...)`; None for a library's (`torch.save`)."""
+        """The key (Source.key) of a function of the user's own a call may reach: `save(...)`,
+        `self.save(...)` (a method: `.save`); None for a library's (`torch.save`)."""
         root = call.func
         while isinstance(root, ast.Attribute):
             root = root.value
         if isinstance(root, ast.Name) and root.id in self.aliases:
             return None
-        return _call_name(call) or None
+        name = _call_name(call)
+        if not name:
+            return None
+        return f".{name}" if isinstance(call.func, ast.Attribute) else name
 
     def calls(self):
         return [node for node in ast.walk(self.tree) if isinstance(node, ast.Call)]
@@ -225,6 +243,10 @@ class Linter:
         self.collective_functions = self._functions_that(self._is_collective)
         self.training_functions = self._functions_that(self._is_collective_or_backward)
 
+    def key(self, function) -> str:
+        source = next(s for s in self.sources if function in s.parent)
+        return source.key(function)
+
     def add(self, source: Source, node, kind: str, message: str):
         self.findings.add(Finding(source.path, node.lineno, kind, message))
 
@@ -251,6 +273,10 @@ class Linter:
             key = node.slice
             return isinstance(key, ast.Constant) and key.value in RANK_VARIABLES
         if isinstance(node, ast.Compare):
+            # `rank != -1`, `local_rank == -1`: whether the process is in a DDP run at all,
+            # the same on every rank (the launchers set the rank, -1 is a default)
+            if any(_is_minus_one(n) for n in [node.left, *node.comparators]):
+                return False
             return any(self.rank_valued(n) for n in [node.left, *node.comparators])
         if isinstance(node, ast.BoolOp):
             return any(self.rank_valued(v) for v in node.values)
@@ -419,6 +445,8 @@ class Linter:
                 "the interpreter's exit (a warning, or an abort)",
             )
         for source, call in named.get("DataParallel", []):
+            if "DistributedDataParallel" in named and source.enclosing(call, (ast.If, ast.IfExp)):
+                continue  # a branch beside the DDP wrap: the script's mode without DDP
             self.add(
                 source,
                 call,
@@ -446,8 +474,20 @@ class Linter:
             if isinstance(source.parent.get(call), ast.Assign)
             for target in source.parent[call].targets
         }
+        self.guarded_barriers: dict[tuple, list] = {}
         for source in self.sources:
             _Walk(self, source).statements(source.tree.body, _Context())
+        for (source, _), barriers in self.guarded_barriers.items():
+            if len({id(guard) for _, guard in barriers}) > 1:
+                continue  # barriers under two branches on the rank: paired, silent
+            for call, guard in barriers:
+                self.add(
+                    source,
+                    call,
+                    "collective-in-rank-branch",
+                    f"{source.dotted(call.func)}() inside a branch on the rank (line "
+                    f"{guard.lineno}): the other ranks never call it, and wait",
+                )
         self._check_writes()
         self._check_loaders(named)
         self._check_seed(named)
@@ -489,7 +529,7 @@ class Linter:
             for name in self.functions:
                 sites = [(g, f) for called, g, f in self.function_calls if called == name]
                 if name not in guarded_only and sites:
-                    if all(g or (f is not None and f.name in guarded_only) for g, f in sites):
+                    if all(g or (f is not None and self.key(f) in guarded_only) for g, f in sites):
                         guarded_only.add(name)
                         changed = True
         called = {name for name, _, _ in self.function_calls}
@@ -503,9 +543,9 @@ class Linter:
         for source, call, context, function in self.writes:
             if source.path not in training_files:
                 continue
-            if context.write_guard or (function is not None and function.name in guarded_only):
+            if context.write_guard or (function is not None and self.key(function) in guarded_only):
                 continue
-            if function is not None and function.name not in called:
+            if function is not None and self.key(function) not in called:
                 continue  # called from files not read here: cannot tell
             self.add(
                 source,
@@ -895,6 +935,12 @@ class _Walk:
                     f"a forward of the sharded (FSDP2) model {call.func.id} inside a branch on the "
                     f"rank (line {context.guard.lineno}): each forward all-gathers the parameters, "
                     "a collective the other ranks never make; run it on every rank",
+                )
+            elif linter._is_collective(source, call) and name == "barrier":
+                # torch_distributed_zero_first: some ranks wait before the work, the others after
+                # it, each rank once; decided once the whole function is read (run)
+                linter.guarded_barriers.setdefault((source, function), []).append(
+                    (call, context.guard)
                 )
             elif linter._is_collective(source, call):
                 linter.add(

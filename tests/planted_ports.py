@@ -13,6 +13,7 @@ from pathlib import Path
 CORPUS = Path(__file__).parent / "doctor_corpus"
 CORRECT_PORT = CORPUS / "correct_port.py"
 NO_SET_EPOCH = ("        sampler.set_epoch(epoch)\n", "")
+SAVE = "    if rank == 0:\n        torch.save("
 
 # name: (what is planted, the docstring; [(text of the correct port, what replaces it), ...])
 EDITS: dict[str, tuple[str, list[tuple[str, str]]]] = {
@@ -198,6 +199,63 @@ EDITS: dict[str, tuple[str, list[tuple[str, str]]]] = {
             NO_SET_EPOCH,
         ],
     ),
+    # Correct twins of patterns public scripts have, which lint once took for mistakes, and the
+    # planted mistake each stands beside.
+    "barrier_on_rank_0": (
+        "a barrier that rank 0 alone calls.",
+        [
+            (
+                SAVE,
+                "    if rank == 0:\n        dist.barrier()  # planted: collective-in-rank-branch\n"
+                "        torch.save(",
+            )
+        ],
+    ),
+    "ddp_flag_branch": (
+        "a barrier under `ddp = RANK != -1`, true on every rank of a DDP run.",
+        [
+            (
+                SAVE,
+                '    ddp = int(os.environ.get("RANK", -1)) != -1\n    if ddp:\n'
+                "        dist.barrier()\n" + SAVE,
+            )
+        ],
+    ),
+    "paired_barriers": (
+        "torch_distributed_zero_first: the other ranks wait before the data, rank 0 after it.",
+        [
+            (
+                "    dataset = make_data(96)\n",
+                "    if rank != 0:\n        dist.barrier()\n    dataset = make_data(96)\n"
+                "    if rank == 0:\n        dist.barrier()\n",
+            )
+        ],
+    ),
+    "method_named_like_a_function": (
+        "rank 0 calls hooks.sync(), a method that prints; the module's sync() is a barrier.",
+        [
+            (
+                "\n\ndef main():\n",
+                '\n\nclass Hooks:\n    def sync(self):\n        print("synced", flush=True)\n\n\n'
+                "def sync():\n    dist.barrier()\n\n\ndef main():\n",
+            ),
+            (
+                SAVE,
+                "    sync()\n    hooks = Hooks()\n    if rank == 0:\n        hooks.sync()\n"
+                "        torch.save(",
+            ),
+        ],
+    ),
+    "data_parallel_without_ddp": (
+        "nn.DataParallel in the branch that runs without a process group, beside the DDP wrap.",
+        [
+            (
+                "    model = DDP(model)\n",
+                "    if world_size > 1:\n        model = DDP(model)\n"
+                "    elif torch.cuda.device_count() > 1:\n        model = nn.DataParallel(model)\n",
+            )
+        ],
+    ),
 }
 
 NAMES = sorted([path.stem for path in CORPUS.glob("*.py")] + list(EDITS))
@@ -209,7 +267,8 @@ def write(name: str, folder: Path) -> Path:
         return CORPUS / f"{name}.py"
     planted, edits = EDITS[name]
     lines = CORRECT_PORT.read_text().split("\n", 1)
-    text = f'"""Planted: {planted}"""\n' + lines[1]
+    what = "Planted" if any("# planted:" in new for _, new in edits) else "Correct"
+    text = f'"""{what}: {planted}"""\n' + lines[1]
     for old, new in edits:
         assert text.count(old) == 1, f"{name}: {old!r} is not once in {CORRECT_PORT.name}"
         text = text.replace(old, new)
