@@ -216,7 +216,7 @@ def test_run_reports_a_hang_with_each_ranks_place(tmp_path):
         "--steps",
         "6",
         "--deadline",
-        "40",  # under a loaded CI machine, 15 s once ended before the ranks' first steps
+        "40",  # on a loaded CI machine, 15 s once ended with the ranks still in DDP(...)
         "--batch-flag",
         "none",
         "--",
